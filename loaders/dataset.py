@@ -1,0 +1,87 @@
+"""`MMapDataset`: map-style, zero-copy access to a dataset dir (its iterable twin is in
+`loaders.iterable`).
+
+`ds[i]` is a dict of tensors that share memory with the mapped files: `torch.from_numpy` over
+copy-on-write maps, so there is no copy and no non-writable warning. Pickles as its path; each
+DataLoader worker re-maps lazily and shares the page cache with every other process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from packer.format import Column, Manifest
+from packer.reader import DatasetReader
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+class MMapDataset(torch.utils.data.Dataset):
+    """A packed dataset dir as a map-style dataset.
+
+    Args:
+        root: the dataset dir written by `packer build`.
+        columns: the columns to return (default: all).
+    """
+
+    def __init__(self, root: str | Path, *, columns: list[str] | None = None):
+        self.root = Path(root)
+        self._reader: DatasetReader | None = DatasetReader(self.root)
+        names = [c.name for c in self._reader.manifest.columns]
+        unknown = sorted(set(columns or ()) - set(names))
+        if unknown:
+            raise KeyError(f"{self.root}: no column(s) {', '.join(unknown)}; columns are {', '.join(names)}")
+        self._names = list(columns) if columns else names
+
+    @property
+    def reader(self) -> DatasetReader:
+        if self._reader is None:  # first use after unpickling in a worker
+            self._reader = DatasetReader(self.root)
+        return self._reader
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.reader.manifest
+
+    @property
+    def columns(self) -> dict[str, Column]:
+        return {c.name: c for c in self.manifest.columns if c.name in self._names}
+
+    @property
+    def classes(self) -> list[str] | None:
+        classes = self.manifest.classes
+        return list(classes) if classes is not None else None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, index: int) -> dict:
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"MMapDataset indices must be integers, not {type(index).__name__}")
+        shard, row = self.reader.locate(int(index))
+        out = {}
+        for name in self._names:
+            col = self.manifest.column(name)
+            value = self.reader.column(shard, name).sample(row)
+            if col.encoding:
+                out[name] = bytes(value).decode(col.encoding)
+            elif value.ndim == 0:  # a scalar column: a 0-d view, not a numpy scalar copy
+                arrays = self.reader.column(shard, name)
+                out[name] = _tensor(arrays.values[row : row + 1]).view(())
+            else:
+                out[name] = _tensor(value)
+        return out
+
+    def __getstate__(self) -> dict:
+        return {"root": str(self.root), "names": self._names}
+
+    def __setstate__(self, state: dict) -> None:
+        self.root, self._names, self._reader = Path(state["root"]), state["names"], None
+
+    def __repr__(self) -> str:
+        return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"

@@ -1,0 +1,25 @@
+"""mmpack's offline packer: raw images and text -> memory-mapped numpy shards + a manifest.
+
+Never imports torch. `loaders` reads what this writes, through `packer.reader`; names are
+imported lazily so that reading does not pull in Pillow, tokenizers or pyarrow.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "BuildConfig": "build", "build": "build", "verify": "verify",
+    "DatasetReader": "reader", "load_manifest": "reader",
+    "MmpackError": "errors", "ConfigError": "errors", "SourceError": "errors",
+    "ManifestError": "errors", "IntegrityError": "errors",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module 'packer' has no attribute {name!r}")

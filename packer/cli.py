@@ -1,0 +1,194 @@
+"""`packer` command line: argparse into BuildConfig, one-line errors, exit codes; no logic.
+
+Exit codes: 0 ok, 1 `verify` found damage, 2 a user error (bad input, options, OUT), 130 ^C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from . import format as fmt
+from .build import BuildConfig, build, parse_shard_size
+from .errors import ConfigError, IntegrityError, MmpackError
+from .reader import DatasetReader
+from .verify import verify
+
+SKIPS_SHOWN = 10
+
+
+def show_progress() -> bool:
+    """Bars only for a person at a terminal: not under CI, not into a pipe or file."""
+    return sys.stderr.isatty() and not os.environ.get("CI")
+
+
+class ProgressBar:
+    """A tqdm bar counting records when show_progress(), else silent."""
+
+    def __init__(self, desc: str, enabled: bool):
+        self.desc, self.enabled, self.bar = desc, enabled and show_progress(), None
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        if self.bar is None:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=self.desc, unit="rec", dynamic_ncols=True, leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="packer", description="Pack raw images and text into memory-mapped shards.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build a dataset dir from RAW")
+    b.add_argument("raw", type=Path, help="input folder")
+    b.add_argument("out", type=Path, help="dataset dir to create")
+    b.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
+    b.add_argument("--image-size", default="224", help="shorter side resized to S, centre-cropped SxS; 'keep' for own sizes")
+    b.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer.json (required for text and pairs)")
+    b.add_argument("--text-key", default="text", help="JSONL key / Parquet column holding the text")
+    b.add_argument("--append-eos", nargs="?", const="auto", default=None, metavar="ID",
+                   help="append the tokenizer's end token (or token ID) to each document")
+    b.add_argument("--special-tokens", action="store_true", help="let the tokenizer add its special tokens ([CLS] ...)")
+    b.add_argument("--shard-size", default="256MB", help="rows per shard (1000) or bytes (256MB); default 256MB")
+    b.add_argument("--overwrite", action="store_true", help="rebuild over an existing dataset dir")
+    b.add_argument("--strict", action="store_true", help="fail the build on any skipped record")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no skip list")
+
+    i = sub.add_parser("info", help="describe a dataset dir")
+    i.add_argument("out", type=Path)
+    i.add_argument("--json", action="store_true", help="print the figures as JSON")
+    i.add_argument("--skipped", action="store_true", help="list every skipped record with its reason")
+
+    v = sub.add_parser("verify", help="re-hash and check every file of a dataset dir")
+    v.add_argument("out", type=Path)
+    return p
+
+
+def _config(args: argparse.Namespace) -> BuildConfig:
+    if args.image_size == "keep":
+        size = None
+    else:
+        try:
+            size = int(args.image_size)
+        except ValueError:
+            raise ConfigError(f"--image-size: {args.image_size!r} is neither a number nor 'keep'") from None
+    rows, nbytes = parse_shard_size(args.shard_size)
+    return BuildConfig(
+        raw=args.raw, out=args.out, kind=args.kind, image_size=size, tokenizer=args.tokenizer,
+        text_key=args.text_key, append_eos=args.append_eos, special_tokens=args.special_tokens,
+        shard_rows=rows, shard_bytes=nbytes, overwrite=args.overwrite, strict=args.strict,
+    )
+
+
+def _cmd_build(args) -> int:
+    config = _config(args)
+    bar = ProgressBar("packing", enabled=not args.quiet)
+    started = time.perf_counter()
+    try:
+        manifest = build(config, on_progress=bar)
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - started
+    c = manifest.counts
+    if not args.quiet:
+        for skip in manifest.skipped[:SKIPS_SHOWN]:
+            print(f"skipped {skip.key}: {skip.reason}")
+        if len(manifest.skipped) > SKIPS_SHOWN:
+            print(f"... and {len(manifest.skipped) - SKIPS_SHOWN} more (packer info {config.out} --skipped)")
+    print(
+        f"found {c['found']} = packed {c['packed']} + skipped {c['skipped']}; "
+        f"{len(manifest.shards)} shards, {_human_bytes(manifest.size_bytes)} in {seconds:.1f} s "
+        f"({c['packed'] / max(seconds, 1e-9):,.0f} samples/s) -> {config.out}"
+    )
+    return 0
+
+
+def info_dict(root: Path) -> dict:
+    reader = DatasetReader(root)
+    m = reader.manifest
+    return {
+        "path": str(root),
+        "format": f"{fmt.FORMAT_NAME} {m.version}",
+        "kind": m.kind,
+        "num_samples": m.num_samples,
+        "num_shards": len(m.shards),
+        "size_bytes": m.size_bytes,
+        "columns": {c.name: {"dtype": c.dtype, "shape": list(c.shape), "ragged": c.ragged} for c in m.columns},
+        "classes": list(m.classes) if m.classes is not None else None,
+        "counts": m.counts,
+        "tokenizer": m.tokenizer,
+    }
+
+
+def _cmd_info(args) -> int:
+    d = info_dict(args.out)
+    if args.json:
+        print(json.dumps(d, indent=1))
+        return 0
+    cols = "; ".join(f"{n} {c['dtype']} {tuple(c['shape'])}" for n, c in d["columns"].items())
+    print(f"dataset   {d['path']} ({d['format']}, kind {d['kind']})")
+    print(f"samples   {d['num_samples']:,} in {d['num_shards']} shards, {_human_bytes(d['size_bytes'])}")
+    print(f"columns   {cols}")
+    if d["classes"] is not None:
+        shown = ", ".join(d["classes"][:10]) + (" ..." if len(d["classes"]) > 10 else "")
+        print(f"classes   {len(d['classes'])}: {shown}")
+    if d["tokenizer"]:
+        t = d["tokenizer"]
+        print(f"tokenizer {t['path']} (sha256 {t['sha256'][:12]}, vocab {t['vocab_size']:,}, {t['dtype']}, eos {t['eos_id']})")
+    c = d["counts"]
+    print(f"records   found {c['found']:,} = packed {c['packed']:,} + skipped {c['skipped']:,}")
+    if args.skipped:
+        for skip in DatasetReader(args.out).manifest.skipped:
+            print(f"skipped   {skip.key} [{skip.stage}]: {skip.reason}")
+    return 0
+
+
+def _cmd_verify(args) -> int:
+    bar = ProgressBar("verifying", enabled=True)
+    try:
+        result = verify(args.out, on_progress=bar)
+    except IntegrityError as exc:
+        bar.close()
+        print(f"packer verify: FAILED: {exc}", file=sys.stderr)
+        return 1
+    bar.close()
+    print(f"ok: {result['files']} files, {_human_bytes(result['size_bytes'])}, {result['num_samples']:,} samples verified")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"build": _cmd_build, "info": _cmd_info, "verify": _cmd_verify}[args.command](args)
+    except MmpackError as exc:
+        print(f"packer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # disk full, permissions: the environment, not a bug
+        print(f"packer {args.command}: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"packer {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

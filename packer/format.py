@@ -1,0 +1,223 @@
+"""The on-disk contract of an mmpack dataset dir, and nothing else (prose twin: FORMAT.md).
+
+Owns the format name and version, the file-name rule, the manifest schema (frozen dataclasses,
+JSON in and out; never pickle), the fixed-length NPY header the writer streams under, and dtype
+choices. `packer.writer` and `packer.reader` both go through this module.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import ManifestError
+
+# -- 1. Identity and versioning ------------------------------------------------------------
+FORMAT_NAME = "mmpack"
+FORMAT_VERSION = (1, 0)  # (major, minor): minor bumps are additive, a new major is refused.
+
+# -- 2. Directory layout and the file-name rule ---------------------------------------------
+MANIFEST_NAME = "manifest.json"
+STAGING_DIR = ".staging"
+KINDS = ("images", "pairs", "text")
+
+
+def shard_dir_name(shard_index: int) -> str:
+    """Shard k lives in `shard-{k:05d}/`; the name depends on the shard index only."""
+    return f"shard-{shard_index:05d}"
+
+
+def column_file_names(column: Column) -> dict[str, str]:
+    """Files of one column inside a shard dir, by part: values, and for ragged columns offsets
+    (and shapes when a sample has more than one dimension)."""
+    names = {"values": f"{column.name}.npy"}
+    if column.ragged:
+        names["offsets"] = f"{column.name}.offsets.npy"
+        if len(column.shape) > 1:
+            names["shapes"] = f"{column.name}.shapes.npy"
+    return names
+
+
+# -- 3. Column files: NPY v1.0 with a fixed-length header -----------------------------------
+NPY_HEADER_BYTES = 128  # magic(6) + version(2) + header_len(2) + dict padded with spaces + "\n"
+NPY_MAGIC = b"\x93NUMPY\x01\x00"
+OFFSETS_DTYPE = "<i8"
+SHAPES_DTYPE = "<i8"
+
+
+def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """A standard NPY 1.0 header padded to exactly NPY_HEADER_BYTES, so a writer can stream rows
+    behind a placeholder and rewrite the header in place once the row count is known."""
+    descr = np.dtype(dtype).str
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, tuple(shape))
+    body_len = NPY_HEADER_BYTES - len(NPY_MAGIC) - 2
+    if len(text) + 1 > body_len:
+        raise ValueError(f"NPY header for shape {shape} does not fit {NPY_HEADER_BYTES} bytes")
+    body = text.ljust(body_len - 1).encode("latin1") + b"\n"
+    return NPY_MAGIC + body_len.to_bytes(2, "little") + body
+
+
+def parse_npy_header(raw: bytes) -> tuple[str, tuple[int, ...]]:
+    """(dtype str, shape) of a header written by npy_header; ValueError when it is not one."""
+    if len(raw) < NPY_HEADER_BYTES or raw[:8] != NPY_MAGIC:
+        raise ValueError("not an NPY 1.0 file")
+    body_len = int.from_bytes(raw[8:10], "little")
+    if body_len != NPY_HEADER_BYTES - 10:
+        raise ValueError(f"NPY header is {body_len + 10} bytes, expected {NPY_HEADER_BYTES}")
+    try:
+        header = ast.literal_eval(raw[10:NPY_HEADER_BYTES].decode("latin1").strip())
+        return np.dtype(header["descr"]).str, tuple(int(n) for n in header["shape"])
+    except (ValueError, SyntaxError, KeyError, TypeError) as exc:
+        raise ValueError(f"unreadable NPY header ({exc})") from None
+
+
+# -- 4. Dtype choices -----------------------------------------------------------------------
+def choose_token_dtype(vocab_size: int) -> str:
+    """uint16 when every id (0 .. vocab_size-1) fits, else uint32: half the bytes for the usual
+    30k-65k vocabularies."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    return "<u2" if vocab_size <= 1 << 16 else "<u4"
+
+
+# -- 5. Manifest schema ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Column:
+    """One column. `shape` is the per-sample shape; None marks a variable dimension, which makes
+    the column ragged (flat values plus int64 offsets). `encoding` = "utf-8" marks a string
+    column stored as bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | None, ...]
+    encoding: str | None = None
+
+    def __post_init__(self) -> None:
+        np.dtype(self.dtype)  # raises TypeError for a bad dtype string
+        object.__setattr__(self, "shape", tuple(self.shape))
+
+    @property
+    def ragged(self) -> bool:
+        return any(d is None for d in self.shape)
+
+    @property
+    def sample_nbytes(self) -> int | None:
+        """Bytes of one sample of a fixed-shape column; None for ragged columns."""
+        if self.ragged:
+            return None
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    path: str  # relative to the dataset dir, "/"-separated
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Shard:
+    index: int
+    num_samples: int
+    files: tuple[FileEntry, ...]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(f.size_bytes for f in self.files)
+
+
+@dataclass(frozen=True)
+class Skip:
+    """A record that was found but not packed, with the stage that refused it and why."""
+
+    key: str
+    stage: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    kind: str
+    columns: tuple[Column, ...]
+    shards: tuple[Shard, ...]
+    counts: dict[str, int]
+    skipped: tuple[Skip, ...] = ()
+    classes: tuple[str, ...] | None = None
+    tokenizer: dict[str, Any] | None = None
+    build: dict[str, Any] = field(default_factory=dict)
+    version: str = "%d.%d" % FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ManifestError(f"unknown dataset kind {self.kind!r}; expected one of {KINDS}")
+        if self.counts.get("found") != self.counts.get("packed", -1) + self.counts.get("skipped", -1):
+            raise ManifestError(f"counts do not add up: {self.counts}")
+        if self.counts["packed"] != self.num_samples:
+            raise ManifestError(
+                f"counts say {self.counts['packed']} packed, shards hold {self.num_samples}"
+            )
+
+    @property
+    def num_samples(self) -> int:
+        return sum(s.num_samples for s in self.shards)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(s.size_bytes for s in self.shards)
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(name)
+
+    def to_json(self) -> str:
+        doc = {"format": FORMAT_NAME, **asdict(self)}
+        return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str, *, where: str = "manifest") -> Manifest:
+        """Parse and validate; ManifestError naming `where` for anything off."""
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{where}: not an {FORMAT_NAME} manifest (no 'format': 'mmpack')")
+        check_version(str(doc.get("version", "")), where=where)
+        try:
+            return cls(
+                kind=doc["kind"],
+                columns=tuple(Column(**c) for c in doc["columns"]),
+                shards=tuple(
+                    Shard(s["index"], s["num_samples"], tuple(FileEntry(**f) for f in s["files"]))
+                    for s in doc["shards"]
+                ),
+                counts=dict(doc["counts"]),
+                skipped=tuple(Skip(**s) for s in doc.get("skipped", ())),
+                classes=tuple(doc["classes"]) if doc.get("classes") is not None else None,
+                tokenizer=doc.get("tokenizer"),
+                build=dict(doc.get("build", {})),
+                version=doc["version"],
+            )
+        except ManifestError as exc:
+            raise ManifestError(f"{where}: {exc}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+def check_version(version: str, *, where: str) -> None:
+    """Readers accept any minor of their own major; another major is refused, naming both."""
+    try:
+        major, _minor = (int(p) for p in version.split("."))
+    except ValueError:
+        raise ManifestError(f"{where}: unreadable format version {version!r}") from None
+    if major != FORMAT_VERSION[0]:
+        raise ManifestError(
+            f"{where}: format version {version} is not supported by this reader "
+            f"(reads {FORMAT_VERSION[0]}.x); use an mmpack release that reads {major}.x"
+        )

@@ -1,0 +1,79 @@
+"""Decodes one image file into an HxWx3 uint8 array: the image stage of a build.
+
+Policy (FORMAT.md, "Image pixels"): EXIF orientation applied; any mode becomes RGB, with
+16-bit and 32-bit integer data rescaled to 8 bits (never clipped); the shorter side resized to
+S with Pillow's antialiased bilinear filter, then a centre crop of S x S. JPEGs are decoded in
+draft mode at the smallest DCT scale that still leaves both sides >= S. Pillow's
+decompression-bomb warning is an error for that file.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .errors import SourceError
+
+RESAMPLE = Image.Resampling.BILINEAR
+
+
+def _to_rgb(img: Image.Image) -> Image.Image:
+    """Any Pillow mode to RGB. High-bit-depth data is scaled by its type's range: plain
+    convert("RGB") clips 16-bit values to 255, which turns most such images white."""
+    if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        data = np.asarray(img, dtype=np.int64)
+        if data.size and data.min() < 0:
+            raise SourceError(f"negative {img.mode} pixel values")
+        top = 65535 if img.mode.startswith("I;16") or data.max(initial=0) <= 65535 else (1 << 32) - 1
+        data = (data * 255 + top // 2) // top
+        img = Image.fromarray(data.astype(np.uint8), mode="L")
+    elif img.mode == "F":
+        data = np.nan_to_num(np.asarray(img, dtype=np.float64))
+        img = Image.fromarray(np.clip(np.rint(data), 0, 255).astype(np.uint8), mode="L")
+    return img if img.mode == "RGB" else img.convert("RGB")
+
+
+def resize_crop(img: Image.Image, size: int) -> Image.Image:
+    """Shorter side to `size` (rounded), then the centre size x size (left/top = floor)."""
+    w, h = img.size
+    scale = size / min(w, h)
+    new = (max(size, round(w * scale)), max(size, round(h * scale)))
+    if new != (w, h):
+        img = img.resize(new, RESAMPLE)
+    left, top = (new[0] - size) // 2, (new[1] - size) // 2
+    return img.crop((left, top, left + size, top + size))
+
+
+def decode_image(path, size: int | None) -> np.ndarray:
+    """HxWx3 uint8 pixels of one file (size x size when `size` is given).
+
+    Raises SourceError with a short reason for anything Pillow cannot decode cleanly.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # e.g. corrupt EXIF: the pixels still decode
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                if size is not None and img.format == "JPEG":
+                    img.draft("RGB", (size, size))
+                img = ImageOps.exif_transpose(img)
+                if img.width == 0 or img.height == 0:
+                    raise SourceError(f"empty image ({img.width}x{img.height})")
+                img = _to_rgb(img)
+                if size is not None:
+                    img = resize_crop(img, size)
+                return np.asarray(img, dtype=np.uint8)
+    except SourceError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise SourceError(f"decompression bomb ({exc})") from None
+    except Image.UnidentifiedImageError:
+        raise SourceError("not an image Pillow can identify") from None
+    except (OSError, ValueError, SyntaxError, EOFError, IndexError, TypeError, struct.error) as exc:
+        raise SourceError(f"cannot decode ({type(exc).__name__}: {exc})") from None
+    except MemoryError:
+        raise SourceError("cannot decode (out of memory: image too large)") from None
+

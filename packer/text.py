@@ -1,0 +1,194 @@
+"""The text stage of a build: documents streamed from raw files, and tokenization.
+
+Documents come from `.txt` (one per file), `.jsonl` (one per line, key `text` by default) and
+`.parquet` (one per row, read by record batch, never the whole file). Every line or row is
+either yielded as a document or as a Skip with its reason. Tokenizers are Hugging Face
+`tokenizer.json` files, with truncation and padding switched off so no document loses tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ConfigError, SourceError
+from .format import Skip, choose_token_dtype
+from .sources import Record
+
+PARQUET_BATCH_ROWS = 1024
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
+
+
+@dataclass(frozen=True)
+class Document:
+    key: str
+    text: str
+
+
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 4]!r})") from None
+
+
+def read_caption(path: Path) -> str:
+    """A caption from `<stem>.txt` (the whole file, stripped) or `<stem>.json` ({"caption": ...})."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise SourceError(f"caption unreadable ({exc.strerror})") from None
+    text = _utf8(raw)
+    if path.suffix.lower() == ".json":
+        try:
+            doc = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SourceError(f"caption is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("caption"), str):
+            raise SourceError('caption JSON has no string "caption" key')
+        text = doc["caption"]
+    text = text.strip()
+    if not text:
+        raise SourceError("empty caption")
+    return text
+
+
+def iter_documents(record: Record, text_key: str = "text") -> Iterator[Document | Skip]:
+    """Documents of one text file, in line / row order, or skips with reasons."""
+    ext = record.path.suffix.lower()
+    try:
+        if ext == ".txt":
+            yield _check(Document(record.key, _utf8(record.path.read_bytes())))
+        elif ext == ".jsonl":
+            yield from _iter_jsonl(record, text_key)
+        elif ext == ".parquet":
+            yield from _iter_parquet(record, text_key)
+        else:
+            yield Skip(record.key, "read", f"not a text file ({ext})")
+    except SourceError as exc:
+        yield Skip(record.key, "read", str(exc))
+    except OSError as exc:
+        yield Skip(record.key, "read", f"unreadable ({exc.strerror or exc})")
+
+
+def _check(doc: Document) -> Document | Skip:
+    return doc if doc.text.strip() else Skip(doc.key, "read", "empty document")
+
+
+def _iter_jsonl(record: Record, text_key: str) -> Iterator[Document | Skip]:
+    with open(record.path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            key = f"{record.key}:{number}"
+            try:
+                line = _utf8(raw)
+            except SourceError as exc:
+                yield Skip(key, "read", str(exc))
+                continue
+            if not line.strip():
+                yield Skip(key, "read", "blank line")
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield Skip(key, "read", f"invalid JSON ({exc.msg})")
+                continue
+            if not isinstance(obj, dict) or text_key not in obj:
+                yield Skip(key, "read", f"no {text_key!r} key")
+            elif not isinstance(obj[text_key], str):
+                yield Skip(key, "read", f"{text_key!r} is {type(obj[text_key]).__name__}, not a string")
+            else:
+                yield _check(Document(key, obj[text_key]))
+
+
+def _iter_parquet(record: Record, text_key: str) -> Iterator[Document | Skip]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pfile = pq.ParquetFile(record.path)
+    except (pa.ArrowException, OSError) as exc:
+        raise SourceError(f"not a readable Parquet file ({exc})") from None
+    if text_key not in pfile.schema_arrow.names:
+        raise SourceError(f"no {text_key!r} column (columns: {', '.join(pfile.schema_arrow.names)})")
+    row = 0
+    try:
+        for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+            for value in batch.column(0).to_pylist():
+                key = f"{record.key}:{row}"
+                row += 1
+                if not isinstance(value, str):
+                    yield Skip(key, "read", f"{text_key!r} is {type(value).__name__}, not a string")
+                else:
+                    yield _check(Document(key, value))
+    except pa.ArrowException as exc:
+        yield Skip(f"{record.key}:{row}", "read", f"unreadable from this row on ({exc})")
+
+
+# -- tokenization -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What the manifest records about the tokenizer a dataset was built with."""
+
+    path: str
+    sha256: str
+    vocab_size: int
+    dtype: str
+    eos_id: int | None
+    add_special_tokens: bool
+
+
+def load_tokenizer(path: str | Path):
+    """A `tokenizers.Tokenizer` with truncation and padding off; ConfigError for a bad file."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: tokenizer file not found (pass --tokenizer PATH/tokenizer.json)")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+        raise ConfigError(f"{path}: not a Hugging Face tokenizer.json ({exc})") from None
+    tok.no_truncation()
+    tok.no_padding()
+    return tok
+
+
+def resolve_eos(tok, append_eos: str | int | None) -> int | None:
+    """None (no EOS), "auto" (the tokenizer's end token), or an explicit id."""
+    if append_eos is None:
+        return None
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    if append_eos == "auto":
+        for token in EOS_CANDIDATES:
+            token_id = tok.token_to_id(token)
+            if token_id is not None:
+                return token_id
+        raise ConfigError(
+            f"--append-eos: the tokenizer has none of the end tokens {', '.join(EOS_CANDIDATES)}; "
+            "give the id explicitly (--append-eos ID)"
+        )
+    try:
+        token_id = int(append_eos)
+    except ValueError:
+        raise ConfigError(f"--append-eos: {append_eos!r} is not a token id") from None
+    if not 0 <= token_id < max(vocab, 1 << 32):
+        raise ConfigError(f"--append-eos: id {token_id} is negative or too large")
+    return token_id
+
+
+def token_dtype(tok, eos_id: int | None) -> str:
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    return choose_token_dtype(max(vocab, (eos_id or 0) + 1))
+
+
+def encode_batch(tok, texts: list[str], *, dtype: str, eos_id: int | None, add_special_tokens: bool) -> list[np.ndarray]:
+    """Token ids of each text, in the stored dtype; `tokenizers` runs the batch on its threads."""
+    out = []
+    for enc in tok.encode_batch(texts, add_special_tokens=add_special_tokens):
+        ids = enc.ids if eos_id is None else [*enc.ids, eos_id]
+        out.append(np.asarray(ids, dtype=dtype))
+    return out

@@ -1,0 +1,192 @@
+"""Writes shards and publishes a dataset dir (pairs with `packer.reader`).
+
+A shard's columns are streamed to `.npy` files behind a fixed-length header that is rewritten
+once the row count is known, so memory stays bounded by one sample. A shard is written into
+`OUT/.staging/shard-k.partial/` and renamed to `OUT/.staging/shard-k/` when whole; `publish`
+moves whole shards into OUT and writes the manifest last, with an atomic rename.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from . import format as fmt
+
+_CHUNK = 1 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _NpyStream:
+    """An .npy file written row by row; the header is final only after close()."""
+
+    def __init__(self, path: Path, dtype: str, sample_shape: tuple[int, ...]):
+        self.path, self.dtype, self.sample_shape = path, np.dtype(dtype), sample_shape
+        self.num_rows = 0
+        self._file: BinaryIO = open(path, "wb")
+        self._file.write(fmt.npy_header(self.dtype.str, (0, *sample_shape)))
+
+    def write(self, array: np.ndarray, num_rows: int) -> None:
+        self._file.write(np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data)
+        self.num_rows += num_rows
+
+    def close(self) -> None:
+        self._file.seek(0)
+        self._file.write(fmt.npy_header(self.dtype.str, (self.num_rows, *self.sample_shape)))
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abort(self) -> None:
+        self._file.close()
+
+
+class _ColumnWriter:
+    """Values of one column, plus offsets (and shapes) when it is ragged."""
+
+    def __init__(self, shard_dir: Path, column: fmt.Column):
+        self.column = column
+        names = fmt.column_file_names(column)
+        self.paths = [shard_dir / n for n in names.values()]
+        if column.ragged:
+            self.values = _NpyStream(shard_dir / names["values"], column.dtype, ())
+            self.offsets = [0]
+            self.shapes: list[tuple[int, ...]] | None = [] if "shapes" in names else None
+        else:
+            self.values = _NpyStream(shard_dir / names["values"], column.dtype, column.shape)
+
+    def add(self, value: np.ndarray) -> int:
+        """Append one sample; returns its size in bytes."""
+        col = self.column
+        if not col.ragged:
+            if value.shape != col.shape:
+                raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
+            self.values.write(value, 1)
+            return value.nbytes
+        if len(value.shape) != len(col.shape) or any(
+            want is not None and got != want for got, want in zip(value.shape, col.shape)
+        ):
+            raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
+        self.values.write(value, value.size)
+        self.offsets.append(self.offsets[-1] + value.size)
+        if self.shapes is not None:
+            self.shapes.append(value.shape)
+        return value.nbytes
+
+    def close(self) -> None:
+        self.values.close()
+        if self.column.ragged:
+            _write_npy(self.paths[1], np.asarray(self.offsets, dtype=fmt.OFFSETS_DTYPE))
+            if self.shapes is not None:
+                shapes = np.asarray(self.shapes, dtype=fmt.SHAPES_DTYPE).reshape(-1, len(self.column.shape))
+                _write_npy(self.paths[2], shapes)
+
+    def abort(self) -> None:
+        self.values.abort()
+
+
+def _write_npy(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(fmt.npy_header(array.dtype.str, array.shape))
+        f.write(np.ascontiguousarray(array).reshape(-1).data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ShardWriter:
+    """Writes shard `index` of a dataset under `staging`; use as a context manager.
+
+    On an exception inside the `with` block the partial shard is deleted and nothing is renamed:
+    a shard dir without the `.partial` suffix is always whole.
+    """
+
+    def __init__(self, staging: Path, index: int, columns: tuple[fmt.Column, ...]):
+        self.index = index
+        self.final_dir = staging / fmt.shard_dir_name(index)
+        self.dir = staging / (fmt.shard_dir_name(index) + ".partial")
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self.dir.mkdir(parents=True)
+        self._columns = [_ColumnWriter(self.dir, c) for c in columns]
+        self.num_samples = 0
+        self.size_bytes = 0
+
+    def add(self, sample: dict[str, np.ndarray]) -> None:
+        for writer in self._columns:
+            self.size_bytes += writer.add(sample[writer.column.name])
+        self.num_samples += 1
+
+    def close(self) -> fmt.Shard:
+        for writer in self._columns:
+            writer.close()
+        files = []
+        for writer in self._columns:
+            for path in writer.paths:
+                rel = f"{fmt.shard_dir_name(self.index)}/{path.name}"
+                files.append(fmt.FileEntry(rel, path.stat().st_size, sha256_file(path)))
+        shutil.rmtree(self.final_dir, ignore_errors=True)
+        os.rename(self.dir, self.final_dir)
+        return fmt.Shard(self.index, self.num_samples, tuple(files))
+
+    def abort(self) -> None:
+        for writer in self._columns:
+            writer.abort()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def staging_dir(out: Path) -> Path:
+    return out / fmt.STAGING_DIR
+
+
+def unpublish(out: Path) -> None:
+    """Make OUT stop being a dataset before it is rebuilt: manifest first, then old shards."""
+    manifest = out / fmt.MANIFEST_NAME
+    if manifest.exists():
+        manifest.unlink()
+        _fsync_dir(out)
+    for child in out.iterdir():
+        if child.name.startswith("shard-"):
+            shutil.rmtree(child)
+
+
+def publish(out: Path, manifest: fmt.Manifest) -> None:
+    """Move whole shards from staging into OUT, then write the manifest last, atomically."""
+    staging = staging_dir(out)
+    for shard in manifest.shards:
+        name = fmt.shard_dir_name(shard.index)
+        os.rename(staging / name, out / name)
+    _fsync_dir(out)
+    tmp = out / (fmt.MANIFEST_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(manifest.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, out / fmt.MANIFEST_NAME)
+    _fsync_dir(out)
+    shutil.rmtree(staging, ignore_errors=True)
