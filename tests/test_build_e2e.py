@@ -1,0 +1,261 @@
+"""End to end through the real CLI on real photos, hostile images, text and tokenizers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageOps
+from tokenizers import Tokenizer
+
+from loaders import MMapDataset
+from packer import format as fmt
+from packer.cli import main
+from packer.reader import load_manifest
+
+from .conftest import PLANTED_IMAGE_SKIPS, PLANTED_TEXT_SKIPS
+
+
+def all_files(raw: Path) -> list[str]:
+    return sorted(p.relative_to(raw).as_posix() for p in raw.rglob("*") if p.is_symlink() or p.is_file())
+
+
+def reference_pixels(path: Path, size: int) -> np.ndarray:
+    """An independent Pillow decode + resize: no draft mode, plain convert("RGB")."""
+    with Image.open(path) as img:
+        img = ImageOps.exif_transpose(img).convert("RGB")
+        w, h = img.size
+        s = size / min(w, h)
+        nw, nh = max(size, round(w * s)), max(size, round(h * s))
+        img = img.resize((nw, nh), Image.Resampling.BILINEAR)
+        left, top = (nw - size) // 2, (nh - size) // 2
+        return np.asarray(img.crop((left, top, left + size, top + size)))
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+JPEG_DRAFT_MIN_PSNR = 30.0  # dB: draft (DCT-scaled) decode vs full decode, both resized to S
+
+
+def test_images_counts_add_up_and_skips_are_the_planted_files(built, image_raw):
+    m = load_manifest(built["images"])
+    files = all_files(image_raw)
+    assert m.counts["found"] == len(files) == m.counts["packed"] + m.counts["skipped"]
+    assert {s.key for s in m.skipped} == PLANTED_IMAGE_SKIPS
+    assert m.classes == tuple(sorted(p.name for p in image_raw.iterdir() if p.is_dir()))
+    assert len(m.shards) == math.ceil(m.num_samples / 16)
+
+
+def test_image_pixels_labels_and_keys(built, image_raw):
+    ds = MMapDataset(built["images"])
+    assert ds.columns["image"].shape == (64, 64, 3)
+    checked_exact = checked_jpeg = 0
+    for i in range(len(ds)):
+        sample = ds[i]
+        path = image_raw / sample["key"]
+        assert path.is_file()
+        assert ds.classes[int(sample["label"])] == sample["key"].split("/")[0]
+        got = sample["image"].numpy()
+        if path.suffix.lower() in (".jpg", ".jpeg"):
+            assert psnr(got, reference_pixels(path, 64)) >= JPEG_DRAFT_MIN_PSNR, path
+            checked_jpeg += 1
+        elif Image.open(path).mode not in ("I;16", "I;16B", "I", "F") and "16bit" not in path.name:
+            np.testing.assert_array_equal(got, reference_pixels(path, 64), err_msg=str(path))
+            checked_exact += 1
+    assert checked_exact > 20 and checked_jpeg > 5
+
+
+def test_sixteen_bit_images_are_rescaled_not_clipped(built):
+    ds = MMapDataset(built["images"])
+    by_key = {ds[i]["key"]: i for i in range(len(ds))}
+    img = ds[by_key["hostile/16bit.cropped.tif"]]["image"].numpy()
+    raw16 = np.asarray(Image.open(Path(ds.manifest.build["raw"]) / "hostile/16bit.cropped.tif"), dtype=np.int64)
+    assert Image.open(Path(ds.manifest.build["raw"]) / "hostile/16bit.cropped.tif").convert("RGB").getextrema()[0][0] == 255
+    assert img.max() < 255  # plain convert("RGB") gives an all-white image here
+    assert abs(float(img.mean()) - float(raw16.mean()) * 255 / 65535) < 1.0
+
+
+def test_exif_orientation_is_applied(built):
+    ds = MMapDataset(built["images"])
+    by_key = {ds[i]["key"]: ds[i]["image"].numpy() for i in range(len(ds)) if "hopper" in ds[i]["key"]}
+    upright = by_key["hostile/hopper.jpg"]
+    for n in range(2, 9):
+        rotated = by_key[f"hostile/hopper_orientation_{n}.jpg"]
+        assert psnr(rotated, upright) > 20, n  # un-transposed they differ wildly (< 12 dB)
+
+
+def test_text_tokens_equal_tokenizer_encode(built, text_raw, minilm):
+    tok = Tokenizer.from_file(str(minilm))
+    tok.no_truncation()
+    tok.no_padding()
+    ds = MMapDataset(built["text"])
+    m = ds.manifest
+    assert m.column("tokens").dtype == "<u2"
+    eos = m.tokenizer["eos_id"]
+    assert eos == tok.token_to_id("[SEP]")
+    longest = 0
+    for i in range(len(ds)):
+        sample = ds[i]
+        key = sample["key"]
+        if ":" in key:
+            name, where = key.rsplit(":", 1)
+            if name.endswith(".jsonl"):
+                text = json.loads((text_raw / name).read_text(encoding="utf-8").splitlines()[int(where) - 1])["text"]
+            else:
+                import pyarrow.parquet as pq
+
+                text = pq.read_table(text_raw / name).column("text")[int(where)].as_py()
+        else:
+            text = (text_raw / key).read_text(encoding="utf-8")
+        want = tok.encode(text, add_special_tokens=False).ids + [eos]
+        got = sample["tokens"]
+        assert got.dtype.itemsize == 2
+        assert got.long().tolist() == want, key
+        longest = max(longest, len(want))
+    assert longest > 128  # the tokenizer.json truncates to 128: the packer must not
+
+
+def test_text_counts_and_skips(built, text_raw):
+    m = load_manifest(built["text"])
+    assert PLANTED_TEXT_SKIPS <= {s.key for s in m.skipped}
+    assert m.counts["found"] == m.counts["packed"] + m.counts["skipped"]
+    import pyarrow.parquet as pq
+
+    docs = len(list((text_raw / "txt").iterdir())) + pq.ParquetFile(text_raw / "docs.parquet").metadata.num_rows
+    docs += sum(1 for _ in open(text_raw / "docs.jsonl", "rb")) + sum(1 for _ in open(text_raw / "bad.jsonl", "rb"))
+    assert m.counts["found"] == docs + 1  # + README.md
+    assert len(m.shards) > 1
+
+
+def test_uint32_tokens_with_a_large_vocabulary(tmp_path, text_raw, big_tokenizer):
+    out = tmp_path / "out"
+    assert main(["build", str(text_raw), str(out), "--tokenizer", str(big_tokenizer), "-q"]) == 0
+    ds = MMapDataset(out)
+    assert ds.manifest.column("tokens").dtype == "<u4"
+    tok = Tokenizer.from_file(str(big_tokenizer))
+    seen_big = False
+    compared = 0
+    for i in range(len(ds)):
+        s = ds[i]
+        seen_big |= int(s["tokens"].long().max()) > 65535
+        if s["key"].startswith("txt/"):
+            want = tok.encode((text_raw / s["key"]).read_text(encoding="utf-8"), add_special_tokens=False).ids
+            assert s["tokens"].long().tolist() == want
+            compared += 1
+    assert seen_big and compared >= 3
+
+
+def test_pairs_captions_and_images(built, pairs_raw, minilm):
+    tok = Tokenizer.from_file(str(minilm))
+    tok.no_padding()  # the shipped tokenizer.json pads every caption to 128 ids
+    ds = MMapDataset(built["pairs"])
+    m = ds.manifest
+    assert {s.key for s in m.skipped} == {"000/orphan.txt", "000/lonely.png"}
+    assert m.counts["found"] == m.counts["packed"] + 2
+    for i in range(len(ds)):
+        s = ds[i]
+        stem = (pairs_raw / s["key"]).with_suffix("")
+        cap = stem.with_suffix(".txt")
+        caption = cap.read_text().strip() if cap.exists() else json.loads(stem.with_suffix(".json").read_text())["caption"]
+        assert s["tokens"].long().tolist() == tok.encode(caption, add_special_tokens=False).ids
+        assert s["image"].shape == (32, 32, 3)
+
+
+def test_keep_size_stores_each_image_at_its_own_size(tmp_path, image_raw):
+    out = tmp_path / "keep"
+    assert main(["build", str(image_raw), str(out), "--image-size", "keep", "-q"]) == 0
+    ds = MMapDataset(out)
+    assert ds.columns["image"].ragged
+    shapes = set()
+    for i in range(0, len(ds), 3):
+        s = ds[i]
+        path = image_raw / s["key"]
+        if path.suffix.lower() in (".png", ".webp", ".gif") and "16" not in path.name:
+            ref = np.asarray(ImageOps.exif_transpose(Image.open(path)).convert("RGB"))
+            np.testing.assert_array_equal(s["image"].numpy(), ref)
+        shapes.add(tuple(s["image"].shape))
+    assert len(shapes) > 5
+
+
+def one_line_error(capsys, argv) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_user_mistakes_get_one_line_errors(tmp_path, capsys, text_raw, image_raw):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "empty RAW" in one_line_error(capsys, ["build", str(empty), str(tmp_path / "o1")])
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "a.csv").write_text("x\n")
+    assert "no recognisable layout" in one_line_error(capsys, ["build", str(odd), str(tmp_path / "o2")])
+    assert "--tokenizer" in one_line_error(capsys, ["build", str(text_raw), str(tmp_path / "o3")])
+    assert "tokenizer file not found" in one_line_error(
+        capsys, ["build", str(text_raw), str(tmp_path / "o4"), "--tokenizer", str(tmp_path / "nope.json")])
+    assert "not a directory" in one_line_error(capsys, ["build", str(tmp_path / "missing"), str(tmp_path / "o5")])
+    assert "--image-size" in one_line_error(capsys, ["build", str(image_raw), str(tmp_path / "o6"), "--image-size", "big"])
+    assert "--shard-size" in one_line_error(capsys, ["build", str(image_raw), str(tmp_path / "o7"), "--shard-size", "lots"])
+    for name in ("o1", "o2", "o3", "o4", "o5", "o6", "o7"):
+        assert not (tmp_path / name).exists()
+
+
+def test_existing_out_needs_overwrite(tmp_path, capsys, image_raw):
+    out = tmp_path / "out"
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 0
+    assert "--overwrite" in one_line_error(capsys, ["build", str(image_raw), str(out)])
+    assert main(["build", str(image_raw), str(out), "--image-size", "8", "--overwrite", "-q"]) == 0
+    assert MMapDataset(out)[0]["image"].shape == (8, 8, 3)
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("x")
+    assert "refusing" in one_line_error(capsys, ["build", str(image_raw), str(foreign), "--overwrite"])
+
+
+def test_strict_fails_on_any_skip(tmp_path, capsys, image_raw):
+    out = tmp_path / "strict"
+    err = one_line_error(capsys, ["build", str(image_raw), str(out), "--strict"])
+    assert "--strict" in err
+    assert not (out / fmt.MANIFEST_NAME).exists()
+
+
+def test_build_summary_says_counts(tmp_path, capsys, pairs_raw, minilm):
+    assert main(["build", str(pairs_raw), str(tmp_path / "o"), "--tokenizer", str(minilm)]) == 0
+    out = capsys.readouterr().out
+    assert "found 42 = packed 40 + skipped 2" in out
+    assert "skipped 000/orphan.txt: caption without an image" in out
+
+
+def test_console_scripts_are_installed(tmp_path, built):
+    res = subprocess.run(["packer", "info", str(built["images"]), "--json"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    info = json.loads(res.stdout)
+    assert info["kind"] == "images" and info["counts"]["found"] == info["counts"]["packed"] + info["counts"]["skipped"]
+    res = subprocess.run(["packer", "info", str(tmp_path)], capture_output=True, text=True)
+    assert res.returncode == 2 and "not an mmpack dataset" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_mmapdataset_is_zero_copy_and_quiet(built):
+    ds = MMapDataset(built["images"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = ds[3]
+    arrays = ds.reader.column(ds.reader.locate(3)[0], "image")
+    assert np.shares_memory(s["image"].numpy(), arrays.values)
+    assert s["label"].dtype == __import__("torch").int64 and s["label"].dim() == 0
+    assert ds[-1]["key"] == ds[len(ds) - 1]["key"]
+    with pytest.raises(IndexError):
+        ds[len(ds)]
+    with pytest.raises(IndexError):
+        ds[-len(ds) - 1]
