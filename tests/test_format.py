@@ -1,0 +1,110 @@
+"""Unit and property tests of the format: headers, dtype choice, manifest JSON, and
+read(write(x)) == x through ShardWriter and the reader."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from packer import format as fmt
+from packer.errors import IntegrityError, ManifestError
+from packer.reader import map_column
+from packer.writer import ShardWriter
+
+from .strategies import documents, image_shapes, token_dtypes
+
+
+@pytest.mark.parametrize("vocab,dtype", [(1, "<u2"), (30522, "<u2"), (65536, "<u2"), (65537, "<u4"), (200_000, "<u4")])
+def test_choose_token_dtype(vocab, dtype):
+    assert fmt.choose_token_dtype(vocab) == dtype
+
+
+@given(shape=st.lists(st.integers(0, 10**12), min_size=1, max_size=4), dtype=st.sampled_from(["|u1", "<u2", "<u4", "<i8"]))
+def test_npy_header_round_trip_and_numpy_agrees(shape, dtype, tmp_path_factory):
+    header = fmt.npy_header(dtype, tuple(shape))
+    assert len(header) == fmt.NPY_HEADER_BYTES
+    assert fmt.parse_npy_header(header) == (np.dtype(dtype).str, tuple(shape))
+
+
+def test_numpy_loads_our_files(tmp_path):
+    col = fmt.Column("x", "<u4", (None,))
+    with ShardWriter(tmp_path, 0, (col,)) as w:
+        w.add({"x": np.arange(5, dtype="<u4")})
+        w.add({"x": np.arange(3, dtype="<u4")})
+        w.close()
+    values = np.load(tmp_path / "shard-00000" / "x.npy", mmap_mode="r")
+    offsets = np.load(tmp_path / "shard-00000" / "x.offsets.npy")
+    assert values.tolist() == [0, 1, 2, 3, 4, 0, 1, 2] and offsets.tolist() == [0, 5, 8]
+
+
+@settings(max_examples=40, deadline=None)
+@given(docs=documents, dtype=token_dtypes, shapes=st.lists(image_shapes, min_size=1, max_size=30))
+def test_read_of_write_is_identity(tmp_path_factory, docs, dtype, shapes):
+    root = tmp_path_factory.mktemp("rw")
+    n = min(len(docs), len(shapes))
+    cols = (fmt.Column("tokens", dtype, (None,)), fmt.Column("image", "|u1", (None, None, 3)),
+            fmt.Column("label", "<i8", ()))
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, s, dtype=np.uint8) for s in shapes[:n]]
+    with ShardWriter(root, 3, cols) as w:
+        for i in range(n):
+            w.add({"tokens": np.asarray(docs[i], dtype=dtype), "image": images[i], "label": np.int64(i - 5)})
+        shard = w.close()
+    assert shard.num_samples == n and all(f.path.startswith("shard-00003/") for f in shard.files)
+    shard_dir = root / "shard-00003"
+    tokens = map_column(shard_dir, cols[0], n)
+    pixels = map_column(shard_dir, cols[1], n)
+    labels = map_column(shard_dir, cols[2], n)
+    for i in range(n):
+        assert tokens.sample(i).tolist() == docs[i]
+        np.testing.assert_array_equal(pixels.sample(i), images[i])
+        assert int(labels.sample(i)) == i - 5
+    assert np.all(np.diff(tokens.offsets) >= 0) and tokens.offsets[-1] == len(tokens.values)
+
+
+@settings(max_examples=60, deadline=None)
+@given(position=st.integers(0, fmt.NPY_HEADER_BYTES - 1), bit=st.integers(0, 7))
+def test_any_flipped_header_byte_is_our_error_or_harmless(tmp_path_factory, position, bit):
+    root = tmp_path_factory.mktemp("flip")
+    col = fmt.Column("tokens", "<u2", (None,))
+    with ShardWriter(root, 0, (col,)) as w:
+        for doc in ([1, 2, 3], [4], [5, 6]):
+            w.add({"tokens": np.asarray(doc, dtype="<u2")})
+        w.close()
+    path = root / "shard-00000" / "tokens.offsets.npy"
+    raw = bytearray(path.read_bytes())
+    raw[position] ^= 1 << bit
+    path.write_bytes(bytes(raw))
+    try:
+        arrays = map_column(root / "shard-00000", col, 3)
+    except IntegrityError:
+        return
+    # a flip inside the padding or to an equivalent spelling changes nothing
+    assert [arrays.sample(i).tolist() for i in range(3)] == [[1, 2, 3], [4], [5, 6]]
+
+
+def test_manifest_json_round_trip_and_validation():
+    m = fmt.Manifest(
+        kind="images",
+        columns=(fmt.Column("image", "|u1", (4, 4, 3)), fmt.Column("label", "<i8", ())),
+        shards=(fmt.Shard(0, 2, (fmt.FileEntry("shard-00000/image.npy", 224, "ab"),)),),
+        counts={"found": 3, "packed": 2, "skipped": 1},
+        skipped=(fmt.Skip("a/b.jpg", "decode", "truncated"),),
+        classes=("a",),
+    )
+    again = fmt.Manifest.from_json(m.to_json())
+    assert again == m
+    doc = json.loads(m.to_json())
+    doc["counts"]["found"] = 4
+    with pytest.raises(ManifestError, match="do not add up"):
+        fmt.Manifest.from_json(json.dumps(doc), where="x/manifest.json")
+    with pytest.raises(ManifestError, match="not an mmpack manifest"):
+        fmt.Manifest.from_json("[]")
+    doc["counts"]["found"] = 3
+    del doc["shards"]
+    with pytest.raises(ManifestError, match="x/manifest.json: malformed"):
+        fmt.Manifest.from_json(json.dumps(doc), where="x/manifest.json")

@@ -1,0 +1,131 @@
+"""Damage is caught: on open (sizes, version) and by `packer verify` (every byte); a killed
+build never leaves a dataset dir that opens."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loaders import MMapDataset
+from packer import format as fmt
+from packer.cli import main
+from packer.errors import IntegrityError, ManifestError
+from packer.reader import load_manifest
+
+
+@pytest.fixture
+def dataset(tmp_path, built):
+    out = tmp_path / "ds"
+    shutil.copytree(built["text"], out)
+    return out
+
+
+def test_verify_ok(dataset, capsys):
+    assert main(["verify", str(dataset)]) == 0
+    assert "ok:" in capsys.readouterr().out
+
+
+def test_verify_catches_a_flipped_byte(dataset, capsys):
+    m = load_manifest(dataset)
+    target = dataset / m.shards[1].files[0].path
+    raw = bytearray(target.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    target.write_bytes(bytes(raw))
+    MMapDataset(dataset)  # same size: opening is cheap and does not hash
+    assert main(["verify", str(dataset)]) == 1
+    err = capsys.readouterr().err
+    assert str(target) in err and "sha256" in err
+
+
+def test_verify_catches_a_flipped_header_byte(dataset, capsys):
+    m = load_manifest(dataset)
+    target = dataset / m.shards[0].files[0].path
+    raw = bytearray(target.read_bytes())
+    raw[30] ^= 0x20  # inside the header dict
+    target.write_bytes(bytes(raw))
+    assert main(["verify", str(dataset)]) == 1
+    assert str(target) in capsys.readouterr().err
+
+
+def test_truncated_file_is_refused_on_open_and_by_verify(dataset, capsys):
+    m = load_manifest(dataset)
+    target = dataset / m.shards[-1].files[0].path
+    with open(target, "r+b") as f:
+        f.truncate(target.stat().st_size - 10)
+    with pytest.raises(IntegrityError, match=str(target)):
+        MMapDataset(dataset)
+    assert main(["verify", str(dataset)]) == 1
+    assert "bytes, manifest says" in capsys.readouterr().err
+
+
+def test_missing_file_is_refused_on_open(dataset):
+    m = load_manifest(dataset)
+    (dataset / m.shards[0].files[-1].path).unlink()
+    with pytest.raises(IntegrityError, match="missing"):
+        MMapDataset(dataset)
+
+
+def test_unknown_major_version_is_refused(dataset):
+    path = dataset / fmt.MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc["version"] = "2.0"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match=r"format version 2.0 is not supported.*reads 1.x"):
+        MMapDataset(dataset)
+
+
+def test_newer_minor_version_with_unknown_keys_opens(dataset):
+    path = dataset / fmt.MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc["version"] = "1.7"
+    doc["future_key"] = {"anything": 1}
+    path.write_text(json.dumps(doc))
+    assert len(MMapDataset(dataset)) > 0
+
+
+def test_garbled_manifest_is_one_line_error(dataset, capsys):
+    (dataset / fmt.MANIFEST_NAME).write_text('{"format": "mmpack", "version": "1.0", "kind": ')
+    assert main(["info", str(dataset)]) == 2
+    err = capsys.readouterr().err
+    assert "not valid JSON" in err and err.count("\n") == 1
+
+
+def _kill_mid_build(raw, out, extra=()):
+    """Start a real `packer build` subprocess and SIGKILL it once it has written a shard."""
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out),
+                             "--image-size", "96", "--shard-size", "4", "-q", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    staging = out / fmt.STAGING_DIR
+    while time.time() < deadline and proc.poll() is None:
+        if staging.is_dir() and any(p.name.endswith(".partial") for p in staging.iterdir()) and \
+                any(not p.name.endswith(".partial") for p in staging.iterdir()):
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the build finished before it could be killed; use more input"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def test_killed_build_leaves_nothing_that_opens(tmp_path, image_raw):
+    out = tmp_path / "killed"
+    _kill_mid_build(image_raw, out)
+    with pytest.raises(ManifestError, match="incomplete build"):
+        MMapDataset(out)
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 0  # restart works
+    assert len(MMapDataset(out)) > 0
+
+
+def test_killed_overwrite_leaves_nothing_that_opens(tmp_path, image_raw):
+    out = tmp_path / "over"
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 0
+    _kill_mid_build(image_raw, out, ["--overwrite"])
+    with pytest.raises(ManifestError):
+        MMapDataset(out)
