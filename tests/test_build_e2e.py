@@ -259,3 +259,21 @@ def test_mmapdataset_is_zero_copy_and_quiet(built):
         ds[len(ds)]
     with pytest.raises(IndexError):
         ds[-len(ds) - 1]
+
+
+def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypatch):
+    """Between 1x and 2x Pillow's pixel limit Pillow only warns; the packer skips the file."""
+    from bench import data
+    from packer import BuildConfig, build
+
+    raw = tmp_path / "raw"
+    (raw / "a").mkdir(parents=True)
+    photo = data.fetch(data.SKLEARN) / "china.jpg"  # 640 x 427 = 273,280 pixels
+    import shutil
+
+    shutil.copy(photo, raw / "a" / "big.jpg")
+    shutil.copy(data.fetch(data.PILLOW_TESTS) / "hopper.png", raw / "a" / "small.png")  # 128 x 128
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200_000)  # big.jpg is 1.37x: warning range
+    m = build(BuildConfig(raw, tmp_path / "out", image_size=32))
+    assert [(s.key, s.stage) for s in m.skipped] == [("a/big.jpg", "decode")]
+    assert "decompression bomb" in m.skipped[0].reason and m.counts["packed"] == 1
