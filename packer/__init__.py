@@ -11,7 +11,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BuildConfig": "build", "build": "build", "verify": "verify",
+    "BuildConfig": "builder", "build": "builder", "verify": "verify",
     "DatasetReader": "reader", "load_manifest": "reader",
     "MmpackError": "errors", "ConfigError": "errors", "SourceError": "errors",
     "ManifestError": "errors", "IntegrityError": "errors",

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from . import format as fmt
-from .build import BuildConfig, build, parse_shard_size
+from .builder import BuildConfig, build, parse_shard_size
 from .errors import ConfigError, IntegrityError, MmpackError
 from .reader import DatasetReader
 from .verify import verify
