@@ -1,8 +1,13 @@
-"""mmpack's training-side readers: zero-copy datasets over a packed dataset dir.
+"""mmpack's training-side readers over a packed dataset dir: zero-copy samples, whole batches
+into reusable (pinned) buffers, token windows, and the copy to the GPU.
 
 Depends on `packer.reader`, never the reverse; does not import Pillow, tokenizers or pyarrow.
 """
 
+from .batches import BatchedDataset, Loader
+from .cuda import to_device
 from .dataset import MMapDataset
+from .iterable import MMapIterableDataset
+from .tokens import TokenWindows
 
-__all__ = ["MMapDataset"]
+__all__ = ["MMapDataset", "MMapIterableDataset", "Loader", "BatchedDataset", "TokenWindows", "to_device"]

@@ -77,6 +77,18 @@ class MMapDataset(torch.utils.data.Dataset):
                 out[name] = _tensor(value)
         return out
 
+    def batch_source(self, columns: list[str] | None = None):
+        """The batch gather over `columns` (default: this dataset's), for Loader."""
+        from .gather import ColumnGather
+
+        return ColumnGather(self.reader, list(columns) if columns else self._names)
+
+    def batched(self, batch_size: int, **kwargs):
+        """Whole batches for an existing DataLoader (see `loaders.BatchedDataset`)."""
+        from .batches import BatchedDataset
+
+        return BatchedDataset(self, batch_size, **kwargs)
+
     def __getstate__(self) -> dict:
         return {"root": str(self.root), "names": self._names}
 

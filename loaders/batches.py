@@ -1,0 +1,212 @@
+"""`Loader`: whole batches from a ring of reusable (pinned) buffers, filled ahead by a producer
+thread; and `BatchedDataset`, the same batches for an existing `DataLoader`.
+
+Order, rank share and resumption come from `loaders.sampler`; the gather from
+`loaders.gather` (or `TokenWindows`). A yielded batch's tensors are views of a ring buffer and
+stay valid until the next batch is taken (as in FFCV): `.clone()` to keep one longer.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from .sampler import Order, epoch_order, rank_share, resolve_topology, worker_batches
+
+
+class BatchSource(Protocol):
+    """What Loader needs of a dataset: its size, buffers, and a gather of ids into them."""
+
+    def __len__(self) -> int: ...
+
+    def alloc(self, batch_size: int, pin: bool) -> dict[str, torch.Tensor]: ...
+
+    def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1) -> dict: ...
+
+
+def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
+    from .dataset import MMapDataset
+
+    if isinstance(dataset, (str, os.PathLike)):
+        dataset = MMapDataset(dataset)
+    if isinstance(dataset, MMapDataset):
+        return dataset.batch_source(columns)
+    if columns is not None:
+        raise ValueError("columns= applies to an MMapDataset only")
+    return dataset
+
+
+class _Plan:
+    """Shared by Loader and BatchedDataset: the epoch's batches of this rank from a cursor."""
+
+    def __init__(self, num_samples, batch_size, *, order, seed, drop_last, rank, world_size):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        topo = resolve_topology(rank, world_size)
+        self.num_samples, self.batch_size, self.order, self.seed = num_samples, batch_size, order, seed
+        self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
+        self.epoch = 0
+        self.cursor = 0
+
+    def share(self) -> np.ndarray:
+        ids = epoch_order(self.num_samples, order=self.order, seed=self.seed, epoch=self.epoch)
+        return rank_share(ids, self.cursor, rank=self.rank, world_size=self.world_size,
+                          batch_size=self.batch_size, drop_last=self.drop_last)
+
+    def num_batches(self, share: np.ndarray) -> int:
+        return -(-len(share) // self.batch_size)
+
+
+class Loader:
+    """Batches of a packed dataset (or TokenWindows) at memory bandwidth.
+
+    Args:
+        dataset: an MMapDataset, a dataset dir, or a TokenWindows view.
+        batch_size: samples per batch on this rank.
+        shuffle: False means order="sequential" unless `order` is given.
+        seed: with the epoch (`set_epoch`), fixes the order.
+        drop_last: drop the last partial global batch (else pad by repeating, as
+            DistributedSampler does, so every rank gets the same number of batches).
+        num_threads: gather threads (default: min(4, cores)).
+        pin_memory: None = pinned when CUDA is available.
+        device: hand batches over already on this device (see `loaders.to_device`).
+        order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
+        rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE.
+        columns: the columns to gather (default all).
+        num_buffers: ring size, >= 3: one batch held by the caller, one queued, one being filled.
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 num_threads: int | None = None, pin_memory: bool | None = None, device=None,
+                 order: Order | None = None, rank: int | None = None, world_size: int | None = None,
+                 columns: list[str] | None = None, num_buffers: int = 3):
+        self.source = as_source(dataset, columns)
+        order = order or ("random" if shuffle else "sequential")
+        self._plan = _Plan(len(self.source), batch_size, order=order, seed=seed, drop_last=drop_last,
+                           rank=rank, world_size=world_size)
+        self.num_threads = num_threads or min(4, os.cpu_count() or 1)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.device = device
+        if num_buffers < 3:
+            raise ValueError("num_buffers must be >= 3")
+        self.num_buffers = num_buffers
+        self._ring: list[dict] | None = None
+        self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
+
+    @property
+    def batch_size(self) -> int:
+        return self._plan.batch_size
+
+    @property
+    def rank(self) -> int:
+        return self._plan.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._plan.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        self._plan.epoch, self._plan.cursor = epoch, 0
+
+    def state_dict(self) -> dict:
+        """A few integers: enough to resume exactly, whatever the worker or thread count."""
+        p = self._plan
+        return {"seed": p.seed, "epoch": p.epoch, "cursor": p.cursor, "order": p.order}
+
+    def load_state_dict(self, state: dict) -> None:
+        p = self._plan
+        if state["order"] != p.order or state["seed"] != p.seed:
+            raise ValueError(f"state is for order={state['order']} seed={state['seed']}, "
+                             f"this loader has order={p.order} seed={p.seed}")
+        p.epoch, p.cursor = int(state["epoch"]), int(state["cursor"])
+
+    def __len__(self) -> int:
+        return self._plan.num_batches(self._plan.share())
+
+    def __iter__(self):
+        if self.device is not None:
+            from .cuda import to_device
+
+            return to_device(self._iter_host(), self.device)
+        return self._iter_host()
+
+    def _iter_host(self):
+        plan = self._plan
+        share = plan.share()
+        num_batches, step = plan.num_batches(share), plan.batch_size * plan.world_size
+        if self._ring is None:
+            self._ring = [self.source.alloc(plan.batch_size, self.pin_memory) for _ in range(self.num_buffers)]
+        ready: queue.Queue = queue.Queue(maxsize=self.num_buffers - 2)
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for b in range(num_batches):
+                    ids = share[b * plan.batch_size:(b + 1) * plan.batch_size]
+                    batch = self.source.gather(ids, self._ring[b % self.num_buffers], self._pool, self.num_threads)
+                    while not stop.is_set():
+                        try:
+                            ready.put(batch, timeout=0.1)
+                            break
+                        except queue.Full:
+                            pass
+                    if stop.is_set():
+                        return
+                ready.put(None)
+            except BaseException as exc:  # re-raised in the consumer
+                ready.put(exc)
+
+        producer = threading.Thread(target=produce, daemon=True, name="mmpack-loader")
+        producer.start()
+        try:
+            while True:
+                item = ready.get()
+                if item is None:
+                    break
+                if isinstance(item, BaseException):
+                    raise item
+                plan.cursor = min(plan.cursor + step, plan.num_samples)
+                yield item
+            plan.cursor = 0  # the epoch is done; set_epoch() picks the next order
+        finally:
+            stop.set()
+            producer.join()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+
+
+class BatchedDataset(torch.utils.data.IterableDataset):
+    """Whole batches for an existing DataLoader: `DataLoader(ds.batched(256), batch_size=None,
+    num_workers=k, pin_memory=True)`. Worker w makes batches w, w+k, ...; DataLoader takes them
+    round-robin, so the global order is the same for any k. No per-sample collate."""
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 order: Order | None = None, rank: int | None = None, world_size: int | None = None,
+                 columns: list[str] | None = None):
+        self.source = as_source(dataset, columns)
+        self._plan = _Plan(len(self.source), batch_size, order=order or ("random" if shuffle else "sequential"),
+                           seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._plan.epoch = epoch
+
+    def __len__(self) -> int:
+        return self._plan.num_batches(self._plan.share())
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        share = self._plan.share()
+        bs = self._plan.batch_size
+        for b in worker_batches(self._plan.num_batches(share), worker, workers):
+            ids = share[b * bs:(b + 1) * bs]
+            # fresh buffers: DataLoader moves each batch to the main process through shared memory
+            yield self.source.gather(ids, self.source.alloc(len(ids), False))

@@ -1,0 +1,53 @@
+"""Host -> device: copies issued on a side CUDA stream from pinned buffers, with events, so the
+batch is handed over already on the device and a host buffer is released only once its copy
+has finished. Without CUDA (or with a CPU device) it yields the same batches unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+def _map(fn, batch):
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: _map(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)) and batch and isinstance(batch[0], torch.Tensor):
+        return type(batch)(_map(fn, v) for v in batch)
+    return batch
+
+
+def to_device(batches, device, prefetch: int = 2):
+    """Yield `batches` on `device`, `prefetch` copies ahead of the consumer.
+
+    The host batch comes from Loader's ring, which refills a buffer once the next batch is
+    taken: each copy's event is synchronized (the CPU waits for the DMA only; the GPU keeps
+    computing on its own stream) before the next host batch is requested.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        yield from batches
+        return
+    stream = torch.cuda.Stream(device=device)
+    pending: deque = deque()
+    for host in batches:
+        with torch.cuda.stream(stream):
+            on_device = _map(lambda t: t.to(device, non_blocking=True), host)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # the host buffer may be refilled from here on
+        pending.append((on_device, done))
+        if len(pending) > prefetch:
+            yield _hand_over(*pending.popleft())
+    while pending:
+        yield _hand_over(*pending.popleft())
+
+
+def _hand_over(batch, done):
+    current = torch.cuda.current_stream()
+    current.wait_event(done)
+    _map(lambda t: t.record_stream(current), batch)
+    return batch
