@@ -67,7 +67,7 @@ def decode_image(path, size: int | None) -> np.ndarray:
                 img = _to_rgb(img)
                 if size is not None:
                     img = resize_crop(img, size)
-                return np.asarray(img, dtype=np.uint8)
+                return np.array(img, dtype=np.uint8)  # writable: callers may wrap it in a tensor
     except SourceError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
