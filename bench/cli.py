@@ -21,6 +21,7 @@ import torch
 
 from . import data
 
+PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
 PEERS = {"webdataset": "webdataset", "litdata": "litdata", "streaming": "mosaicml-streaming", "datasets": "datasets"}
 
 
@@ -96,17 +97,17 @@ def bench_loaders(args) -> dict:
         row(f"mmpack Loader, {threads} thread(s)", timed(lambda: loader, lambda b: len(b["label"]), passes))
     batched = ds.batched(bs, columns=["image", "label"])
     row("mmpack batched + DataLoader(2 workers)", timed(
-        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=2, pin_memory=torch.cuda.is_available()),
+        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=2, pin_memory=PIN),
         lambda b: len(b["label"]), passes))
     plain = MMapDataset(out, columns=["image", "label"])
     row("MMapDataset + DataLoader(2 workers, collate)", timed(
-        lambda: torch.utils.data.DataLoader(plain, batch_size=bs, shuffle=True, num_workers=2, pin_memory=True),
+        lambda: torch.utils.data.DataLoader(plain, batch_size=bs, shuffle=True, num_workers=2, pin_memory=PIN),
         lambda b: len(b["label"]), passes))
     files = sorted(p for p in raw.rglob("*") if p.is_file())
     classes = sorted({p.parent.name for p in files})
     otf = OnTheFly(files, [classes.index(p.parent.name) for p in files], 224)
     row("on-the-fly Pillow + DataLoader(2 workers)", timed(
-        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=2, pin_memory=True),
+        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=2, pin_memory=PIN),
         lambda b: len(b["label"]), 1, limit=min(len(otf), 4 * bs)))
 
     text_out = work / "out-text"
