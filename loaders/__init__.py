@@ -8,6 +8,7 @@ from .batches import BatchedDataset, Loader
 from .cuda import to_device
 from .dataset import MMapDataset
 from .iterable import MMapIterableDataset
+from .packed import PackedDocuments, pack_documents
 from .tokens import TokenWindows
 
-__all__ = ["MMapDataset", "MMapIterableDataset", "Loader", "BatchedDataset", "TokenWindows", "to_device"]
+__all__ = ["MMapDataset", "MMapIterableDataset", "Loader", "BatchedDataset", "TokenWindows", "PackedDocuments", "pack_documents", "to_device"]
