@@ -33,12 +33,17 @@ class ColumnGather:
         ends = np.asarray(reader.shard_ends, dtype=np.int64)
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self._by_column: dict[str, list[ColumnArrays]] = {}
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
     def _arrays(self, name: str) -> list[ColumnArrays]:
-        return [self.reader.column(k, name) for k in range(len(self._ends))]
+        """Every shard's maps of one column, built once: not O(shards) work per batch."""
+        arrays = self._by_column.get(name)
+        if arrays is None:
+            arrays = self._by_column[name] = [self.reader.column(k, name) for k in range(len(self._ends))]
+        return arrays
 
     def alloc(self, batch_size: int, pin: bool) -> dict[str, torch.Tensor]:
         """Reusable buffers for the fixed-shape columns."""
