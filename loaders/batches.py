@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from .sampler import Order, epoch_order, rank_share, resolve_topology, worker_batches
+from .sampler import EpochPlan, Order, worker_batches
 
 
 class BatchSource(Protocol):
@@ -40,27 +40,6 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
     if columns is not None:
         raise ValueError("columns= applies to an MMapDataset only")
     return dataset
-
-
-class _Plan:
-    """Shared by Loader and BatchedDataset: the epoch's batches of this rank from a cursor."""
-
-    def __init__(self, num_samples, batch_size, *, order, seed, drop_last, rank, world_size):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        topo = resolve_topology(rank, world_size)
-        self.num_samples, self.batch_size, self.order, self.seed = num_samples, batch_size, order, seed
-        self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
-        self.epoch = 0
-        self.cursor = 0
-
-    def share(self) -> np.ndarray:
-        ids = epoch_order(self.num_samples, order=self.order, seed=self.seed, epoch=self.epoch)
-        return rank_share(ids, self.cursor, rank=self.rank, world_size=self.world_size,
-                          batch_size=self.batch_size, drop_last=self.drop_last)
-
-    def num_batches(self, share: np.ndarray) -> int:
-        return -(-len(share) // self.batch_size)
 
 
 class Loader:
@@ -87,9 +66,8 @@ class Loader:
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None, num_buffers: int = 3):
         self.source = as_source(dataset, columns)
-        order = order or ("random" if shuffle else "sequential")
-        self._plan = _Plan(len(self.source), batch_size, order=order, seed=seed, drop_last=drop_last,
-                           rank=rank, world_size=world_size)
+        self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
+                               drop_last=drop_last, rank=rank, world_size=world_size)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
@@ -192,8 +170,8 @@ class BatchedDataset(torch.utils.data.IterableDataset):
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None):
         self.source = as_source(dataset, columns)
-        self._plan = _Plan(len(self.source), batch_size, order=order or ("random" if shuffle else "sequential"),
-                           seed=seed, drop_last=drop_last, rank=rank, world_size=world_size)
+        self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
+                               drop_last=drop_last, rank=rank, world_size=world_size)
 
     def set_epoch(self, epoch: int) -> None:
         self._plan.epoch = epoch

@@ -87,3 +87,28 @@ def resolve_topology(rank: int | None = None, world_size: int | None = None) -> 
     except ImportError:
         pass
     return Topology(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+
+class EpochPlan:
+    """The state around the functions above, shared by Loader, BatchedDataset and
+    MMapIterableDataset: order, seed, epoch, this rank's place, and the cursor."""
+
+    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
+                 drop_last: bool, rank: int | None, world_size: int | None):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        topo = resolve_topology(rank, world_size)
+        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
+        self.order = order or ("random" if shuffle else "sequential")
+        self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
+        self.epoch = 0
+        self.cursor = 0
+
+    def share(self) -> np.ndarray:
+        """This rank's sample ids of the current epoch from the cursor on."""
+        ids = epoch_order(self.num_samples, order=self.order, seed=self.seed, epoch=self.epoch)
+        return rank_share(ids, self.cursor, rank=self.rank, world_size=self.world_size,
+                          batch_size=self.batch_size, drop_last=self.drop_last)
+
+    def num_batches(self, share: np.ndarray) -> int:
+        return -(-len(share) // self.batch_size)
