@@ -12,7 +12,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import IntegrityError
-from .reader import load_manifest, map_column
+from .reader import check_file_sizes, load_manifest, map_column
 from .writer import sha256_file
 
 
@@ -20,11 +20,12 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
     """Returns {"files", "size_bytes", "num_samples"} when all is well."""
     root = Path(root)
     manifest = load_manifest(root)
+    check_file_sizes(root, manifest)  # missing or resized files, before any hashing
     files = size_bytes = 0
     total = sum(len(s.files) for s in manifest.shards)
     for shard in manifest.shards:
         for entry in shard.files:
-            _check_file(root, entry)
+            _check_hash(root, entry)
             files += 1
             size_bytes += entry.size_bytes
             if on_progress:
@@ -37,13 +38,8 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
     return {"files": files, "size_bytes": size_bytes, "num_samples": manifest.num_samples}
 
 
-def _check_file(root: Path, entry: fmt.FileEntry) -> None:
+def _check_hash(root: Path, entry: fmt.FileEntry) -> None:
     path = root / entry.path
-    if not path.is_file():
-        raise IntegrityError(f"{path}: missing")
-    size = path.stat().st_size
-    if size != entry.size_bytes:
-        raise IntegrityError(f"{path}: {size:,} bytes, manifest says {entry.size_bytes:,}")
     digest = sha256_file(path)
     if digest != entry.sha256:
         raise IntegrityError(f"{path}: sha256 {digest[:16]}..., manifest says {entry.sha256[:16]}...")
