@@ -82,7 +82,6 @@ def bench_loaders(args) -> dict:
     bs, passes = args.batch_size, args.passes
     sample_bytes = ds.columns["image"].sample_nbytes
     memcpy = memcpy_rate(bs * sample_bytes)
-    Loader(ds, bs, columns=["image", "label"])  # open maps
     results = []
 
     def row(name, r, kind="images"):
