@@ -1,39 +1,42 @@
-"""`packer build`: RAW -> records -> samples -> shards in staging -> manifest, published last.
+"""`packer build`: RAW --scan--> records --plan--> shard tasks --run--> whole shards in
+OUT/.staging --commit--> manifest, published last.
 
-Streams: one sample (or one tokenizer batch) in memory at a time, and a shard is closed as soon
-as it reaches the shard size. Any error leaves OUT without a manifest, so it never opens.
+The shard is the unit of work (`packer.shards.run_shard`): run in this process, in a pool of
+spawned worker processes, or as Ray tasks, the bytes are the same. Each finished shard leaves a
+sidecar in staging, so a killed build started again with the same arguments reuses what is whole
+(sizes and sha256 checked) and redoes the rest; a build with other arguments or changed inputs
+is refused unless --overwrite. `--part i/N` runs a share of the shards into a shared OUT and
+`commit` publishes once all are there. A dir without a manifest never opens as a dataset.
+Memory: one sample (or one tokenizer batch) per worker, and at most two queued tasks per worker.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from . import format as fmt
 from . import writer
-from .errors import ConfigError, MmpackError, SourceError
-from .images import decode_image
-from .sources import Record, Scan, scan
-from .text import (
-    Document,
-    TokenizerSpec,
-    encode_batch,
-    iter_documents,
-    load_tokenizer,
-    read_caption,
-    resolve_eos,
-    token_dtype,
-)
+from .errors import ConfigError, IntegrityError, MmpackError, SourceError
+from .plan import Plan, plan, records_of
+from .reader import DatasetReader, check_file_sizes, load_manifest
+from .shards import ShardContext, ShardResult, read_sidecar, reusable, run_shard
+from .sources import Scan, scan
+from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
 from .writer import sha256_file
 
 DEFAULT_SHARD_BYTES = 256 * 1024**2
-TOKENIZE_BATCH_DOCS = 512
+PLAN_FILE = "plan.json"
+ENGINES = ("local", "ray")
 _UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
           "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
 
@@ -65,6 +68,11 @@ class BuildConfig:
     shard_bytes: int | None = DEFAULT_SHARD_BYTES
     overwrite: bool = False
     strict: bool = False
+    workers: int | None = None  # None: every core this process may use
+    engine: str = "local"  # "local": this process or a process pool; "ray": Ray tasks
+    ray_address: str | None = None  # None: start or join a local Ray instance
+    part: tuple[int, int] | None = None  # (i, N): build only share i (0-based) of N, no publish
+    append: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", Path(self.raw))
@@ -77,67 +85,207 @@ class BuildConfig:
             raise ConfigError("--shard-size: give rows or bytes")
         if self.out.resolve() == self.raw.resolve() or self.raw.resolve() in self.out.resolve().parents:
             raise ConfigError(f"{self.out}: OUT must not lie inside RAW ({self.raw})")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--workers: {self.workers} must be at least 1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.part is not None and not 0 <= self.part[0] < self.part[1]:
+            raise ConfigError(f"--part: {self.part[0]}/{self.part[1]} needs 0 <= i < N")
+        if self.append and (self.overwrite or self.part):
+            raise ConfigError("--append cannot be combined with --overwrite or --part")
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or available_cores()
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m is None:
+        raise ConfigError(f"--part: {text!r} is not i/N (e.g. 0/4 for the first of 4 parts)")
+    return int(m.group(1)), int(m.group(2))
+
+
 
 
 Progress = Callable[[int, int], None]
 
 
+@dataclass
+class Prepared:
+    """A build planned and its staging claimed; what running and committing shards need."""
+
+    config: BuildConfig
+    found: Scan
+    plan: Plan
+    ctx: ShardContext
+    base: fmt.Manifest | None  # the dataset being appended to
+
+
+@dataclass(frozen=True)
+class PartReport:
+    part: tuple[int, int] | None
+    shards: int  # shards of this part
+    built: int
+    reused: int
+    items: int
+    total_shards: int
+
+
 def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Manifest:
-    """Build the dataset dir `config.out` from `config.raw`; returns the published manifest."""
+    """Build (or resume, or append to) the dataset dir `config.out`; returns the published
+    manifest. With `config.part` use `build_part` and `commit` instead."""
+    if config.part is not None:
+        raise ConfigError("build(): a config with part= runs through build_part() and commit()")
     started = time.time()
+    prep = _prepare(config)
+    try:
+        _run(prep, prep.plan.tasks, on_progress)
+        return commit(config.out, seconds=time.time() - started, workers=_workers_used(config))
+    except MmpackError:
+        _discard(config)
+        raise
+
+
+def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> PartReport:
+    """Build share i of N of the planned shards into a shared OUT/.staging; publishes nothing."""
+    prep = _prepare(config)
+    i, n = config.part or (0, 1)
+    tasks = prep.plan.tasks
+    mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
+    results = _run(prep, mine, on_progress)
+    return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
+                      sum(r.items for r in results), len(tasks))
+
+
+def _workers_used(config: BuildConfig) -> int | str:
+    return "ray" if config.engine == "ray" else config.num_workers
+
+
+def _discard(config: BuildConfig) -> None:
+    """After a user error: drop the staging (it cannot be resumed into anything useful)."""
+    shutil.rmtree(writer.staging_dir(config.out), ignore_errors=True)
+    if config.out.is_dir() and not any(config.out.iterdir()):
+        config.out.rmdir()
+
+
+# -- prepare: scan, plan, fingerprint, claim the staging --------------------------------------
+def _prepare(config: BuildConfig) -> Prepared:
     _check_out(config)
-    found = scan(config.raw, config.kind)
+    base = _append_base(config) if config.append else None
+    found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None)
+    if base is not None:
+        found = _only_new(found, base, config.out)
     tokenizer = _tokenizer_for(config, found.kind)
     columns = _columns(config, found.kind, tokenizer)
+    if base is not None:
+        _check_compatible(config, base, found.kind, columns, tokenizer)
+    itemsize = np.dtype(tokenizer[1].dtype).itemsize if tokenizer else 2
+    first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
+    the_plan = plan(found, image_size=config.image_size, token_itemsize=itemsize,
+                    shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first)
+    skipped = (*found.skipped, *the_plan.skipped)
+    if config.strict and skipped:
+        raise SourceError(f"{config.raw / skipped[0].key}: {skipped[0].reason} (--strict)")
+    if not the_plan.tasks and base is None:
+        first_skip = f" (first: {skipped[0].key}: {skipped[0].reason})" if skipped else ""
+        raise SourceError(f"{config.raw}: nothing to pack, all {len(skipped)} records skipped{first_skip}")
+    params = _params(config, found.kind, tokenizer[1] if tokenizer else None)
+    inputs = _inputs_digest(found)
+    base_sha = hashlib.sha256(base.to_json().encode()).hexdigest() if base else None
+    fingerprint = hashlib.sha256(
+        json.dumps([params, inputs, the_plan.digest(), base_sha], sort_keys=True).encode()).hexdigest()
+    doc = {
+        "fingerprint": fingerprint, "params": params, "inputs": inputs, "records": len(found.records),
+        "kind": found.kind, "columns": [asdict(c) for c in columns],
+        "classes": list(found.classes) if found.classes is not None else None,
+        "tokenizer": asdict(tokenizer[1]) if tokenizer else None,
+        "skipped": [asdict(s) for s in skipped], "shards": [t.index for t in the_plan.tasks],
+        "items": the_plan.items, "base": base_sha,
+    }
+    _claim_staging(config, doc)
+    ctx = ShardContext(writer.staging_dir(config.out), fingerprint, found.kind, columns, config.image_size,
+                       config.text_key, tokenizer[1] if tokenizer else None, config.strict, config.raw)
+    return Prepared(config, found, the_plan, ctx, base)
+
+
+def _claim_staging(config: BuildConfig, doc: dict) -> None:
+    """Start, resume or refuse: staging belongs to one build, named by its fingerprint."""
     out = config.out
-    created_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
+    staging = writer.staging_dir(out)
+    plan_file = staging / PLAN_FILE
+    old = _read_plan(out)
+    if old is not None and old.get("fingerprint") != doc["fingerprint"]:
+        if not config.overwrite:
+            raise ConfigError(f"{out}: holds an unfinished build with {_difference(old, doc)}; run it again "
+                              "with its own arguments to resume it, or pass --overwrite to start over")
+        shutil.rmtree(staging)
     if config.overwrite:
         writer.unpublish(out)
-    staging = writer.staging_dir(out)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
+    staging.mkdir(exist_ok=True)
+    if old is None or old.get("fingerprint") != doc["fingerprint"]:
+        tmp = staging / f"{PLAN_FILE}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
+        os.rename(tmp, plan_file)  # parts racing here write the same content
+
+
+def _read_plan(out: Path) -> dict | None:
     try:
-        skipped = list(found.skipped)
-        if config.strict and skipped:
-            raise SourceError(f"{config.raw / skipped[0].key}: {skipped[0].reason} (--strict)")
-        shards = _write_shards(config, columns, _samples(config, found, tokenizer, on_progress), skipped)
-        packed = sum(s.num_samples for s in shards)
-        if packed == 0:
-            first = f" (first: {skipped[0].key}: {skipped[0].reason})" if skipped else ""
-            raise SourceError(f"{config.raw}: nothing packed, all {len(skipped)} records skipped{first}")
-        manifest = fmt.Manifest(
-            kind=found.kind,
-            columns=columns,
-            shards=tuple(shards),
-            counts={"found": packed + len(skipped), "packed": packed, "skipped": len(skipped)},
-            skipped=tuple(skipped),
-            classes=found.classes,
-            tokenizer=asdict(tokenizer[1]) if tokenizer else None,
-            build=_build_params(config, found.kind, time.time() - started),
-        )
-        writer.publish(out, manifest)
-        return manifest
-    except MmpackError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created_out and not any(out.iterdir()):
-            out.rmdir()
-        raise
+        return json.loads((writer.staging_dir(out) / PLAN_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _difference(old: dict, new: dict) -> str:
+    changed = [f"{k} {old['params'].get(k)!r} (now {new['params'].get(k)!r})"
+               for k in sorted(set(old.get("params", {})) | set(new["params"]))
+               if old.get("params", {}).get(k) != new["params"].get(k)]
+    if changed:
+        return "other arguments: " + ", ".join(changed)
+    if old.get("inputs") != new["inputs"]:
+        return (f"other inputs: RAW has changed since it began ({old.get('records')} records then, "
+                f"{new['records']} now, or files modified)")
+    return "another plan (another mmpack version or a changed dataset to append to)"
+
+
+def _inputs_digest(found: Scan) -> str:
+    """Every record's key, size and mtime, and the scan's skips: a changed input changes it."""
+    digest = hashlib.sha256()
+    for r in found.records:
+        for path in (r.path, r.caption):
+            if path is not None:
+                st = path.stat()
+                digest.update(f"{r.key}\0{path.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for s in found.skipped:
+        digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())
+    return digest.hexdigest()
 
 
 def _check_out(config: BuildConfig) -> None:
     out = config.out
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out}: exists and is not a directory")
-    if out.is_dir() and not config.overwrite:
-        leftovers = [p.name for p in out.iterdir() if p.name != fmt.STAGING_DIR]
-        if leftovers:
-            raise ConfigError(f"{out}: already exists and is not empty; pass --overwrite to rebuild it")
-    if out.is_dir() and config.overwrite:
-        ours = {fmt.MANIFEST_NAME, fmt.STAGING_DIR}
-        foreign = [p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith("shard-")]
-        if foreign and not (out / fmt.MANIFEST_NAME).exists():
-            raise ConfigError(f"{out}: not an mmpack dataset dir (holds {foreign[0]!r}); refusing to overwrite it")
+    if not out.is_dir():
+        return
+    names = {p.name for p in out.iterdir()}
+    if config.append:
+        if fmt.MANIFEST_NAME not in names:
+            raise ConfigError(f"{out}: --append needs an existing dataset dir (no {fmt.MANIFEST_NAME})")
+    elif config.overwrite:
+        foreign = [n for n in names if n not in (fmt.MANIFEST_NAME, fmt.STAGING_DIR) and not n.startswith("shard-")]
+        if foreign and fmt.MANIFEST_NAME not in names:
+            raise ConfigError(f"{out}: not an mmpack dataset dir (holds {sorted(foreign)[0]!r}); refusing to overwrite it")
+    elif names - {fmt.STAGING_DIR}:
+        raise ConfigError(f"{out}: already exists and is not empty; pass --overwrite to rebuild it "
+                          "or --append to add new records")
 
 
 def _tokenizer_for(config: BuildConfig, kind: str):
@@ -168,121 +316,160 @@ def _columns(config: BuildConfig, kind: str, tokenizer) -> tuple[fmt.Column, ...
     return (image, tokens, key) if kind == "pairs" else (tokens, key)
 
 
-def _write_shards(config, columns, samples: Iterator, skipped: list[fmt.Skip]) -> list[fmt.Shard]:
-    """Roll samples into shards of at most shard_rows rows / about shard_bytes bytes."""
-    staging = writer.staging_dir(config.out)
-    shards: list[fmt.Shard] = []
-    shard = None
-    try:
-        for item in samples:
-            if isinstance(item, fmt.Skip):
-                if config.strict:
-                    raise SourceError(f"{config.raw / item.key.split(':')[0]}: {item.reason} (--strict)")
-                skipped.append(item)
-                continue
-            if shard is None:
-                shard = writer.ShardWriter(staging, len(shards), columns)
-            shard.add(item)
-            if (config.shard_rows and shard.num_samples >= config.shard_rows) or (
-                config.shard_bytes and shard.size_bytes >= config.shard_bytes
-            ):
-                shards.append(shard.close())
-                shard = None
-        if shard is not None:
-            shards.append(shard.close())
-            shard = None
-    finally:
-        if shard is not None:
-            shard.abort()
-    return shards
-
-
-def _key_bytes(key: str) -> np.ndarray:
-    return np.frombuffer(key.encode("utf-8"), dtype=np.uint8)
-
-
-def _samples(config: BuildConfig, found: Scan, tokenizer, on_progress: Progress | None) -> Iterator:
-    """Samples (dicts of arrays) and Skips, in record order; text is tokenized across records
-    in batches of TOKENIZE_BATCH_DOCS documents."""
-    total = len(found.records)
-
-    def items() -> Iterator:
-        for done, record in enumerate(found.records, start=1):
-            if found.kind == "images":
-                yield _image_sample(config, record)
-            elif found.kind == "pairs":
-                yield _pair_item(config, record)
-            else:
-                yield from iter_documents(record, config.text_key)
-            if on_progress:
-                on_progress(done, total)
-
-    return items() if tokenizer is None else _tokenized(items(), tokenizer)
-
-
-def _image_sample(config: BuildConfig, record: Record):
-    try:
-        pixels = decode_image(record.path, config.image_size)
-    except SourceError as exc:
-        return fmt.Skip(record.key, "decode", str(exc))
-    return {"image": pixels, "label": np.int64(record.label), "key": _key_bytes(record.key)}
-
-
-def _pair_item(config: BuildConfig, record: Record):
-    try:
-        caption = read_caption(record.caption)
-    except SourceError as exc:
-        return fmt.Skip(record.key, "caption", str(exc))
-    try:
-        pixels = decode_image(record.path, config.image_size)
-    except SourceError as exc:
-        return fmt.Skip(record.key, "decode", str(exc))
-    return Document(record.key, caption), {"image": pixels}
-
-
-def _tokenized(items: Iterator, tokenizer) -> Iterator:
-    """Tokenize documents in batches, keeping record order (skips pass through in place)."""
-    tok, spec = tokenizer
-    pending: list = []
-
-    def flush():
-        docs = [p for p in pending if not isinstance(p, fmt.Skip)]
-        texts = [(p if isinstance(p, Document) else p[0]).text for p in docs]
-        encoded = iter(encode_batch(tok, texts, dtype=spec.dtype, eos_id=spec.eos_id,
-                                    add_special_tokens=spec.add_special_tokens))
-        for p in pending:
-            if isinstance(p, fmt.Skip):
-                yield p
-                continue
-            doc, extra = (p, {}) if isinstance(p, Document) else p
-            tokens = next(encoded)
-            if tokens.size == 0:
-                yield fmt.Skip(doc.key, "tokenize", "no tokens")
-            else:
-                yield {**extra, "tokens": tokens, "key": _key_bytes(doc.key)}
-        pending.clear()
-
-    for item in items:
-        pending.append(item)
-        if len(pending) >= TOKENIZE_BATCH_DOCS:
-            yield from flush()
-    yield from flush()
-
-
-def _build_params(config: BuildConfig, kind: str, seconds: float) -> dict:
-    from . import __version__
-
+def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> dict:
+    """The arguments a dataset's bytes depend on (not workers, engine, part or timings)."""
     return {
         "raw": str(config.raw.resolve()),
         "kind": kind,
         "image_size": config.image_size,
+        "tokenizer_sha256": tokenizer.sha256 if tokenizer else None,
         "text_key": config.text_key,
         "append_eos": config.append_eos,
         "special_tokens": config.special_tokens,
         "shard_rows": config.shard_rows,
         "shard_bytes": config.shard_bytes,
         "strict": config.strict,
-        "seconds": round(seconds, 3),
-        "created_unix": round(time.time(), 3),
-        "mmpack_version": __version__,
     }
+
+
+# -- append ---------------------------------------------------------------------------------
+def _append_base(config: BuildConfig) -> fmt.Manifest:
+    return DatasetReader(config.out).manifest
+
+
+def record_key(key: str, kind: str) -> str:
+    """The record (file) a sample or skip key belongs to: text keys carry ':line' / ':row'."""
+    if kind == "text":
+        head, _, tail = key.rpartition(":")
+        if head and tail.isdigit() and head.lower().endswith((".jsonl", ".parquet")):
+            return head
+    return key
+
+
+def _only_new(found: Scan, base: fmt.Manifest, out: Path) -> Scan:
+    """The records of RAW that the dataset does not hold yet (packed or skipped before)."""
+    if found.kind != base.kind:
+        raise ConfigError(f"--append: RAW holds {found.kind}, the dataset in {out} is {base.kind}")
+    reader = DatasetReader(out)
+    known = {record_key(s.key, base.kind) for s in base.skipped}
+    for pos in range(len(base.shards)):
+        keys = reader.column(pos, "key")
+        raw = keys.values.tobytes()
+        offsets = keys.offsets.tolist()
+        known.update(record_key(raw[a:b].decode("utf-8"), base.kind) for a, b in zip(offsets, offsets[1:]))
+    return replace(found, records=tuple(r for r in found.records if r.key not in known),
+                   skipped=tuple(s for s in found.skipped if s.key not in known))
+
+
+def _check_compatible(config, base: fmt.Manifest, kind: str, columns, tokenizer) -> None:
+    where = f"--append to {config.out}"
+    if tuple(columns) != tuple(base.columns):
+        raise ConfigError(f"{where}: columns differ ({_cols(columns)} vs the dataset's {_cols(base.columns)}); "
+                          "use the dataset's --image-size")
+    old = base.build
+    for name, new in (("text_key", config.text_key), ("append_eos", config.append_eos),
+                      ("special_tokens", config.special_tokens)):
+        if name in old and old[name] != new:
+            raise ConfigError(f"{where}: {name} is {new!r}, the dataset was built with {old[name]!r}")
+    if base.tokenizer and tokenizer and base.tokenizer.get("sha256") != tokenizer[1].sha256:
+        raise ConfigError(f"{where}: tokenizer {config.tokenizer} is not the one the dataset was built with "
+                          f"(sha256 {tokenizer[1].sha256[:12]} vs {base.tokenizer['sha256'][:12]})")
+
+
+def _cols(columns) -> str:
+    return ", ".join(f"{c.name}{list(c.shape)}" for c in columns)
+
+
+# -- run: the shard tasks, here, in a pool, or on Ray --------------------------------------------
+def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResult]:
+    total = sum(t.items for t in tasks)
+    done = 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        if on_progress:
+            on_progress(min(done, total), total)
+
+    results: dict[int, ShardResult] = {}
+    todo = []
+    for task in tasks:
+        kept = reusable(prep.ctx.staging, task.index, prep.ctx.fingerprint)
+        if kept is not None:
+            results[task.index] = kept
+            advance(kept.items)
+        else:
+            todo.append(task)
+    jobs = ((task, list(records_of(prep.found, task))) for task in todo)
+    workers = min(prep.config.num_workers, len(todo))
+    if prep.config.engine == "ray":
+        from .engines import run_ray
+
+        ran = run_ray(prep.ctx, jobs, advance, prep.config.ray_address)
+    elif workers <= 1:
+        from .engines import run_here
+
+        ran = run_here(prep.ctx, jobs, advance)
+    else:
+        from .engines import run_pool
+
+        ran = run_pool(prep.ctx, jobs, advance, workers, max(1, available_cores() // workers))
+    results.update((r.shard.index, r) for r in ran)
+    return [results[t.index] for t in tasks]
+
+
+# -- commit: every shard there -> manifest, published last ------------------------------------
+def commit(out: str | Path, *, seconds: float | None = None, workers: int | str | None = None) -> fmt.Manifest:
+    """Publish the build staged in OUT once every planned shard is whole there."""
+    out = Path(out)
+    doc = _read_plan(out)
+    if doc is None:
+        raise ConfigError(f"{out}: nothing to commit (no build staged in {out / fmt.STAGING_DIR})")
+    staging = writer.staging_dir(out)
+    results, missing = [], []
+    for index in doc["shards"]:
+        result = read_sidecar(staging, index, doc["fingerprint"])
+        (missing.append(index) if result is None else results.append(result))
+    if missing:
+        raise ConfigError(f"{out}: {len(missing)} of {len(doc['shards'])} shards are not built yet "
+                          f"(first: {fmt.shard_dir_name(missing[0])}); run the missing parts, then commit")
+    new_shards = [r.shard for r in results if r.shard.num_samples]
+    check_file_sizes(staging, new_shards)
+    skipped = [fmt.Skip(**s) for s in doc["skipped"]] + [k for r in results for k in r.skipped]
+    base = None
+    if doc["base"] is not None:
+        base = load_manifest(out)
+        if hashlib.sha256(base.to_json().encode()).hexdigest() != doc["base"]:
+            raise IntegrityError(f"{out}: the dataset changed while an append to it was staged; "
+                                 "run the append again")
+    packed = sum(s.num_samples for s in new_shards)
+    if packed == 0 and base is None:
+        first = f" (first: {skipped[0].key}: {skipped[0].reason})" if skipped else ""
+        shutil.rmtree(staging, ignore_errors=True)
+        raise SourceError(f"{doc['params']['raw']}: nothing packed, all {len(skipped)} records skipped{first}")
+    counts = {"found": packed + len(skipped), "packed": packed, "skipped": len(skipped)}
+    build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
+                  "seconds": round(seconds, 3) if seconds is not None else None,
+                  "workers": workers, "created_unix": round(time.time(), 3), "mmpack_version": _version()}
+    if base is not None:
+        counts = {k: base.counts[k] + counts[k] for k in counts}
+        build_info["appended"] = [*base.build.get("appended", []), {k: build_info[k] for k in ("raw", "created_unix")}]
+        build_info = {**base.build, "appended": build_info["appended"]}
+    manifest = fmt.Manifest(
+        kind=doc["kind"],
+        columns=tuple(fmt.Column(**c) for c in doc["columns"]),
+        shards=(*(base.shards if base else ()), *new_shards),
+        counts=counts,
+        skipped=(*(base.skipped if base else ()), *skipped),
+        classes=tuple(doc["classes"]) if doc["classes"] is not None else None,
+        tokenizer=doc["tokenizer"] if base is None else base.tokenizer,
+        build=build_info,
+    )
+    writer.publish(out, manifest, moved=[s.index for s in new_shards])
+    return manifest
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__

@@ -6,6 +6,7 @@ Exit codes: 0 ok, 1 `verify` found damage, 2 a user error (bad input, options, O
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 from . import format as fmt
-from .builder import BuildConfig, build, parse_shard_size
+from .builder import BuildConfig, build, build_part, commit, parse_part, parse_shard_size
 from .errors import ConfigError, IntegrityError, MmpackError
 from .reader import DatasetReader
 from .verify import verify
@@ -27,19 +28,29 @@ def show_progress() -> bool:
 
 
 class ProgressBar:
-    """A tqdm bar counting records when show_progress(), else silent."""
+    """Progress of `unit`s: a tqdm bar (rate, ETA) on a terminal; a plain line every
+    LINE_EVERY_S seconds into a pipe or log; nothing under CI or when disabled (--quiet)."""
 
-    def __init__(self, desc: str, enabled: bool):
-        self.desc, self.enabled, self.bar = desc, enabled and show_progress(), None
+    LINE_EVERY_S = 30.0
+
+    def __init__(self, desc: str, enabled: bool, unit: str = "rec"):
+        self.desc, self.unit, self.bar = desc, unit, None
+        self.mode = "off" if not enabled or os.environ.get("CI") else ("bar" if show_progress() else "lines")
+        self.started = self.last_line = time.monotonic()
 
     def __call__(self, done: int, total: int) -> None:
-        if not self.enabled:
-            return
-        if self.bar is None:
-            from tqdm import tqdm
+        if self.mode == "bar":
+            if self.bar is None:
+                from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=self.desc, unit="rec", dynamic_ncols=True, leave=False)
-        self.bar.update(done - self.bar.n)
+                self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, dynamic_ncols=True, leave=False)
+            self.bar.update(done - self.bar.n)
+        elif self.mode == "lines" and time.monotonic() - self.last_line >= self.LINE_EVERY_S:
+            self.last_line = now = time.monotonic()
+            rate = done / max(now - self.started, 1e-9)
+            eta = (total - done) / rate if rate else float("inf")
+            print(f"{self.desc}: {done:,}/{total:,} {self.unit} ({rate:,.0f}/s, ETA {eta:,.0f} s)",
+                  file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -71,7 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--shard-size", default="256MB", help="rows per shard (1000) or bytes (256MB); default 256MB")
     b.add_argument("--overwrite", action="store_true", help="rebuild over an existing dataset dir")
     b.add_argument("--strict", action="store_true", help="fail the build on any skipped record")
-    b.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no skip list")
+    b.add_argument("--workers", type=int, default=None, help="worker processes (default: every core)")
+    b.add_argument("--engine", choices=("local", "ray"), default="local",
+                   help="run shards here (a process pool) or as Ray tasks")
+    b.add_argument("--ray-address", default=None, help="Ray cluster to join (default: a local one)")
+    b.add_argument("--part", default=None, metavar="i/N",
+                   help="build only part i (0-based) of N into a shared OUT; then 'packer commit OUT'")
+    b.add_argument("--append", action="store_true", help="add RAW's new records to the dataset in OUT as new shards")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress, no skip list")
+
+    c = sub.add_parser("commit", help="publish a build made of --part runs once every shard is there")
+    c.add_argument("out", type=Path)
 
     i = sub.add_parser("info", help="describe a dataset dir")
     i.add_argument("out", type=Path)
@@ -96,29 +117,51 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         raw=args.raw, out=args.out, kind=args.kind, image_size=size, tokenizer=args.tokenizer,
         text_key=args.text_key, append_eos=args.append_eos, special_tokens=args.special_tokens,
         shard_rows=rows, shard_bytes=nbytes, overwrite=args.overwrite, strict=args.strict,
+        workers=args.workers, engine=args.engine, ray_address=args.ray_address,
+        part=parse_part(args.part) if args.part else None, append=args.append,
     )
 
 
 def _cmd_build(args) -> int:
     config = _config(args)
-    bar = ProgressBar("packing", enabled=not args.quiet)
+    bar = ProgressBar("packing", enabled=not args.quiet, unit="records")
     started = time.perf_counter()
     try:
-        manifest = build(config, on_progress=bar)
+        if config.part is not None:
+            report = build_part(config, on_progress=bar)
+        else:
+            manifest = build(config, on_progress=bar)
     finally:
         bar.close()
     seconds = time.perf_counter() - started
+    if config.part is not None:
+        i, n = config.part
+        print(f"part {i}/{n}: {report.shards} of {report.total_shards} shards ({report.built} built, "
+              f"{report.reused} reused), {report.items:,} records in {seconds:.1f} s; "
+              f"run 'packer commit {config.out}' once all {n} parts are done")
+        return 0
+    _summary(manifest, config.out, seconds, quiet=args.quiet)
+    return 0
+
+
+def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool) -> None:
     c = manifest.counts
-    if not args.quiet:
+    if not quiet:
         for skip in manifest.skipped[:SKIPS_SHOWN]:
             print(f"skipped {skip.key}: {skip.reason}")
         if len(manifest.skipped) > SKIPS_SHOWN:
-            print(f"... and {len(manifest.skipped) - SKIPS_SHOWN} more (packer info {config.out} --skipped)")
+            print(f"... and {len(manifest.skipped) - SKIPS_SHOWN} more (packer info {out} --skipped)")
     print(
         f"found {c['found']} = packed {c['packed']} + skipped {c['skipped']}; "
         f"{len(manifest.shards)} shards, {_human_bytes(manifest.size_bytes)} in {seconds:.1f} s "
-        f"({c['packed'] / max(seconds, 1e-9):,.0f} samples/s) -> {config.out}"
+        f"({c['packed'] / max(seconds, 1e-9):,.0f} samples/s) -> {out}"
     )
+
+
+def _cmd_commit(args) -> int:
+    started = time.perf_counter()
+    manifest = commit(args.out)
+    _summary(manifest, args.out, time.perf_counter() - started, quiet=True)
     return 0
 
 
@@ -175,15 +218,23 @@ def _cmd_verify(args) -> int:
     return 0
 
 
+COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "info": _cmd_info, "verify": _cmd_verify}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"build": _cmd_build, "info": _cmd_info, "verify": _cmd_verify}[args.command](args)
+        return COMMANDS[args.command](args)
     except MmpackError as exc:
         print(f"packer {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # disk full, permissions: the environment, not a bug
-        print(f"packer {args.command}: error: {exc.filename or ''}: {exc.strerror or exc}", file=sys.stderr)
+        where = f"{exc.filename}: " if exc.filename else ""
+        hint = ""
+        if exc.errno == errno.ENOSPC and args.command == "build":
+            hint = ("; no dataset was published, whole shards stay in OUT/.staging: free space and run "
+                    "the same command to resume, or delete OUT")
+        print(f"packer {args.command}: error: {where}{exc.strerror or exc}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"packer {args.command}: interrupted", file=sys.stderr)

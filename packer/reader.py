@@ -9,6 +9,7 @@ nor warns. The reader pickles as its path alone and re-maps in each worker.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -38,9 +39,9 @@ def load_manifest(root: str | Path) -> fmt.Manifest:
     return fmt.Manifest.from_json(text, where=str(path))
 
 
-def check_file_sizes(root: Path, manifest: fmt.Manifest) -> None:
-    """Every file the manifest names exists with the size it records (one stat per file)."""
-    for shard in manifest.shards:
+def check_file_sizes(root: Path, shards: Iterable[fmt.Shard]) -> None:
+    """Every file of these shards exists with the size the manifest records (one stat per file)."""
+    for shard in shards:
         for entry in shard.files:
             path = root / entry.path
             try:
@@ -110,7 +111,7 @@ class DatasetReader:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.manifest = load_manifest(self.root)
-        check_file_sizes(self.root, self.manifest)
+        check_file_sizes(self.root, self.manifest.shards)
         self._ends = list(accumulate(s.num_samples for s in self.manifest.shards))
         self._maps: dict[tuple[int, str], ColumnArrays] = {}
 

@@ -80,8 +80,9 @@ def detect_kind(files: list[tuple[str, Path]]) -> str:
     return ""
 
 
-def scan(raw: str | Path, kind: str | None = None) -> Scan:
-    """Records of RAW in sorted relative-path order; `kind` forces the layout."""
+def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | None = None) -> Scan:
+    """Records of RAW in sorted relative-path order; `kind` forces the layout. `classes`: the
+    class list of a dataset being appended to; new class names are added after it, sorted."""
     raw = Path(raw)
     if not raw.is_dir():
         raise SourceError(f"{raw}: not a directory")
@@ -96,11 +97,14 @@ def scan(raw: str | Path, kind: str | None = None) -> Scan:
             f"{', '.join(exts)}); expected <class>/<image>, <stem>.<image>+<stem>.txt, or "
             "*.jsonl/*.txt/*.parquet; use --kind to force one"
         )
-    return {"images": _scan_images, "pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
+    if kind == "images":
+        return _scan_images(files, skipped, classes or ())
+    return {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
 
 
-def _scan_images(files, skipped) -> Scan:
-    classes = sorted({rel.split("/", 1)[0] for rel, _ in files if "/" in rel and _ext(rel) in IMAGE_EXTS})
+def _scan_images(files, skipped, known: tuple[str, ...]) -> Scan:
+    found = {rel.split("/", 1)[0] for rel, _ in files if "/" in rel and _ext(rel) in IMAGE_EXTS}
+    classes = [*known, *sorted(found - set(known))]
     index = {name: i for i, name in enumerate(classes)}
     records = []
     for rel, path in files:

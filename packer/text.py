@@ -57,31 +57,41 @@ def read_caption(path: Path) -> str:
     return text
 
 
-def iter_documents(record: Record, text_key: str = "text") -> Iterator[Document | Skip]:
-    """Documents of one text file, in line / row order, or skips with reasons."""
+def iter_documents(record: Record, text_key: str = "text", start: int = 0, stop: int | None = None,
+                   first_line: int = 1) -> Iterator[Document | Skip]:
+    """Documents of one text file, in line / row order, or skips with reasons. A piece of a
+    file (a shard's span): JSONL bytes [start, stop) starting at line `first_line`; Parquet
+    rows [start, stop)."""
     ext = record.path.suffix.lower()
     try:
         if ext == ".txt":
             yield _check(Document(record.key, _utf8(record.path.read_bytes())))
         elif ext == ".jsonl":
-            yield from _iter_jsonl(record, text_key)
+            yield from _iter_jsonl(record, text_key, start, stop, first_line)
         elif ext == ".parquet":
-            yield from _iter_parquet(record, text_key)
+            yield from _iter_parquet(record, text_key, start, stop)
         else:
             yield Skip(record.key, "read", f"not a text file ({ext})")
-    except SourceError as exc:
-        yield Skip(record.key, "read", str(exc))
+    except SourceError as exc:  # a whole-file problem: reported once, by the file's first piece
+        if start == 0:
+            yield Skip(record.key, "read", str(exc))
     except OSError as exc:
-        yield Skip(record.key, "read", f"unreadable ({exc.strerror or exc})")
+        if start == 0:
+            yield Skip(record.key, "read", f"unreadable ({exc.strerror or exc})")
 
 
 def _check(doc: Document) -> Document | Skip:
     return doc if doc.text.strip() else Skip(doc.key, "read", "empty document")
 
 
-def _iter_jsonl(record: Record, text_key: str) -> Iterator[Document | Skip]:
+def _iter_jsonl(record: Record, text_key: str, start: int, stop: int | None, first_line: int) -> Iterator[Document | Skip]:
     with open(record.path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        f.seek(start)
+        pos = start
+        for number, raw in enumerate(f, start=first_line):
+            if stop is not None and pos >= stop:
+                break
+            pos += len(raw)
             key = f"{record.key}:{number}"
             try:
                 line = _utf8(raw)
@@ -104,7 +114,7 @@ def _iter_jsonl(record: Record, text_key: str) -> Iterator[Document | Skip]:
                 yield _check(Document(key, obj[text_key]))
 
 
-def _iter_parquet(record: Record, text_key: str) -> Iterator[Document | Skip]:
+def _iter_parquet(record: Record, text_key: str, start: int, stop: int | None) -> Iterator[Document | Skip]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -114,12 +124,26 @@ def _iter_parquet(record: Record, text_key: str) -> Iterator[Document | Skip]:
         raise SourceError(f"not a readable Parquet file ({exc})") from None
     if text_key not in pfile.schema_arrow.names:
         raise SourceError(f"no {text_key!r} column (columns: {', '.join(pfile.schema_arrow.names)})")
-    row = 0
+    meta = pfile.metadata
+    stop = meta.num_rows if stop is None else stop
+    groups, first, begin = [], 0, 0  # row groups overlapping [start, stop); first row of the first
+    for g in range(meta.num_row_groups):
+        end = begin + meta.row_group(g).num_rows
+        if end > start and begin < stop:
+            if not groups:
+                first = begin
+            groups.append(g)
+        begin = end
+    row = first
     try:
-        for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_key]):
+        for batch in pfile.iter_batches(batch_size=PARQUET_BATCH_ROWS, row_groups=groups, columns=[text_key]):
             for value in batch.column(0).to_pylist():
                 key = f"{record.key}:{row}"
                 row += 1
+                if row - 1 < start:
+                    continue
+                if row - 1 >= stop:
+                    return
                 if not isinstance(value, str):
                     yield Skip(key, "read", f"{text_key!r} is {type(value).__name__}, not a string")
                 else:

@@ -20,7 +20,7 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
     """Returns {"files", "size_bytes", "num_samples"} when all is well."""
     root = Path(root)
     manifest = load_manifest(root)
-    check_file_sizes(root, manifest)  # missing or resized files, before any hashing
+    check_file_sizes(root, manifest.shards)  # missing or resized files, before any hashing
     files = size_bytes = 0
     total = sum(len(s.files) for s in manifest.shards)
     for shard in manifest.shards:

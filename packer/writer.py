@@ -47,7 +47,10 @@ class _NpyStream:
         self._file.write(fmt.npy_header(self.dtype.str, (0, *sample_shape)))
 
     def write(self, array: np.ndarray, num_rows: int) -> None:
-        self._file.write(np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data)
+        try:
+            self._file.write(np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data)
+        except OSError as exc:  # ENOSPC and friends carry no file name from write(); add it
+            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
         self.num_rows += num_rows
 
     def close(self) -> None:
@@ -175,11 +178,14 @@ def unpublish(out: Path) -> None:
             shutil.rmtree(child)
 
 
-def publish(out: Path, manifest: fmt.Manifest) -> None:
-    """Move whole shards from staging into OUT, then write the manifest last, atomically."""
+def publish(out: Path, manifest: fmt.Manifest, moved: list[int] | None = None) -> None:
+    """Move whole shards (`moved`: these indexes; default all) from staging into OUT, then write
+    the manifest last, atomically. Until that rename OUT holds its previous manifest (or none)."""
     staging = staging_dir(out)
-    for shard in manifest.shards:
-        name = fmt.shard_dir_name(shard.index)
+    for index in moved if moved is not None else [s.index for s in manifest.shards]:
+        name = fmt.shard_dir_name(index)
+        if (out / name).exists():  # left by a publish that was killed before its manifest
+            shutil.rmtree(out / name)
         os.rename(staging / name, out / name)
     _fsync_dir(out)
     tmp = out / (fmt.MANIFEST_NAME + ".tmp")

@@ -52,7 +52,8 @@ def test_images_counts_add_up_and_skips_are_the_planted_files(built, image_raw):
     assert m.counts["found"] == len(files) == m.counts["packed"] + m.counts["skipped"]
     assert {s.key for s in m.skipped} == PLANTED_IMAGE_SKIPS
     assert m.classes == tuple(sorted(p.name for p in image_raw.iterdir() if p.is_dir()))
-    assert len(m.shards) == math.ceil(m.num_samples / 16)
+    # planned 16 records a shard, before decoding: decode skips make a shard smaller, never larger
+    assert all(0 < s.num_samples <= 16 for s in m.shards) and len(m.shards) >= math.ceil(m.num_samples / 16)
 
 
 def test_image_pixels_labels_and_keys(built, image_raw):

@@ -105,8 +105,8 @@ def _kill_mid_build(raw, out, extra=()):
     deadline = time.time() + 60
     staging = out / fmt.STAGING_DIR
     while time.time() < deadline and proc.poll() is None:
-        if staging.is_dir() and any(p.name.endswith(".partial") for p in staging.iterdir()) and \
-                any(not p.name.endswith(".partial") for p in staging.iterdir()):
+        names = [p.name for p in staging.iterdir()] if staging.is_dir() else []
+        if any(n.endswith(".partial") for n in names) and any(n.endswith(".json") and n.startswith("shard-") for n in names):
             break
         time.sleep(0.005)
     assert proc.poll() is None, "the build finished before it could be killed; use more input"
@@ -114,12 +114,14 @@ def _kill_mid_build(raw, out, extra=()):
     proc.wait()
 
 
-def test_killed_build_leaves_nothing_that_opens(tmp_path, image_raw):
+def test_killed_build_leaves_nothing_that_opens(tmp_path, image_raw, capsys):
     out = tmp_path / "killed"
     _kill_mid_build(image_raw, out)
     with pytest.raises(ManifestError, match="incomplete build"):
         MMapDataset(out)
-    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 0  # restart works
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 2  # other args: refused
+    assert "unfinished build" in capsys.readouterr().err
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q", "--overwrite"]) == 0
     assert len(MMapDataset(out)) > 0
 
 

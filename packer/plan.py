@@ -1,0 +1,194 @@
+"""Shard planning: the scanned records cut into shards *before* any decoding, so the shard is
+the unit of work and a dataset is the same bytes whatever runs the shards (1 or N workers, N
+machines, Ray).
+
+A shard is a tuple of spans. A span is `count` consecutive whole records (images, pairs, .txt
+files), or one piece of a big text file: a line range of a JSONL file (byte offsets at line
+starts, with the first line's number for keys) or a row range of a Parquet file. Shard sizes
+are targets computed from the inputs: rows are exact upper bounds (records per shard); bytes
+are estimated from the output size of a sample (images: S*S*3; text: `TEXT_BYTES_PER_TOKEN`
+raw bytes per token). Records that are skipped while packing make a shard smaller, never larger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .format import Skip
+from .sources import Record, Scan
+
+TEXT_BYTES_PER_TOKEN = 4  # UTF-8 bytes per token for English BPE/WordPiece, to size text shards
+_SAMPLE_OVERHEAD = 64  # label, key and offsets of one sample, roughly
+
+
+@dataclass(frozen=True)
+class Span:
+    record: int  # index into Scan.records
+    count: int = 1  # whole records record .. record+count-1 (start/stop unused)
+    start: int = 0  # JSONL: byte offset of a line start; Parquet: first row
+    stop: int | None = None  # JSONL: byte offset (exclusive); Parquet: row (exclusive); None: to the end
+    first_line: int = 1  # JSONL: 1-based number of the line at `start`
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    index: int
+    spans: tuple[Span, ...]
+    items: int  # records (images) or documents (text) it covers: the progress unit
+
+
+@dataclass(frozen=True)
+class Plan:
+    tasks: tuple[ShardTask, ...]
+    skipped: tuple[Skip, ...]  # records found unusable while planning (an unreadable Parquet file)
+
+    @property
+    def items(self) -> int:
+        return sum(t.items for t in self.tasks)
+
+    def digest(self) -> str:
+        doc = {"tasks": [asdict(t) for t in self.tasks], "skipped": [asdict(s) for s in self.skipped]}
+        return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+class _Cutter:
+    """Accumulates spans into the current shard and cuts when it reaches the target."""
+
+    def __init__(self, rows: int | None, nbytes: int | None, first_index: int):
+        self.rows_limit, self.bytes_limit = rows, nbytes
+        self.tasks: list[ShardTask] = []
+        self.first_index = first_index
+        self._spans: list[Span] = []
+        self._rows = self._bytes = 0
+
+    def fills(self, rows: int, nbytes: int) -> bool:
+        """Would adding rows/bytes to the current shard fill it?"""
+        return bool(
+            (self.rows_limit and self._rows + rows >= self.rows_limit)
+            or (self.bytes_limit and self._bytes + nbytes >= self.bytes_limit)
+        )
+
+    def room_rows(self) -> int | None:
+        return None if not self.rows_limit else self.rows_limit - self._rows
+
+    def add(self, span: Span, rows: int, nbytes: int) -> None:
+        last = self._spans[-1] if self._spans else None
+        whole = span.start == 0 and span.stop is None
+        if last is not None and whole and last.start == 0 and last.stop is None and last.record + last.count == span.record:
+            self._spans[-1] = Span(last.record, last.count + span.count)
+        else:
+            self._spans.append(span)
+        self._rows += rows
+        self._bytes += nbytes
+        if self.fills(0, 0):
+            self.cut()
+
+    def cut(self) -> None:
+        if self._spans:
+            self.tasks.append(ShardTask(self.first_index + len(self.tasks), tuple(self._spans), self._rows))
+        self._spans, self._rows, self._bytes = [], 0, 0
+
+
+def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows: int | None,
+         shard_bytes: int | None, first_index: int = 0) -> Plan:
+    """Cut the records of a scan into shard tasks numbered from `first_index`."""
+    cutter = _Cutter(shard_rows, shard_bytes, first_index)
+    skipped: list[Skip] = []
+    if found.kind in ("images", "pairs"):
+        for i, record in enumerate(found.records):
+            cutter.add(Span(i), 1, _image_bytes(record, image_size))
+    else:
+        for i, record in enumerate(found.records):
+            ext = record.path.suffix.lower()
+            try:
+                if ext == ".jsonl":
+                    _plan_jsonl(cutter, i, record.path, token_itemsize)
+                elif ext == ".parquet":
+                    _plan_parquet(cutter, i, record, token_itemsize)
+                else:
+                    cutter.add(Span(i), 1, _text_bytes(record.path.stat().st_size, token_itemsize))
+            except _Unusable as exc:
+                skipped.append(Skip(record.key, "read", str(exc)))
+            except OSError as exc:
+                skipped.append(Skip(record.key, "read", f"unreadable ({exc.strerror or exc})"))
+    cutter.cut()
+    return Plan(tuple(cutter.tasks), tuple(skipped))
+
+
+class _Unusable(Exception):
+    pass
+
+
+def _image_bytes(record: Record, size: int | None) -> int:
+    if size is not None:
+        return size * size * 3 + _SAMPLE_OVERHEAD
+    from PIL import Image  # 'keep': the header's size, without decoding
+
+    try:
+        with Image.open(record.path) as img:
+            return img.width * img.height * 3 + _SAMPLE_OVERHEAD
+    except Exception:  # noqa: BLE001 - unreadable now means skipped later; it costs nothing here
+        return _SAMPLE_OVERHEAD
+
+
+def _text_bytes(raw_bytes: int, token_itemsize: int) -> int:
+    return raw_bytes * token_itemsize // TEXT_BYTES_PER_TOKEN + _SAMPLE_OVERHEAD
+
+
+def _plan_jsonl(cutter: _Cutter, i: int, path: Path, itemsize: int) -> None:
+    """Line ranges of one JSONL file, cut where the current shard fills (one pass, a line at a time)."""
+    start = pos = rows = nbytes = 0
+    first_line = line = 1
+    with open(path, "rb") as f:
+        for raw in f:
+            pos += len(raw)
+            rows += 1
+            nbytes += _text_bytes(len(raw), itemsize)
+            line += 1
+            if cutter.fills(rows, nbytes):
+                cutter.add(Span(i, 1, start, pos, first_line), rows, nbytes)
+                start, first_line, rows, nbytes = pos, line, 0, 0
+    if pos == 0:
+        raise _Unusable("empty file")
+    if rows:
+        whole = start == 0
+        cutter.add(Span(i) if whole else Span(i, 1, start, None, first_line), rows, nbytes)
+
+
+def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(record.path).metadata
+    except (pa.ArrowException, OSError) as exc:
+        raise _Unusable(f"not a readable Parquet file ({exc})") from None
+    total = meta.num_rows
+    if total == 0:
+        raise _Unusable("no rows")
+    per_row = max(1, _text_bytes(sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)), itemsize) // total)
+    row = 0
+    while row < total:
+        take = total - row
+        room = cutter.room_rows()
+        if room is not None:
+            take = min(take, room)
+        if cutter.bytes_limit:
+            take = min(take, max(1, -(-(cutter.bytes_limit - cutter._bytes) // per_row)))
+        whole = row == 0 and take == total
+        cutter.add(Span(i) if whole else Span(i, 1, row, row + take), take, take * per_row)
+        row += take
+
+
+def records_of(found: Scan, task: ShardTask) -> Iterator[tuple[Span, Record]]:
+    """(span, record) pairs of a task, whole-record spans expanded one record at a time."""
+    for span in task.spans:
+        if span.start == 0 and span.stop is None:
+            for r in range(span.record, span.record + span.count):
+                yield Span(r), found.records[r]
+        else:
+            yield span, found.records[span.record]

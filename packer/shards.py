@@ -1,0 +1,253 @@
+"""The shard function: one planned shard from its records to whole column files in staging.
+
+The same function runs in the build process (`--workers 1`), in pool worker processes, and as a
+Ray task: it takes a picklable context and task and returns a picklable result. A finished
+shard is `OUT/.staging/shard-k/` plus `shard-k.json` (its files with sizes and checksums, its
+skips, and the build fingerprint), which is what lets a killed build resume and what
+`packer commit` assembles the manifest from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import format as fmt
+from . import writer
+from .errors import SourceError
+from .images import decode_image
+from .plan import ShardTask, Span
+from .sources import Record
+from .text import Document, TokenizerSpec, encode_batch, iter_documents, load_tokenizer, read_caption
+
+TOKENIZE_BATCH_DOCS = 512
+PROGRESS_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What every shard of one build shares; picklable, small."""
+
+    staging: Path
+    fingerprint: str
+    kind: str
+    columns: tuple[fmt.Column, ...]
+    image_size: int | None
+    text_key: str
+    tokenizer: TokenizerSpec | None
+    strict: bool
+    raw: Path
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    shard: fmt.Shard  # num_samples 0 and no files when every record of it was skipped
+    skipped: tuple[fmt.Skip, ...]
+    items: int
+    reused: bool = False
+
+
+# -- progress: a sink set per process (a callback in the build process, a queue in workers) ---
+_sink: Callable[[int], None] | None = None
+
+
+def set_progress_sink(sink: Callable[[int], None] | None) -> None:
+    global _sink
+    _sink = sink
+
+
+class _Ticker:
+    def __init__(self):
+        self.pending, self.last = 0, time.monotonic()
+
+    def tick(self, n: int = 1, *, flush: bool = False) -> None:
+        self.pending += n
+        now = time.monotonic()
+        if _sink is not None and self.pending and (flush or now - self.last >= PROGRESS_EVERY_S):
+            _sink(self.pending)
+            self.pending, self.last = 0, now
+
+
+_tokenizers: dict[str, object] = {}
+
+
+def _tokenizer(spec: TokenizerSpec):
+    tok = _tokenizers.get(spec.path)
+    if tok is None:
+        tok = _tokenizers[spec.path] = load_tokenizer(spec.path)
+    return tok
+
+
+def init_worker(queue, rayon_threads: int | None) -> None:
+    """Pool worker initializer: progress to the parent's queue; tokenizers' Rust pool sized so
+    that N workers do not oversubscribe the cores (set before its first use in this process)."""
+    _die_with_parent()
+    if rayon_threads:
+        os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    set_progress_sink(queue.put if queue is not None else None)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when its parent goes (a `kill -9` of the build), so no orphan
+    keeps writing into a staging dir that a restarted build is using."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+# -- sidecars ------------------------------------------------------------------------------
+def sidecar_path(staging: Path, index: int) -> Path:
+    return staging / f"{fmt.shard_dir_name(index)}.json"
+
+
+def _write_sidecar(ctx: ShardContext, result: ShardResult) -> None:
+    doc = {"fingerprint": ctx.fingerprint, "shard": asdict(result.shard),
+           "skipped": [asdict(s) for s in result.skipped], "items": result.items}
+    path = sidecar_path(ctx.staging, result.shard.index)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc), encoding="utf-8")
+    os.rename(tmp, path)
+
+
+def read_sidecar(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
+    """The recorded result of a finished shard, or None when there is none for this build."""
+    try:
+        doc = json.loads(sidecar_path(staging, index).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if doc.get("fingerprint") != fingerprint:
+        return None
+    s = doc["shard"]
+    shard = fmt.Shard(s["index"], s["num_samples"], tuple(fmt.FileEntry(**f) for f in s["files"]))
+    return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True)
+
+
+def reusable(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
+    """A finished shard of this very build, whole on disk: sidecar, sizes and sha256 all match."""
+    result = read_sidecar(staging, index, fingerprint)
+    if result is None:
+        return None
+    for entry in result.shard.files:
+        path = staging / entry.path
+        try:
+            if path.stat().st_size != entry.size_bytes or writer.sha256_file(path) != entry.sha256:
+                return None
+        except OSError:
+            return None
+    return result
+
+
+# -- the shard function --------------------------------------------------------------------
+def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> ShardResult:
+    """Pack one planned shard into staging; deterministic: same inputs, same bytes."""
+    skipped: list[fmt.Skip] = []
+    ticker = _Ticker()
+    items = 0
+    shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns)
+    try:
+        for item in _samples(ctx, records, ticker):
+            items += 1
+            if isinstance(item, fmt.Skip):
+                if ctx.strict:
+                    raise SourceError(f"{ctx.raw / item.key.split(':')[0]}: {item.reason} (--strict)")
+                skipped.append(item)
+            else:
+                shard.add(item)
+        ticker.tick(0, flush=True)
+        if shard.num_samples == 0:
+            shard.abort()
+            done = fmt.Shard(task.index, 0, ())
+        else:
+            done = shard.close()
+    except BaseException:
+        shard.abort()
+        raise
+    result = ShardResult(done, tuple(skipped), items)
+    _write_sidecar(ctx, result)
+    return result
+
+
+def _key_bytes(key: str) -> np.ndarray:
+    return np.frombuffer(key.encode("utf-8"), dtype=np.uint8)
+
+
+def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
+    """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
+    if ctx.kind == "images":
+        for _, record in records:
+            yield _image_sample(ctx, record)
+            ticker.tick()
+        return
+
+    def items() -> Iterator:
+        for span, record in records:
+            if ctx.kind == "pairs":
+                yield _pair_item(ctx, record)
+            else:
+                yield from iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line)
+
+    yield from _tokenized(items(), ctx.tokenizer, ticker)
+
+
+def _image_sample(ctx: ShardContext, record: Record):
+    try:
+        pixels = decode_image(record.path, ctx.image_size)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "decode", str(exc))
+    return {"image": pixels, "label": np.int64(record.label), "key": _key_bytes(record.key)}
+
+
+def _pair_item(ctx: ShardContext, record: Record):
+    try:
+        caption = read_caption(record.caption)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "caption", str(exc))
+    try:
+        pixels = decode_image(record.path, ctx.image_size)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "decode", str(exc))
+    return Document(record.key, caption), {"image": pixels}
+
+
+def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterator:
+    """Tokenize documents in batches, keeping record order (skips pass through in place)."""
+    tok = _tokenizer(spec)
+    pending: list = []
+
+    def flush():
+        docs = [p for p in pending if not isinstance(p, fmt.Skip)]
+        texts = [(p if isinstance(p, Document) else p[0]).text for p in docs]
+        encoded = iter(encode_batch(tok, texts, dtype=spec.dtype, eos_id=spec.eos_id,
+                                    add_special_tokens=spec.add_special_tokens))
+        for p in pending:
+            if isinstance(p, fmt.Skip):
+                yield p
+                continue
+            doc, extra = (p, {}) if isinstance(p, Document) else p
+            tokens = next(encoded)
+            if tokens.size == 0:
+                yield fmt.Skip(doc.key, "tokenize", "no tokens")
+            else:
+                yield {**extra, "tokens": tokens, "key": _key_bytes(doc.key)}
+        ticker.tick(len(pending))
+        pending.clear()
+
+    for item in items:
+        pending.append(item)
+        if len(pending) >= TOKENIZE_BATCH_DOCS:
+            yield from flush()
+    yield from flush()
