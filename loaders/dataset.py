@@ -21,16 +21,25 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
+def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A dataset dir as is; an archive unpacked into the cache (once) and that dir returned."""
+    from packer.archive import is_archive, materialize
+
+    return materialize(root, cache_dir)[0] if is_archive(root) else Path(root)
+
+
 class MMapDataset(torch.utils.data.Dataset):
     """A packed dataset dir as a map-style dataset.
 
     Args:
-        root: the dataset dir written by `packer build`.
+        root: the dataset dir written by `packer build`, or an archive from `packer pack`.
         columns: the columns to return (default: all).
+        cache_dir: where an archive is unpacked, once, on first open (safe when several
+            processes open it at once); default `$MMPACK_CACHE` or ~/.cache/mmpack/archives.
     """
 
-    def __init__(self, root: str | Path, *, columns: list[str] | None = None):
-        self.root = Path(root)
+    def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None):
+        self.root = resolve_root(root, cache_dir)
         self._reader: DatasetReader | None = DatasetReader(self.root)
         names = [c.name for c in self._reader.manifest.columns]
         unknown = sorted(set(columns or ()) - set(names))

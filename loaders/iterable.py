@@ -18,8 +18,8 @@ from .sampler import EpochPlan, Order, worker_batches
 class MMapIterableDataset(torch.utils.data.IterableDataset):
     def __init__(self, root: str | Path, *, shuffle: bool = True, seed: int = 0, order: Order | None = None,
                  chunk: int = 1, drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None):
-        self.dataset = MMapDataset(root, columns=columns)
+                 columns: list[str] | None = None, cache_dir: str | Path | None = None):
+        self.dataset = MMapDataset(root, columns=columns, cache_dir=cache_dir)
         self._plan = EpochPlan(len(self.dataset), chunk, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size)
 

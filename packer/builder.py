@@ -31,6 +31,7 @@ from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
 from .shards import ShardContext, ShardResult, read_sidecar, reusable, run_shard
 from .sources import Scan, scan
+from .system import available_cores
 from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
 from .writer import sha256_file
 
@@ -97,13 +98,6 @@ class BuildConfig:
     @property
     def num_workers(self) -> int:
         return self.workers or available_cores()
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -364,7 +358,7 @@ def _only_new(found: Scan, base: fmt.Manifest, out: Path) -> Scan:
 def _check_compatible(config, base: fmt.Manifest, kind: str, columns, tokenizer) -> None:
     where = f"--append to {config.out}"
     if tuple(columns) != tuple(base.columns):
-        raise ConfigError(f"{where}: columns differ ({_cols(columns)} vs the dataset's {_cols(base.columns)}); "
+        raise ConfigError(f"{where}: columns differ ({fmt.columns_text(columns)} vs the dataset's {fmt.columns_text(base.columns)}); "
                           "use the dataset's --image-size")
     old = base.build
     for name, new in (("text_key", config.text_key), ("append_eos", config.append_eos),
@@ -374,10 +368,6 @@ def _check_compatible(config, base: fmt.Manifest, kind: str, columns, tokenizer)
     if base.tokenizer and tokenizer and base.tokenizer.get("sha256") != tokenizer[1].sha256:
         raise ConfigError(f"{where}: tokenizer {config.tokenizer} is not the one the dataset was built with "
                           f"(sha256 {tokenizer[1].sha256[:12]} vs {base.tokenizer['sha256'][:12]})")
-
-
-def _cols(columns) -> str:
-    return ", ".join(f"{c.name}{list(c.shape)}" for c in columns)
 
 
 # -- run: the shard tasks, here, in a pool, or on Ray --------------------------------------------

@@ -1,6 +1,6 @@
 """`packer` command line: argparse into BuildConfig, one-line errors, exit codes; no logic.
 
-Exit codes: 0 ok, 1 `verify` found damage, 2 a user error (bad input, options, OUT), 130 ^C.
+Exit codes: 0 ok, 1 `verify` / `unpack` found damage, 2 a user error (bad input, options, OUT), 130 ^C.
 """
 
 from __future__ import annotations
@@ -93,6 +93,24 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("commit", help="publish a build made of --part runs once every shard is there")
     c.add_argument("out", type=Path)
+
+    m = sub.add_parser("merge", help="join datasets with the same schema into OUT (no re-encoding)")
+    m.add_argument("inputs", type=Path, nargs="+", metavar="DATASET", help="two or more dataset dirs")
+    m.add_argument("out", type=Path)
+    m.add_argument("--overwrite", action="store_true")
+
+    pk = sub.add_parser("pack", help="write a zstd archive of a dataset dir")
+    pk.add_argument("out", type=Path, help="dataset dir")
+    pk.add_argument("archive", type=Path, help="archive dir to create")
+    pk.add_argument("--level", type=int, default=3, help="zstd level 1..22 (default 3)")
+    pk.add_argument("--threads", type=int, default=None, help="compression threads (default: every core)")
+    pk.add_argument("--overwrite", action="store_true")
+
+    up = sub.add_parser("unpack", help="restore a dataset dir from a zstd archive, verifying it")
+    up.add_argument("archive", type=Path)
+    up.add_argument("out", type=Path)
+    up.add_argument("--threads", type=int, default=None)
+    up.add_argument("--overwrite", action="store_true")
 
     i = sub.add_parser("info", help="describe a dataset dir")
     i.add_argument("out", type=Path)
@@ -218,7 +236,45 @@ def _cmd_verify(args) -> int:
     return 0
 
 
-COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "info": _cmd_info, "verify": _cmd_verify}
+def _cmd_merge(args) -> int:
+    from .merge import merge
+
+    if len(args.inputs) < 2:
+        raise ConfigError("merge: give at least two dataset dirs, then OUT")
+    started = time.perf_counter()
+    manifest = merge(args.inputs, args.out, overwrite=args.overwrite)
+    print(f"merged {len(args.inputs)} datasets: {manifest.num_samples:,} samples in {len(manifest.shards)} shards, "
+          f"{_human_bytes(manifest.size_bytes)} in {time.perf_counter() - started:.1f} s -> {args.out}")
+    return 0
+
+
+def _transfer_line(verb: str, t, dest: Path) -> str:
+    return (f"{verb} {_human_bytes(t.raw_bytes)} <-> {_human_bytes(t.packed_bytes)} zstd (ratio {t.ratio:.2f}x) "
+            f"in {t.seconds:.1f} s ({t.mb_per_s:,.0f} MB/s of raw data) -> {dest}")
+
+
+def _cmd_pack(args) -> int:
+    from .archive import pack
+
+    print(_transfer_line("packed", pack(args.out, args.archive, level=args.level, threads=args.threads,
+                                        overwrite=args.overwrite), args.archive))
+    return 0
+
+
+def _cmd_unpack(args) -> int:
+    from .archive import unpack
+
+    try:
+        t = unpack(args.archive, args.out, threads=args.threads, overwrite=args.overwrite)
+    except IntegrityError as exc:
+        print(f"packer unpack: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(_transfer_line("unpacked and verified", t, args.out))
+    return 0
+
+
+COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "info": _cmd_info, "verify": _cmd_verify,
+            "merge": _cmd_merge, "pack": _cmd_pack, "unpack": _cmd_unpack}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,8 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         hint = ""
         if exc.errno == errno.ENOSPC and args.command == "build":
-            hint = ("; no dataset was published, whole shards stay in OUT/.staging: free space and run "
-                    "the same command to resume, or delete OUT")
+            hint = (f"; no dataset was published, whole shards stay in {args.out / fmt.STAGING_DIR}: free "
+                    "space and run the same command to resume, or delete it")
         print(f"packer {args.command}: error: {where}{exc.strerror or exc}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

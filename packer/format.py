@@ -112,6 +112,11 @@ class Column:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
 
+def columns_text(columns) -> str:
+    """'image |u1 [32, 32, 3], key |u1 [None]': columns for a message."""
+    return ", ".join(f"{c.name} {c.dtype} {list(c.shape)}" for c in columns)
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str  # relative to the dataset dir, "/"-separated
@@ -208,6 +213,45 @@ class Manifest:
             raise ManifestError(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+# -- 8. Archive form --------------------------------------------------------------------------
+ARCHIVE_NAME = "archive.json"
+ARCHIVE_FORMAT = "mmpack-archive"
+ARCHIVE_SUFFIX = ".zst"
+
+
+@dataclass(frozen=True)
+class ArchiveFile:
+    path: str  # the compressed file, relative to the archive dir: "<of>.zst"
+    of: str  # the column file it restores, relative to the dataset dir
+    size_bytes: int  # compressed
+    sha256: str  # of the compressed bytes (the raw checksum is the manifest's)
+
+
+def archive_to_json(manifest: Manifest, files: list[ArchiveFile], level: int) -> str:
+    doc = {"format": ARCHIVE_FORMAT, "version": "%d.%d" % FORMAT_VERSION, "codec": "zstd", "level": level,
+           "files": [asdict(f) for f in files], "manifest": json.loads(manifest.to_json())}
+    return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+
+
+def archive_from_json(text: str, *, where: str) -> tuple[Manifest, list[ArchiveFile]]:
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(doc, dict) or doc.get("format") != ARCHIVE_FORMAT or doc.get("codec") != "zstd":
+        raise ManifestError(f"{where}: not an {ARCHIVE_FORMAT} (zstd) description")
+    check_version(str(doc.get("version", "")), where=where)
+    manifest = Manifest.from_json(json.dumps(doc.get("manifest")), where=where)
+    try:
+        files = [ArchiveFile(**f) for f in doc["files"]]
+    except (KeyError, TypeError) as exc:
+        raise ManifestError(f"{where}: malformed file list ({exc})") from None
+    listed = {f.path for s in manifest.shards for f in s.files}
+    if {f.of for f in files} != listed:
+        raise ManifestError(f"{where}: the file list does not match the manifest's files")
+    return manifest, files
 
 
 def check_version(version: str, *, where: str) -> None:

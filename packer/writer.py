@@ -16,6 +16,7 @@ from typing import BinaryIO
 
 import numpy as np
 
+from . import errors
 from . import format as fmt
 
 _CHUNK = 1 << 20
@@ -27,6 +28,14 @@ def sha256_file(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _write(f: BinaryIO, data, path: Path) -> None:
+    """f.write(data), with the file's name on an OSError (ENOSPC from write() carries none)."""
+    try:
+        f.write(data)
+    except OSError as exc:
+        raise OSError(exc.errno, exc.strerror, str(path)) from None
 
 
 def _fsync_dir(path: Path) -> None:
@@ -47,10 +56,7 @@ class _NpyStream:
         self._file.write(fmt.npy_header(self.dtype.str, (0, *sample_shape)))
 
     def write(self, array: np.ndarray, num_rows: int) -> None:
-        try:
-            self._file.write(np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data)
-        except OSError as exc:  # ENOSPC and friends carry no file name from write(); add it
-            raise OSError(exc.errno, exc.strerror, str(self.path)) from None
+        _write(self._file, np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data, self.path)
         self.num_rows += num_rows
 
     def close(self) -> None:
@@ -99,19 +105,20 @@ class _ColumnWriter:
     def close(self) -> None:
         self.values.close()
         if self.column.ragged:
-            _write_npy(self.paths[1], np.asarray(self.offsets, dtype=fmt.OFFSETS_DTYPE))
+            write_npy(self.paths[1], np.asarray(self.offsets, dtype=fmt.OFFSETS_DTYPE))
             if self.shapes is not None:
                 shapes = np.asarray(self.shapes, dtype=fmt.SHAPES_DTYPE).reshape(-1, len(self.column.shape))
-                _write_npy(self.paths[2], shapes)
+                write_npy(self.paths[2], shapes)
 
     def abort(self) -> None:
         self.values.abort()
 
 
-def _write_npy(path: Path, array: np.ndarray) -> None:
+def write_npy(path: Path, array: np.ndarray) -> None:
+    """A whole array as one column file (fixed 128-byte header), fsynced."""
     with open(path, "wb") as f:
-        f.write(fmt.npy_header(array.dtype.str, array.shape))
-        f.write(np.ascontiguousarray(array).reshape(-1).data)
+        _write(f, fmt.npy_header(array.dtype.str, array.shape), path)
+        _write(f, np.ascontiguousarray(array).reshape(-1).data, path)
         f.flush()
         os.fsync(f.fileno())
 
@@ -196,3 +203,21 @@ def publish(out: Path, manifest: fmt.Manifest, moved: list[int] | None = None) -
     os.rename(tmp, out / fmt.MANIFEST_NAME)
     _fsync_dir(out)
     shutil.rmtree(staging, ignore_errors=True)
+
+
+def fresh_dir(path: Path, overwrite: bool, marker: str) -> None:
+    """Make `path` an empty dir to write into: refused when it holds anything unless
+    `overwrite`, and even then only when it holds `marker` (it is ours); stale staging goes."""
+    if path.exists() and not path.is_dir():
+        raise errors.ConfigError(f"{path}: exists and is not a directory")
+    if path.is_dir() and any(p.name != fmt.STAGING_DIR for p in path.iterdir()):
+        if not overwrite:
+            raise errors.ConfigError(f"{path}: already exists and is not empty; pass --overwrite to replace it")
+        if not (path / marker).exists():
+            raise errors.ConfigError(f"{path}: not made by mmpack (no {marker}); refusing to overwrite it")
+        (path / marker).unlink()  # first: from here on it is no longer a dataset / archive
+        _fsync_dir(path)
+        for child in path.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    shutil.rmtree(path / fmt.STAGING_DIR, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)

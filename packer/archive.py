@@ -1,0 +1,186 @@
+"""zstd archives of a dataset dir, for storage and transfer (FORMAT.md, "Archive form").
+
+`pack` compresses every column file (zstd, files in parallel threads, `level`) into ARCHIVE/
+beside `archive.json`, which holds the dataset's manifest (raw sizes and sha256) plus each
+compressed file's size and sha256. `unpack` restores a dataset dir through the same staging and
+publish steps as a build, checking both checksums of every file; a damaged byte is an
+IntegrityError naming the file. `materialize` does that once into a cache dir, under a file
+lock, so many processes opening the same archive at once unpack it exactly once.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import format as fmt
+from . import writer
+from .errors import ConfigError, IntegrityError
+from .reader import DatasetReader
+from .system import available_cores
+
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Transfer:
+    raw_bytes: int
+    packed_bytes: int
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(self.packed_bytes, 1)
+
+    @property
+    def mb_per_s(self) -> float:
+        """Raw (uncompressed) megabytes per second, the figure both directions share."""
+        return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+class _Hashing:
+    """A file wrapper that hashes every byte read or written through it."""
+
+    def __init__(self, f):
+        self.f, self.digest, self.count = f, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(n)
+        self.digest.update(data)
+        self.count += len(data)
+        return data
+
+    def write(self, data) -> int:
+        self.digest.update(data)
+        self.count += len(data)
+        return self.f.write(data)
+
+
+def is_archive(path: str | Path) -> bool:
+    return (Path(path) / fmt.ARCHIVE_NAME).is_file()
+
+
+def _threads(threads: int | None) -> int:
+    return threads or available_cores()
+
+
+def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int | None = None,
+         overwrite: bool = False) -> Transfer:
+    """Compress the dataset dir `root` into the archive dir `archive`."""
+    import zstandard
+
+    root, archive = Path(root), Path(archive)
+    manifest = DatasetReader(root).manifest
+    if not 1 <= level <= 22:
+        raise ConfigError(f"--level: {level} is outside zstd's 1..22")
+    writer.fresh_dir(archive, overwrite, fmt.ARCHIVE_NAME)
+    staging = archive / fmt.STAGING_DIR
+    entries = [f for s in manifest.shards for f in s.files]
+    started = time.perf_counter()
+
+    def one(entry: fmt.FileEntry) -> fmt.ArchiveFile:
+        src, dst = root / entry.path, staging / (entry.path + fmt.ARCHIVE_SUFFIX)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        with open(src, "rb") as fin, open(dst, "wb") as fout:
+            reader, out = _Hashing(fin), _Hashing(fout)
+            zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
+            fout.flush()
+            os.fsync(fout.fileno())
+        if reader.digest.hexdigest() != entry.sha256:
+            raise IntegrityError(f"{src}: sha256 differs from the manifest; run 'packer verify {root}'")
+        return fmt.ArchiveFile(entry.path + fmt.ARCHIVE_SUFFIX, entry.path, out.count, out.digest.hexdigest())
+
+    with ThreadPoolExecutor(_threads(threads)) as pool:
+        files = list(pool.map(one, entries))
+    doc = fmt.archive_to_json(manifest, files, level)
+    for f in files:
+        (archive / f.path).parent.mkdir(parents=True, exist_ok=True)
+        os.rename(staging / f.path, archive / f.path)
+    tmp = archive / (fmt.ARCHIVE_NAME + ".tmp")
+    tmp.write_text(doc, encoding="utf-8")
+    os.rename(tmp, archive / fmt.ARCHIVE_NAME)
+    shutil.rmtree(staging, ignore_errors=True)
+    return Transfer(manifest.size_bytes, sum(f.size_bytes for f in files), time.perf_counter() - started)
+
+
+def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, overwrite: bool = False) -> Transfer:
+    """Restore the dataset dir `out` from `archive`, checking both checksums of every file."""
+    import zstandard
+
+    archive, out = Path(archive), Path(out)
+    manifest, files = read_archive(archive)
+    writer.fresh_dir(out, overwrite, fmt.MANIFEST_NAME)
+    staging = writer.staging_dir(out)
+    raw = {f.path: f for s in manifest.shards for f in s.files}
+    started = time.perf_counter()
+
+    def one(entry: fmt.ArchiveFile) -> None:
+        src, dst = archive / entry.path, staging / entry.of
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with open(src, "rb") as fin, open(dst, "wb") as fout:
+                reader, result = _Hashing(fin), _Hashing(fout)
+                zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
+                fout.flush()
+                os.fsync(fout.fileno())
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"{src}: damaged archive file (zstd: {exc})") from None
+        except FileNotFoundError:
+            raise IntegrityError(f"{src}: missing from the archive") from None
+        if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.sha256:
+            raise IntegrityError(f"{src}: damaged archive file (size or sha256 differs from {fmt.ARCHIVE_NAME})")
+        want = raw[entry.of]
+        if result.count != want.size_bytes or result.digest.hexdigest() != want.sha256:
+            raise IntegrityError(f"{src}: unpacks to data whose sha256 differs from the manifest")
+
+    try:
+        with ThreadPoolExecutor(_threads(threads)) as pool:
+            list(pool.map(one, files))
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    writer.publish(out, manifest)
+    return Transfer(manifest.size_bytes, sum(f.size_bytes for f in files), time.perf_counter() - started)
+
+
+def read_archive(archive: Path) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
+    path = archive / fmt.ARCHIVE_NAME
+    if not path.is_file():
+        raise ConfigError(f"{archive}: not an mmpack archive (no {fmt.ARCHIVE_NAME})")
+    return fmt.archive_from_json(path.read_text(encoding="utf-8"), where=str(path))
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("MMPACK_CACHE", Path.home() / ".cache" / "mmpack" / "archives"))
+
+
+def materialize(archive: str | Path, cache_dir: str | Path | None = None) -> tuple[Path, bool]:
+    """The dataset dir of `archive` inside `cache_dir`, unpacked on first use; (dir, unpacked now?).
+
+    Safe when many processes call it at once: one unpacks under an exclusive lock, the others
+    wait and then open the published result. The cache entry is named by the archive's digest,
+    so a changed archive never reuses an old entry."""
+    archive = Path(archive)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    try:
+        ident = hashlib.sha256((archive / fmt.ARCHIVE_NAME).read_bytes()).hexdigest()[:20]
+    except FileNotFoundError:
+        raise ConfigError(f"{archive}: not an mmpack archive (no {fmt.ARCHIVE_NAME})") from None
+    target = cache / ident
+    if (target / fmt.MANIFEST_NAME).is_file():
+        return target, False
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / f"{ident}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / fmt.MANIFEST_NAME).is_file():
+            return target, False
+        if target.exists():  # a killed unpack: staging only, never a manifest
+            shutil.rmtree(target)
+        unpack(archive, target)
+        return target, True

@@ -1,0 +1,291 @@
+"""Packer at scale: same bytes for any worker count, kill-and-resume, parts + commit, merge,
+append, zstd archives, concurrent archive opens, a full disk, progress, Ray."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from loaders import MMapDataset
+from packer import format as fmt
+from packer.archive import materialize
+from packer.cli import main
+from packer.errors import ManifestError
+from packer.reader import load_manifest
+
+
+def tree(out: Path) -> dict[str, str]:
+    """Every shard file of a dataset dir -> sha256, and the manifest without its build timings."""
+    files = {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(out.glob("shard-*/*"))}
+    doc = json.loads((out / fmt.MANIFEST_NAME).read_text())
+    doc.pop("build")
+    return {"files": files, "manifest": doc}
+
+
+def by_key(out: Path) -> dict[str, tuple]:
+    """Samples keyed by their record key, labels as class names: comparable across datasets."""
+    ds = MMapDataset(out)
+    classes = ds.classes
+    rows = {}
+    for i in range(len(ds)):
+        s = ds[i]
+        label = classes[int(s["label"])] if "label" in s else None
+        rows[s["key"]] = (label, *(s[c].numpy().tobytes() for c in ("image", "tokens") if c in s))
+    assert len(rows) == len(ds)
+    return rows
+
+
+def build(raw, out, *extra) -> None:
+    assert main(["build", str(raw), str(out), "-q", *map(str, extra)]) == 0
+
+
+IMG = ("--image-size", "32", "--shard-size", "8")
+
+
+def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, minilm):
+    for n in (1, 2, 3):
+        build(image_raw, tmp_path / f"img{n}", *IMG, "--workers", n)
+    assert tree(tmp_path / "img1") == tree(tmp_path / "img2") == tree(tmp_path / "img3")
+    text = ("--tokenizer", minilm, "--append-eos", "--shard-size", "16KB")
+    for n in (1, 2):
+        build(text_raw, tmp_path / f"txt{n}", *text, "--workers", n)
+    assert tree(tmp_path / "txt1") == tree(tmp_path / "txt2")
+    # big JSONL files were cut into line ranges: some shard starts inside a file
+    ds = MMapDataset(tmp_path / "txt2")
+    firsts = [ds[end]["key"] for end in [0, *ds.reader.shard_ends[:-1]]]
+    assert any(k.endswith(".jsonl:" + k.rsplit(":", 1)[1]) and not k.endswith(":1") for k in firsts if ".jsonl:" in k)
+
+
+def _kill_after_a_shard(raw: Path, out: Path, args: list[str]) -> None:
+    """A real `packer build` subprocess (2 workers), SIGKILLed once a shard is whole."""
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging, deadline = out / fmt.STAGING_DIR, time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if staging.is_dir() and any(p.name.startswith("shard-") and p.name.endswith(".json") for p in staging.iterdir()):
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the build finished before it could be killed; use more input"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    time.sleep(0.3)  # its workers die with it (PR_SET_PDEATHSIG)
+
+
+def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw):
+    args = ["--image-size", "96", "--shard-size", "4", "--workers", "2"]
+    build(image_raw, tmp_path / "clean", *args)
+    out = tmp_path / "resumed"
+    _kill_after_a_shard(image_raw, out, args)
+    staging = out / fmt.STAGING_DIR
+    whole = sorted(p.name[:-5] for p in staging.glob("shard-*.json"))
+    inode = (staging / whole[0] / "image.npy").stat().st_ino
+    with pytest.raises(ManifestError, match="incomplete build"):
+        MMapDataset(out)
+    build(image_raw, out, *args)
+    assert tree(out) == tree(tmp_path / "clean")
+    assert (out / whole[0] / "image.npy").stat().st_ino == inode  # reused, not rewritten
+
+
+def test_resume_refuses_changed_arguments_or_inputs(tmp_path, image_raw, capsys):
+    raw = tmp_path / "raw"
+    shutil.copytree(image_raw, raw, symlinks=True)
+    out = tmp_path / "out"
+    args = ["--image-size", "96", "--shard-size", "4", "--workers", "2"]
+    _kill_after_a_shard(raw, out, args)
+    assert main(["build", str(raw), str(out), "-q", "--image-size", "64", "--shard-size", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "unfinished build" in err and "image_size 96 (now 64)" in err and err.count("\n") == 1
+    victim = next(raw.glob("*/*.jpg"))
+    victim.write_bytes(victim.read_bytes() + b"\0")
+    assert main(["build", str(raw), str(out), "-q", *args]) == 2
+    assert "RAW has changed" in capsys.readouterr().err
+    build(raw, out, *args, "--overwrite")
+    assert len(MMapDataset(out)) > 0
+
+
+def test_parts_then_commit(tmp_path, image_raw, capsys):
+    build(image_raw, tmp_path / "clean", *IMG)
+    out = tmp_path / "parts"
+    for i in (2, 0):
+        assert main(["build", str(image_raw), str(out), "-q", *IMG, "--part", f"{i}/3"]) == 0
+    assert "part 0/3" in capsys.readouterr().out
+    assert main(["commit", str(out)]) == 2
+    assert "not built yet" in capsys.readouterr().err
+    assert not (out / fmt.MANIFEST_NAME).exists()
+    assert main(["build", str(image_raw), str(out), "-q", *IMG, "--part", "1/3"]) == 0
+    assert main(["commit", str(out)]) == 0
+    assert tree(out) == tree(tmp_path / "clean")
+    assert main(["build", str(image_raw), str(out), "-q", *IMG, "--part", "3/3"]) == 2
+
+
+def _split_images(image_raw: Path, a: Path, b: Path) -> None:
+    """Class folders alternately into A and B; one class in both (different files)."""
+    classes = sorted(p.name for p in image_raw.iterdir() if p.is_dir())
+    for k, name in enumerate(classes):
+        files = sorted((image_raw / name).iterdir())
+        if k == 0:  # shared class: first half of its files in A, the rest in B
+            half = len(files) // 2
+            for dest, part in ((a, files[:half]), (b, files[half:])):
+                (dest / name).mkdir(parents=True)
+                for f in part:
+                    shutil.copy(f, dest / name / f.name, follow_symlinks=False)
+        else:
+            shutil.copytree(image_raw / name, (b if k % 2 else a) / name, symlinks=True)
+
+
+def test_merge_and_append_equal_a_build_of_the_union(tmp_path, image_raw):
+    a, b, union = tmp_path / "a", tmp_path / "b", tmp_path / "union"
+    _split_images(image_raw, a, b)
+    shutil.copytree(a, union, symlinks=True)
+    shutil.copytree(b, union, symlinks=True, dirs_exist_ok=True)
+    for raw in (a, b, union):
+        build(raw, tmp_path / f"{raw.name}.ds", *IMG)
+    want = by_key(tmp_path / "union.ds")
+    whole = load_manifest(tmp_path / "union.ds")
+
+    assert main(["merge", str(tmp_path / "b.ds"), str(tmp_path / "a.ds"), str(tmp_path / "merged")]) == 0
+    assert by_key(tmp_path / "merged") == want  # b first: labels reconciled by class name
+    merged = load_manifest(tmp_path / "merged")
+    assert merged.counts == whole.counts and set(merged.classes) == set(whole.classes)
+    assert main(["verify", str(tmp_path / "merged")]) == 0
+
+    appended = tmp_path / "appended"
+    shutil.copytree(tmp_path / "a.ds", appended)
+    build(union, appended, *IMG, "--append")
+    assert by_key(appended) == want
+    assert load_manifest(appended).counts == whole.counts
+    build(union, appended, *IMG, "--append")  # nothing new: unchanged
+    assert by_key(appended) == want and load_manifest(appended).counts == whole.counts
+
+
+def test_append_text_and_refusals(tmp_path, text_raw, minilm, big_tokenizer, capsys):
+    half = tmp_path / "half"
+    half.mkdir()
+    for p in sorted(text_raw.iterdir())[::2]:
+        (shutil.copytree if p.is_dir() else shutil.copy)(p, half / p.name)
+    text = ["--tokenizer", minilm, "--append-eos", "--shard-size", "16KB"]
+    build(text_raw, tmp_path / "whole", *text)
+    build(half, tmp_path / "grown", *text)
+    build(text_raw, tmp_path / "grown", *text, "--append")
+    assert by_key(tmp_path / "grown") == by_key(tmp_path / "whole")
+    assert main(["build", str(text_raw), str(tmp_path / "grown"), "-q", "--tokenizer", str(big_tokenizer),
+                 "--append-eos", "--append"]) == 2
+    assert "columns differ" in capsys.readouterr().err  # uint32 tokens vs uint16
+    assert main(["merge", str(tmp_path / "whole"), str(tmp_path / "grown"), str(tmp_path / "m")]) == 0
+    other = tmp_path / "other.json"  # the same vocabulary, another file: another sha256
+    other.write_text(Path(minilm).read_text() + "\n")
+    build(text_raw, tmp_path / "other", "--tokenizer", other, "--append-eos", "--shard-size", "16KB")
+    assert main(["merge", str(tmp_path / "whole"), str(tmp_path / "other"), str(tmp_path / "m2")]) == 2
+    assert "another tokenizer" in capsys.readouterr().err
+    assert main(["build", str(text_raw), str(tmp_path / "other"), "-q", "--tokenizer", str(minilm),
+                 "--append-eos", "--append"]) == 2
+    assert "not the one the dataset was built with" in capsys.readouterr().err
+
+
+def test_pack_unpack_round_trip_and_a_damaged_byte(tmp_path, built, capsys):
+    src = built["images"]
+    assert main(["pack", str(src), str(tmp_path / "arc"), "--level", "9"]) == 0
+    assert "ratio" in capsys.readouterr().out
+    assert main(["unpack", str(tmp_path / "arc"), str(tmp_path / "back")]) == 0
+    assert tree(tmp_path / "back")["files"] == tree(src)["files"]
+    assert load_manifest(tmp_path / "back").shards == load_manifest(src).shards
+    victim = next((tmp_path / "arc").glob("shard-*/image.npy.zst"))
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    victim.write_bytes(bytes(raw))
+    assert main(["unpack", str(tmp_path / "arc"), str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    assert victim.name in err and err.count("\n") == 1
+    assert not (tmp_path / "bad" / fmt.MANIFEST_NAME).exists()
+
+
+def _open_archive(args) -> tuple[str, bool, int]:
+    archive, cache = args
+    path, unpacked = materialize(archive, cache)
+    return str(path), unpacked, len(MMapDataset(archive, cache_dir=cache))
+
+
+def test_concurrent_first_opens_of_an_archive_unpack_once(tmp_path, built):
+    assert main(["pack", str(built["text"]), str(tmp_path / "arc")]) == 0
+    cache = tmp_path / "cache"
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        got = pool.map(_open_archive, [(str(tmp_path / "arc"), str(cache))] * 4)
+    assert len({path for path, _, _ in got}) == 1
+    assert sum(unpacked for _, unpacked, _ in got) == 1
+    assert {n for _, _, n in got} == {len(MMapDataset(built["text"]))}
+    ds = MMapDataset(tmp_path / "arc", cache_dir=cache)
+    ref = MMapDataset(built["text"])
+    assert np.array_equal(ds[3]["tokens"].numpy(), ref[3]["tokens"].numpy())
+
+
+def test_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, image_raw, capsys, monkeypatch):
+    from packer import writer
+
+    written = {"bytes": 0}
+
+    class FillingDisk:  # a file whose writes fail with ENOSPC once the "disk" holds 100 KB
+        def __init__(self, *args, **kwargs):
+            self.f = open(*args, **kwargs)
+
+        def write(self, data):
+            written["bytes"] += len(data)
+            if written["bytes"] > 100_000:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+    monkeypatch.setattr(writer, "open", FillingDisk, raising=False)
+    out = tmp_path / "full"
+    assert main(["build", str(image_raw), str(out), "-q", *IMG, "--workers", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and ".partial/" in err and err.count("\n") == 1
+    assert not (out / fmt.MANIFEST_NAME).exists()
+    assert not list((out / fmt.STAGING_DIR).glob("*.partial"))
+    with pytest.raises(ManifestError):
+        MMapDataset(out)
+    monkeypatch.delattr(writer, "open")
+    build(image_raw, out, *IMG, "--workers", "1")  # space freed: resumes
+    assert len(MMapDataset(out)) > 0
+
+
+def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
+    from packer import cli
+
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.setattr(cli.ProgressBar, "LINE_EVERY_S", 0.0)
+    assert main(["build", str(image_raw), str(tmp_path / "a"), *IMG, "--workers", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "packing:" in err and "records" in err and "ETA" in err
+    assert main(["build", str(image_raw), str(tmp_path / "b"), *IMG, "--quiet"]) == 0
+    assert "packing:" not in capsys.readouterr().err
+    monkeypatch.setenv("CI", "true")
+    assert main(["build", str(image_raw), str(tmp_path / "c"), *IMG]) == 0
+    assert "packing:" not in capsys.readouterr().err
+
+
+def test_ray_engine_gives_the_same_dataset(tmp_path, image_raw):
+    pytest.importorskip("ray")
+    build(image_raw, tmp_path / "local", *IMG)
+    build(image_raw, tmp_path / "ray", *IMG, "--engine", "ray")
+    assert tree(tmp_path / "ray") == tree(tmp_path / "local")
