@@ -1,7 +1,8 @@
-"""`bench loaders`: one run, same data, side by side: the machine's memcpy bandwidth, mmpack's
-loaders, DataLoader over MMapDataset with default collate, and the on-the-fly baseline (Pillow
-decode + resize in DataLoader workers). Every figure is also a fraction of memcpy and a ratio
-to the baseline, measured in the same run. Prints a table; `--json PATH` writes every figure.
+"""`bench`: measured comparisons, one run each, as a table, `--json PATH` and `--plot PATH.png`.
+
+    bench loaders  every loader on the same data vs the on-the-fly baseline, peers and memcpy
+    bench sweep    DataLoader workers / Loader threads x batch size: throughput and stall, a plot
+    bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
 """
 
 from __future__ import annotations
@@ -9,173 +10,95 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from . import data
-
-PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
-PEERS = {"webdataset": "webdataset", "litdata": "litdata", "streaming": "mosaicml-streaming", "datasets": "datasets"}
+from . import report
 
 
-class OnTheFly(torch.utils.data.Dataset):
-    """The baseline users have today: an ImageFolder-style Dataset decoding in workers."""
-
-    def __init__(self, files, labels, size):
-        self.files, self.labels, self.size = files, labels, size
-
-    def __len__(self):
-        return len(self.files)
-
-    def __getitem__(self, i):
-        from packer.images import decode_image
-
-        return {"image": torch.from_numpy(decode_image(self.files[i], self.size)), "label": self.labels[i]}
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
-def memcpy_rate(nbytes: int, reps: int = 10) -> float:
-    """Bytes/s of one-thread numpy copies between two pre-touched buffers of `nbytes`."""
-    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    np.copyto(dst, src)
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t)
-    return nbytes / statistics.median(times)
+def _parser() -> argparse.ArgumentParser:
+    cores = os.cpu_count() or 1
+    ap = argparse.ArgumentParser(prog="bench", description="mmpack benchmarks (tables, JSON, PNG)")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def common(p, images, text_mb):
+        p.add_argument("--images", type=int, default=images, help="sample photo crops to use")
+        p.add_argument("--text-mb", type=float, default=text_mb, help="MB of real text (Python sources)")
+        p.add_argument("--quick", action="store_true", help="small sizes: well within 3 minutes on 2 cores")
+        p.add_argument("--work", type=Path, help="keep the raw and built data here and reuse them")
+        p.add_argument("--json", type=Path, help="write every figure and the machine's description here")
+        p.add_argument("--plot", type=Path, help="write a PNG plot here (needs mmpack[plot])")
+
+    def stall_args(p, default_ms):
+        p.add_argument("--step-ms", type=float, default=default_ms,
+                       help="simulate a training step of T ms per batch and report the time spent waiting")
+        p.add_argument("--step-mode", choices=("sleep", "busy"), default="sleep",
+                       help="sleep (a GPU-like step: CPU free) or busy (a CPU-bound step)")
+        p.add_argument("--stall-steps", type=int, default=30, help="steps per stall measurement")
+
+    lo = sub.add_parser("loaders", help="loaders side by side on the same data, against memcpy")
+    common(lo, 3000, 8)
+    lo.add_argument("--batch-size", type=int, default=256)
+    lo.add_argument("--passes", type=int, default=3, help="timed passes after a warm-up (median)")
+    lo.add_argument("--workers", type=int, default=2, help="DataLoader worker processes for every DataLoader row")
+    lo.add_argument("--cold", action="store_true", help="also one pass after evicting the files from the page cache")
+    lo.add_argument("--model", action="store_true", help="with CUDA: a real small model step instead of --step-ms")
+    stall_args(lo, None)
+
+    sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput and stall fraction")
+    common(sw, 2000, 0)
+    sw.add_argument("--workers-list", type=_ints, default=[0, 1, 2, 4])
+    sw.add_argument("--threads-list", type=_ints, default=sorted({1, 2, cores}))
+    sw.add_argument("--batch-sizes", type=_ints, default=[64, 256])
+    stall_args(sw, 20.0)
+
+    pk = sub.add_parser("packer", help="build throughput vs raw per-core decode / tokenize rates; zstd")
+    common(pk, 1500, 8)
+    pk.add_argument("--workers-list", type=_ints, default=sorted({1, cores}))
+    pk.add_argument("--shard-size", default="64MB", help="shard size for the builds (default 64MB)")
+    pk.add_argument("--level", type=int, default=3, help="zstd level for pack/unpack")
+    return ap
 
 
-def timed(make_iter, count_of, passes: int, limit: int | None = None) -> dict:
-    """Median samples/s over `passes` full passes after a warm-up pass; time to first batch."""
-    rates, first = [], None
-    for p in range(passes + 1):
-        start = time.perf_counter()
-        n = 0
-        for i, batch in enumerate(make_iter()):
-            if i == 0 and p == 1:
-                first = time.perf_counter() - start
-            n += count_of(batch)
-            if limit and n >= limit:
-                break
-        if p:
-            rates.append(n / (time.perf_counter() - start))
-    return {"samples_per_s": statistics.median(rates), "first_batch_s": first}
-
-
-def bench_loaders(args) -> dict:
-    from loaders import Loader, MMapDataset, TokenWindows
-    from packer.cli import main as packer
-
-    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
-    raw, out = work / "raw-images", work / "out-images"
-    if not (out / "manifest.json").exists():
-        data.make_image_folders(raw, args.images, seed=0)
-        packer(["build", str(raw), str(out), "-q", "--overwrite"])
-    ds = MMapDataset(out)
-    bs, passes = args.batch_size, args.passes
-    sample_bytes = ds.columns["image"].sample_nbytes
-    memcpy = memcpy_rate(bs * sample_bytes)
-    results = []
-
-    def row(name, r, kind="images"):
-        r.update(system=name, kind=kind)
-        if kind == "images":
-            r["mb_per_s"] = r["samples_per_s"] * sample_bytes / 1e6
-            r["pct_memcpy"] = 100 * r["samples_per_s"] * sample_bytes / memcpy
-        results.append(r)
-
-    for threads in sorted({1, os.cpu_count() or 1}):
-        loader = Loader(ds, bs, columns=["image", "label"], num_threads=threads)
-        row(f"mmpack Loader, {threads} thread(s)", timed(lambda: loader, lambda b: len(b["label"]), passes))
-    batched = ds.batched(bs, columns=["image", "label"])
-    row("mmpack batched + DataLoader(2 workers)", timed(
-        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=2, pin_memory=PIN),
-        lambda b: len(b["label"]), passes))
-    plain = MMapDataset(out, columns=["image", "label"])
-    row("MMapDataset + DataLoader(2 workers, collate)", timed(
-        lambda: torch.utils.data.DataLoader(plain, batch_size=bs, shuffle=True, num_workers=2, pin_memory=PIN),
-        lambda b: len(b["label"]), passes))
-    files = sorted(p for p in raw.rglob("*") if p.is_file())
-    classes = sorted({p.parent.name for p in files})
-    otf = OnTheFly(files, [classes.index(p.parent.name) for p in files], 224)
-    row("on-the-fly Pillow + DataLoader(2 workers)", timed(
-        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=2, pin_memory=PIN),
-        lambda b: len(b["label"]), 1, limit=min(len(otf), 4 * bs)))
-
-    text_out = work / "out-text"
-    if not (text_out / "manifest.json").exists():
-        data.make_text(work / "raw-text", int(args.text_mb * 1024**2))
-        packer(["build", str(work / "raw-text"), str(text_out), "--tokenizer", str(data.minilm_tokenizer()),
-                "--append-eos", "-q", "--overwrite"])
-    tw = TokenWindows(text_out, 1024)
-    tloader = Loader(tw, 32)
-    r = timed(lambda: tloader, lambda b: b[0].numel(), passes)
-    r["tokens_per_s"] = r.pop("samples_per_s")
-    r["pct_memcpy"] = 100 * r["tokens_per_s"] * 8 / memcpy  # int64 tokens written
-    row("mmpack TokenWindows(1024) via Loader", r, kind="tokens")
-
-    base = next(r["samples_per_s"] for r in results if r["system"].startswith("on-the-fly"))
-    collate = next(r["samples_per_s"] for r in results if r["system"].startswith("MMapDataset"))
-    for r in results:
-        if r["kind"] == "images":
-            r["x_on_the_fly"] = r["samples_per_s"] / base
-            r["x_dataloader_collate"] = r["samples_per_s"] / collate
-    peers = {mod: ("installed, adapter not written yet" if _importable(mod) else f"not installed: pip install {pip}")
-             for mod, pip in PEERS.items()}
-    return {
-        "machine": {"cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-                    "numpy": np.__version__, "cuda": torch.cuda.is_available(), "platform": platform.platform()},
-        "memcpy_bytes_per_s": memcpy, "memcpy_images_per_s": memcpy / sample_bytes,
-        "batch_size": bs, "num_images": len(ds), "image_shape": list(ds.columns["image"].shape),
-        "results": results, "peers": peers, "cache": "warm (cold needs root to drop the page cache; not done)",
-    }
-
-
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-def print_table(report: dict) -> None:
-    print(f"memcpy (1 thread, {report['batch_size']}-image buffers): {report['memcpy_bytes_per_s'] / 1e9:.1f} GB/s "
-          f"= {report['memcpy_images_per_s']:,.0f} images/s; {report['num_images']} images {report['image_shape']}")
-    print(f"{'system':46} {'samples/s':>12} {'MB/s':>8} {'% memcpy':>9} {'x on-the-fly':>13} {'x collate':>10} {'1st batch s':>11}")
-    for r in report["results"]:
-        rate = r.get("samples_per_s", r.get("tokens_per_s"))
-        unit = " tok/s" if r["kind"] == "tokens" else ""
-        print(f"{r['system']:46} {rate:>12,.0f} {r.get('mb_per_s', float('nan')):>8,.0f} {r['pct_memcpy']:>8.0f}% "
-              f"{r.get('x_on_the_fly', float('nan')):>13.1f} {r.get('x_dataloader_collate', float('nan')):>10.1f} "
-              f"{(r['first_batch_s'] or 0):>11.3f}{unit}")
-    for name, state in report["peers"].items():
-        print(f"peer {name:12} {state}")
+QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
+         "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
+         "packer": {"images": 400, "text_mb": 2}}
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench", description="mmpack benchmarks")
-    sub = ap.add_subparsers(dest="command", required=True)
-    lo = sub.add_parser("loaders", help="loaders side by side on the same data, against memcpy")
-    lo.add_argument("--images", type=int, default=3000)
-    lo.add_argument("--text-mb", type=float, default=8)
-    lo.add_argument("--batch-size", type=int, default=256)
-    lo.add_argument("--passes", type=int, default=3)
-    lo.add_argument("--quick", action="store_true", help="small sizes: finishes in about a minute on 2 cores")
-    lo.add_argument("--work", type=Path, help="keep the built datasets here and reuse them")
-    lo.add_argument("--json", type=Path, help="write every figure here")
-    args = ap.parse_args(argv)
+    args = _parser().parse_args(argv)
     if args.quick:
-        args.images, args.text_mb, args.passes = min(args.images, 1024), min(args.text_mb, 2), min(args.passes, 2)
-    report = bench_loaders(args)
-    print_table(report)
+        for k, v in QUICK[args.command].items():
+            cur = getattr(args, k)
+            setattr(args, k, min(cur, v) if isinstance(v, (int, float)) else v)
+    if args.command == "loaders":
+        from .loaders_bench import bench_loaders
+
+        result, text, plot = bench_loaders(args), report.loaders_table, report.plot_loaders
+    elif args.command == "sweep":
+        from .loaders_bench import bench_sweep
+
+        result, text, plot = bench_sweep(args), report.sweep_table, report.plot_sweep
+    else:
+        from .packer_bench import bench_packer
+
+        result, text, plot = bench_packer(args), report.packer_table, None
+    print(text(result))
     if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    if args.plot:
+        if plot is None:
+            print("bench packer has no plot; its figures are in the table and --json", file=sys.stderr)
+        else:
+            plot(result, args.plot)
+            print(f"plot: {args.plot}")
     return 0
 
 

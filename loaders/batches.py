@@ -123,22 +123,26 @@ class Loader:
         ready: queue.Queue = queue.Queue(maxsize=self.num_buffers - 2)
         stop = threading.Event()
 
+        def offer(item) -> bool:
+            """Hand an item over unless the consumer has gone (then never block: it won't read)."""
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    pass
+            return False
+
         def produce():
             try:
                 for b in range(num_batches):
                     ids = share[b * plan.batch_size:(b + 1) * plan.batch_size]
                     batch = self.source.gather(ids, self._ring[b % self.num_buffers], self._pool, self.num_threads)
-                    while not stop.is_set():
-                        try:
-                            ready.put(batch, timeout=0.1)
-                            break
-                        except queue.Full:
-                            pass
-                    if stop.is_set():
+                    if not offer(batch):
                         return
-                ready.put(None)
+                offer(None)
             except BaseException as exc:  # re-raised in the consumer
-                ready.put(exc)
+                offer(exc)
 
         producer = threading.Thread(target=produce, daemon=True, name="mmpack-loader")
         producer.start()

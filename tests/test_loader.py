@@ -152,3 +152,29 @@ def test_real_torch_distributed_gloo_two_ranks(built, tmp_path):
     n = len(MMapDataset(built["images"]))
     assert len(a) == len(b) and set(a) | set(b) == {MMapDataset(built["images"])[i]["key"] for i in range(n)}
     assert len(a) + len(b) - n < 2
+
+
+def test_abandoning_an_epoch_near_its_end_does_not_hang(built):
+    """The consumer stops while the producer is handing over the end of the epoch: the next
+    epoch starts at once (the producer never blocks on a queue nobody reads)."""
+    import threading
+    import time
+
+    ds = MMapDataset(built["images"])
+    loader = Loader(ds, 4, num_threads=1)
+    seen = []
+
+    def epochs():
+        for _ in range(3):
+            it = iter(loader)
+            for _ in range(len(loader) - 1):
+                next(it)
+            time.sleep(0.3)  # the producer fills the queue and reaches the end-of-epoch marker
+            del it
+            seen.append(sum(len(b["label"]) for b in loader))  # resumes: the rest of the epoch
+
+    t = threading.Thread(target=epochs, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "abandoning an iterator hung the loader"
+    assert seen == [len(ds) - 4 * (len(loader) - 1)] * 3

@@ -1,0 +1,281 @@
+"""`bench loaders` and `bench sweep`: every system on the same data in one run, against the
+machine's memcpy bandwidth measured in the same run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import sys
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import data, peers
+from .measure import files_under, measure, memcpy_rate, stall
+
+PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
+
+
+class OnTheFlyImages(torch.utils.data.Dataset):
+    """The baseline users have today: an ImageFolder-style Dataset decoding in workers."""
+
+    def __init__(self, files, labels, size):
+        self.files, self.labels, self.size = files, labels, size
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        from packer.images import decode_image
+
+        return {"image": torch.from_numpy(decode_image(self.files[i], self.size)), "label": self.labels[i]}
+
+
+class OnTheFlyText(torch.utils.data.Dataset):
+    """The text baseline: raw documents tokenized in DataLoader workers."""
+
+    def __init__(self, texts: list[str], tokenizer: Path):
+        self.texts, self.tokenizer, self._tok = texts, str(tokenizer), None
+
+    def __len__(self):
+        return len(self.texts)
+
+    def __getitem__(self, i):
+        if self._tok is None:
+            from packer.text import load_tokenizer
+
+            self._tok = load_tokenizer(self.tokenizer)
+        return torch.tensor(self._tok.encode(self.texts[i], add_special_tokens=False).ids, dtype=torch.int64)
+
+
+def machine() -> dict:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1024**3
+    return {"cores": os.cpu_count(), "ram_gib": round(mem, 1), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__, "cuda": torch.cuda.is_available(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "platform": platform.platform()}
+
+
+def _dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(root))
+
+
+def prepare_images(work: Path, count: int) -> tuple[Path, Path, float]:
+    """Raw photo crops and their mmpack build (reused from `work` when present)."""
+    from packer.cli import main as packer
+
+    raw, out = work / "raw-images", work / "out-images"
+    seconds_file = work / "build-images.seconds"
+    if not (out / "manifest.json").exists() or not seconds_file.exists():
+        shutil.rmtree(raw, ignore_errors=True)
+        data.make_image_folders(raw, count, seed=0)
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
+            packer(["build", str(raw), str(out), "-q", "--overwrite"])
+        seconds_file.write_text(str(time.perf_counter() - start))
+    return raw, out, float(seconds_file.read_text())
+
+
+def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
+    from packer.cli import main as packer
+
+    raw, out = work / "raw-text", work / "out-text"
+    seconds_file = work / "build-text.seconds"
+    if not (out / "manifest.json").exists() or not seconds_file.exists():
+        shutil.rmtree(raw, ignore_errors=True)
+        data.make_text(raw, int(mb * 1024**2))
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):
+            packer(["build", str(raw), str(out), "--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
+                    "-q", "--overwrite"])
+        seconds_file.write_text(str(time.perf_counter() - start))
+    return raw, out, float(seconds_file.read_text())
+
+
+def bench_loaders(args) -> dict:
+    from loaders import Loader, MMapDataset, TokenWindows
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw, out, build_s = prepare_images(work, args.images)
+    ds = MMapDataset(out, columns=["image", "label"])
+    bs, passes, workers = args.batch_size, args.passes, args.workers
+    cores = os.cpu_count() or 1
+    sample_bytes = ds.columns["image"].sample_nbytes
+    memcpy = memcpy_rate(bs * sample_bytes)
+    files = [ds.reader.root / f.path for s in ds.manifest.shards for f in s.files]
+    raw_files = sorted(p for p in raw.rglob("*") if p.is_file())
+    classes = sorted({p.parent.name for p in raw_files})
+    labels = [classes.index(p.parent.name) for p in raw_files]
+    on_the_fly_limit = min(len(raw_files), 4 * bs)
+    mmpack_conv = {"convert_s": build_s, "disk_bytes": _dir_bytes(out)}
+    raw_conv = {"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)}
+    results: list[dict] = []
+
+    def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes):
+        r = {"system": name, "family": family, "kind": kind, **conversion}
+        try:
+            r.update(measure(make_iter, count_of, passes=n_passes, limit=limit,
+                             cold_files=cold_files if args.cold else None))
+            if args.step_ms is not None or args.model:
+                r["stall"] = stall(make_iter(), args.step_ms or 0, steps=args.stall_steps, mode=args.step_mode,
+                                   step=_model_step(args) if args.model else None)
+        except Exception as exc:  # noqa: BLE001 - a system that breaks is a row with its error
+            r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
+        if "samples_per_s" in r and kind == "images":
+            r["mb_per_s"] = r["samples_per_s"] * sample_bytes / 1e6
+            r["pct_memcpy"] = 100 * r["samples_per_s"] * sample_bytes / memcpy
+        results.append(r)
+        _progress(r)
+        return r
+
+    for threads in sorted({1, min(4, cores)}):
+        loader = Loader(ds, bs, num_threads=threads)
+        run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
+            lambda b: len(b["label"]), mmpack_conv, files)
+    batched = ds.batched(bs)
+    run(f"mmpack batched + DataLoader({workers} worker processes)", "mmpack",
+        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=workers, pin_memory=PIN),
+        lambda b: len(b["label"]), mmpack_conv, files)
+    run(f"MMapDataset + DataLoader({workers} workers, collate)", "mmpack",
+        lambda: torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN),
+        lambda b: len(b["label"]), mmpack_conv, files)
+    otf = OnTheFlyImages(raw_files, labels, ds.columns["image"].shape[0])
+    run(f"on-the-fly Pillow + DataLoader({workers} workers)", "baseline",
+        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN),
+        lambda b: len(b["label"]), raw_conv, raw_files, limit=on_the_fly_limit, n_passes=1)
+
+    peer_state = {}
+    src = peers.Source(ds, raw_files, labels, ds.columns["image"].shape[0])
+    for module, adapter in peers.ADAPTERS.items():
+        reason = peers.availability(module)
+        peer_state[module] = reason or "ran"
+        if reason:
+            results.append({"system": peers.NAMES[module], "family": "peer", "kind": "images", "skipped": reason})
+            _progress(results[-1])
+            continue
+        for system in adapter(src, bs, workers):
+            target = work / "peers" / system.name.split(" +")[0].replace(" ", "-").lower()
+            try:
+                conv = peers.timed_convert(system, target)
+            except Exception as exc:  # noqa: BLE001
+                results.append({"system": system.name, "family": "peer", "kind": "images",
+                                "error": f"conversion failed: {type(exc).__name__}: {str(exc)[:160]}"})
+                continue
+            run(system.name, "peer", lambda s=system, t=target: s.loader(t), system.count_of, conv,
+                files_under(target), limit=on_the_fly_limit if system.jpeg else None,
+                n_passes=1 if system.jpeg else passes)
+
+    text_raw, text_out, text_build_s = prepare_text(work, args.text_mb)
+    tw = TokenWindows(text_out, 1024)
+    tloader = Loader(tw, 32)
+    r = run("mmpack TokenWindows(1024) via Loader", "mmpack", lambda: tloader, lambda b: b[0].numel(),
+            {"convert_s": text_build_s, "disk_bytes": _dir_bytes(text_out)}, files_under(text_out), kind="tokens")
+    texts = [p.read_text(encoding="utf-8") for p in sorted(text_raw.rglob("*.txt"))]
+    otf_text = OnTheFlyText(texts, data.minilm_tokenizer())
+    run(f"on-the-fly tokenizers + DataLoader({workers} workers)", "baseline",
+        lambda: torch.utils.data.DataLoader(otf_text, batch_size=8, shuffle=True, num_workers=workers,
+                                            collate_fn=torch.cat),
+        lambda b: b.numel(), {"convert_s": 0.0, "disk_bytes": sum(len(t.encode()) for t in texts)},
+        files_under(text_raw), kind="tokens", n_passes=1)
+    for r in results:
+        if r.get("kind") == "tokens" and "samples_per_s" in r:
+            r["tokens_per_s"] = r.pop("samples_per_s")
+            r["pct_memcpy"] = 100 * r["tokens_per_s"] * 8 / memcpy  # int64 tokens written
+
+    _ratios(results)
+    return {
+        "command": "bench loaders", "machine": machine(), "memcpy_bytes_per_s": memcpy,
+        "memcpy_images_per_s": memcpy / sample_bytes, "batch_size": bs, "workers": workers,
+        "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
+        "peers": peer_state, "step_ms": args.step_ms, "step_mode": "model" if args.model else args.step_mode,
+        "cache": ("warm for every rate; cold = one pass right after evicting the system's files from the page "
+                  "cache with posix_fadvise(DONTNEED)") if args.cold else "warm (run with --cold for cold passes)",
+        "notes": ["conversion for mmpack = packer build from the raw files (decode included); for a peer's "
+                  "decoded variant = writing the pixels mmpack decoded (decode not included)"],
+    }
+
+
+def _ratios(results: list[dict]) -> None:
+    base = next((r["samples_per_s"] for r in results if r.get("family") == "baseline" and r["kind"] == "images"
+                 and "samples_per_s" in r), None)
+    collate = next((r["samples_per_s"] for r in results if r["system"].startswith("MMapDataset")
+                    and "samples_per_s" in r), None)
+    tbase = next((r["tokens_per_s"] for r in results if r.get("family") == "baseline" and r["kind"] == "tokens"
+                  and "tokens_per_s" in r), None)
+    for r in results:
+        if r.get("kind") == "images" and "samples_per_s" in r:
+            if base:
+                r["x_on_the_fly"] = r["samples_per_s"] / base
+            if collate:
+                r["x_dataloader_collate"] = r["samples_per_s"] / collate
+        if r.get("kind") == "tokens" and "tokens_per_s" in r and tbase:
+            r["x_on_the_fly"] = r["tokens_per_s"] / tbase
+
+
+def _progress(r: dict) -> None:
+    state = r.get("skipped") or r.get("error") or f"{r.get('samples_per_s', 0):,.0f}/s"
+    print(f"  measured {r['system']}: {state}", file=sys.stderr, flush=True)
+
+
+def _model_step(args):
+    """A real step on CUDA: a small conv net forward + backward on the batch's images."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("--model needs CUDA; use --step-ms T to simulate a step instead")
+    from loaders.augment import normalize
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, stride=2), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, stride=2),
+                              torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                              torch.nn.Linear(64, 1000)).cuda()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+
+    def step(batch):
+        images = batch["image"] if isinstance(batch, dict) else batch[0]
+        x = normalize(images.cuda(non_blocking=True))
+        loss = net(x).logsumexp(1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        torch.cuda.synchronize()
+
+    return step
+
+
+# -- sweep -----------------------------------------------------------------------------------
+def bench_sweep(args) -> dict:
+    from loaders import Loader, MMapDataset
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-sweep-"))
+    work.mkdir(parents=True, exist_ok=True)
+    _, out, _ = prepare_images(work, args.images)
+    ds = MMapDataset(out, columns=["image", "label"])
+    points = []
+    for bs in args.batch_sizes:
+        for w in args.workers_list:
+            make = lambda w=w, bs=bs: torch.utils.data.DataLoader(  # noqa: E731
+                ds, batch_size=bs, shuffle=True, num_workers=w, pin_memory=PIN)
+            points.append(_point("DataLoader(MMapDataset)", "workers", w, bs, make, args))
+        for t in args.threads_list:
+            make = lambda t=t, bs=bs: Loader(ds, bs, num_threads=t)  # noqa: E731
+            points.append(_point("mmpack Loader", "threads", t, bs, make, args))
+    best = min(points, key=lambda p: (round(p["stall_fraction"], 2), -p["samples_per_s"]))
+    rec = (f"recommendation: {best['system']} with {best['axis']}={best['value']}, batch_size={best['batch_size']}: "
+           f"{best['samples_per_s']:,.0f} samples/s, the step waits for data {100 * best['stall_fraction']:.0f}% "
+           f"of the time at a {args.step_ms:g} ms step")
+    return {"command": "bench sweep", "machine": machine(), "step_ms": args.step_ms, "points": points,
+            "recommendation": rec, "best": best}
+
+
+def _point(system, axis, value, bs, make, args) -> dict:
+    r = measure(make, lambda b: len(b["label"]), passes=1)
+    steps = max(3, min(args.stall_steps or 20, 20))
+    s = stall(make(), args.step_ms, steps=steps, mode=args.step_mode)
+    p = {"system": system, "axis": axis, "value": value, "batch_size": bs, "samples_per_s": r["samples_per_s"],
+         "stall_fraction": s["stall_fraction"], "gpu_util_pct": s["gpu_util_pct"]}
+    _progress(p)
+    return p

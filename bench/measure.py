@@ -1,0 +1,204 @@
+"""How the bench measures: the memcpy limit, timed passes, memory of the whole process tree
+(RSS and PSS from /proc/PID/smaps_rollup), CPU seconds, page-cache eviction for cold runs, and
+the data-stall diagnosis `stall()` that works on any iterable loader."""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+
+def memcpy_rate(nbytes: int, reps: int = 10) -> float:
+    """Bytes/s of one-thread numpy copies between two pre-touched buffers of `nbytes`."""
+    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+# -- memory of the process tree --------------------------------------------------------------
+def rollup(pid: int) -> dict[str, float]:
+    """RSS and PSS of one process in MB ({} when it is gone)."""
+    fields = {}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                parts = line.split()
+                if parts[0] in ("Rss:", "Pss:"):
+                    fields[parts[0][:-1].lower() + "_mb"] = int(parts[1]) / 1024
+    except (OSError, IndexError, ValueError):
+        return {}
+    return fields
+
+
+def tree_pids(root: int | None = None) -> list[int]:
+    """This process and all its descendants (DataLoader workers, pool workers)."""
+    root = root or os.getpid()
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        try:
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except OSError:
+            continue
+    return pids
+
+
+def tree_memory() -> dict[str, float]:
+    rows = [rollup(p) for p in tree_pids()]
+    return {"rss_mb": sum(r.get("rss_mb", 0) for r in rows), "pss_mb": sum(r.get("pss_mb", 0) for r in rows),
+            "processes": len(rows)}
+
+
+class PeakMemory:
+    """Samples the tree's RSS and PSS every `every_s` in a thread; keeps the peaks. PSS counts a
+    shared page-cache page once across processes, RSS once per process that maps it."""
+
+    def __init__(self, every_s: float = 0.05):
+        self.every_s, self.peak_rss_mb, self.peak_pss_mb = every_s, 0.0, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            m = tree_memory()
+            self.peak_rss_mb = max(self.peak_rss_mb, m["rss_mb"])
+            self.peak_pss_mb = max(self.peak_pss_mb, m["pss_mb"])
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process and its reaped children (DataLoader workers are reaped
+    when an epoch's iterator ends)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def evict(paths: Iterable[Path]) -> int:
+    """Drop these files' pages from the page cache (posix_fadvise DONTNEED; no root needed, unlike
+    /proc/sys/vm/drop_caches). Returns the bytes evicted."""
+    total = 0
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            total += os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    return total
+
+
+def files_under(*roots: Path) -> list[Path]:
+    return [p for root in roots for p in Path(root).rglob("*") if p.is_file()]
+
+
+# -- timed passes ----------------------------------------------------------------------------
+def measure(make_iter: Callable[[], Iterable], count_of: Callable, *, passes: int, limit: int | None = None,
+            cold_files: list[Path] | None = None) -> dict:
+    """Median samples/s over `passes` passes after a warm-up pass (warm page cache), time to
+    first batch, peak RSS/PSS of the process tree, CPU s per 1000 samples; with `cold_files`
+    also one pass right after evicting them from the page cache."""
+    out: dict = {}
+    if cold_files:
+        evict(cold_files)
+        n, seconds, _ = _one_pass(make_iter, count_of, limit)
+        out["cold_samples_per_s"] = n / seconds
+    _one_pass(make_iter, count_of, limit)  # warm-up: page cache, worker start, allocations
+    rates, firsts, samples = [], [], 0
+    cpu0 = cpu_seconds()
+    with PeakMemory() as mem:
+        for _ in range(passes):
+            n, seconds, first = _one_pass(make_iter, count_of, limit)
+            rates.append(n / seconds)
+            firsts.append(first)
+            samples += n
+    out.update(samples_per_s=statistics.median(rates), first_batch_s=statistics.median(firsts),
+               peak_rss_mb=mem.peak_rss_mb, peak_pss_mb=mem.peak_pss_mb,
+               cpu_s_per_1000=1000 * (cpu_seconds() - cpu0) / max(samples, 1))
+    return out
+
+
+def _one_pass(make_iter, count_of, limit) -> tuple[int, float, float]:
+    start = time.perf_counter()
+    first, n = None, 0
+    for batch in make_iter():
+        if first is None:
+            first = time.perf_counter() - start
+        n += count_of(batch)
+        if limit and n >= limit:
+            break
+    return n, time.perf_counter() - start, first or 0.0
+
+
+# -- stall diagnosis -------------------------------------------------------------------------
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def stall(loader: Iterable, step_ms: float, *, steps: int | None = None, mode: str = "sleep",
+          step: Callable[[object], None] | None = None, warmup: int = 2) -> dict:
+    """Run `loader` as a training loop would, with a simulated step of `step_ms` per batch, and
+    report how long the consumer waited for data. Works on any iterable (ours, a DataLoader,
+    a peer's loader).
+
+    mode "sleep" frees the CPU during the step, like a step on the GPU; "busy" spins one core,
+    like a CPU-bound step. `step(batch)` runs a real step (a model on CUDA) instead.
+    Returns wait/step seconds, `stall_fraction` = wait / wall and `gpu_util_pct`, the
+    utilisation nvidia-smi would show if the step were the GPU's only work.
+    """
+    it = iter(loader)
+    for _ in range(warmup):  # worker start-up is not a stall of the steady state
+        if next(it, None) is None:
+            break
+    wait = work = 0.0
+    count = 0
+    start = time.perf_counter()
+    while steps is None or count < steps:
+        t0 = time.perf_counter()
+        batch = next(it, None)
+        if batch is None and steps is not None and count and not isinstance(loader, Iterator):
+            it = iter(loader)  # a re-iterable loader (DataLoader, Loader): next epoch, as training would
+            batch = next(it, None)
+        t1 = time.perf_counter()
+        if batch is None:
+            break
+        wait += t1 - t0
+        if step is not None:
+            step(batch)
+        elif mode == "busy":
+            _busy(step_ms / 1000)
+        else:
+            time.sleep(step_ms / 1000)
+        work += time.perf_counter() - t1
+        count += 1
+    wall = time.perf_counter() - start
+    return {"steps": count, "step_ms": step_ms, "mode": "model" if step else mode, "wait_s": wait, "step_s": work,
+            "wall_s": wall, "stall_fraction": wait / wall if wall else 0.0,
+            "gpu_util_pct": 100 * work / wall if count else None}

@@ -1,0 +1,115 @@
+"""`bench packer`: build throughput against the raw per-core rates of the work it wraps
+(Pillow decode + resize, `tokenizers` batch encode), measured in the same run, for each worker
+count; peak memory of the build's process tree; zstd pack/unpack ratio and MB/s."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from . import data
+from .loaders_bench import machine, prepare_images, prepare_text
+from .measure import PeakMemory
+
+_TOKENIZE_ONE_CORE = """
+import json, sys, time
+from packer.text import load_tokenizer, encode_batch
+tok = load_tokenizer(sys.argv[1])
+texts = [open(p, encoding="utf-8").read() for p in sys.argv[2:]]
+start = time.perf_counter(); n = 0
+for i in range(0, len(texts), 512):
+    n += sum(a.size for a in encode_batch(tok, texts[i:i + 512], dtype="<u4", eos_id=None, add_special_tokens=False))
+print(json.dumps({"tokens": n, "seconds": time.perf_counter() - start}))
+"""
+
+
+def raw_image_rate(files: list[Path], size: int) -> float:
+    """Images/s of decode_image (Pillow, the packer's exact policy) on one core, in this process."""
+    from packer.errors import SourceError
+    from packer.images import decode_image
+
+    start, n = time.perf_counter(), 0
+    for f in files:
+        try:
+            decode_image(f, size)
+            n += 1
+        except SourceError:
+            pass
+    return n / (time.perf_counter() - start)
+
+
+def raw_token_rate(texts: list[Path]) -> float:
+    """Tokens/s of `tokenizers` batch encode on one core (RAYON_NUM_THREADS=1, a fresh process)."""
+    env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
+    res = subprocess.run([sys.executable, "-c", _TOKENIZE_ONE_CORE, str(data.minilm_tokenizer()), *map(str, texts)],
+                         capture_output=True, text=True, env=env, check=True)
+    r = json.loads(res.stdout)
+    return r["tokens"] / r["seconds"]
+
+
+def _build(raw: Path, out: Path, workers: int, extra: list[str]) -> dict:
+    from packer import load_manifest
+    from packer.cli import main as packer
+
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    with PeakMemory(every_s=0.02) as mem:
+        code = packer(["build", str(raw), str(out), "-q", "--workers", str(workers), *extra])
+    seconds = time.perf_counter() - start
+    if code != 0:
+        raise RuntimeError(f"packer build exited {code}")
+    m = load_manifest(out)
+    return {"seconds": seconds, "samples": m.num_samples, "shards": len(m.shards), "size_bytes": m.size_bytes,
+            "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb, "manifest": m}
+
+
+def bench_packer(args) -> dict:
+    from packer.archive import pack, unpack
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-packer-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw_img, _, _ = prepare_images(work, args.images)
+    raw_txt, _, _ = prepare_text(work, args.text_mb)
+    img_files = sorted(p for p in raw_img.rglob("*") if p.is_file())
+    txt_files = sorted(raw_txt.rglob("*.txt"))
+    per_core_img = raw_image_rate(img_files, 224)
+    per_core_tok = raw_token_rate(txt_files)
+    rows = []
+    shard = args.shard_size
+    for w in args.workers_list:
+        r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard])
+        rate = r["samples"] / r["seconds"]
+        rows.append({"what": "images", "workers": w, "rate": rate, "unit": "images/s",
+                     "raw_per_core": per_core_img, "efficiency": rate / (per_core_img * w),
+                     **{k: v for k, v in r.items() if k != "manifest"}})
+        r = _build(raw_txt, work / f"pk-text-{w}", w, ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
+                                                      "--shard-size", shard])
+        tokens = _token_count(work / f"pk-text-{w}")
+        rate = tokens / r["seconds"]
+        rows.append({"what": "tokens", "workers": w, "rate": rate, "unit": "tokens/s",
+                     "raw_per_core": per_core_tok, "efficiency": rate / (per_core_tok * w),
+                     **{k: v for k, v in r.items() if k != "manifest"}})
+    archives = []
+    last = args.workers_list[-1]
+    for what in ("images", "text"):
+        src = work / f"pk-{what}-{last}"
+        arc, back = work / f"arc-{what}", work / f"unpacked-{what}"
+        p = pack(src, arc, level=args.level, overwrite=True)
+        u = unpack(arc, back, overwrite=True)
+        archives.append({"what": what, "level": args.level, "raw_bytes": p.raw_bytes, "zstd_bytes": p.packed_bytes,
+                         "ratio": p.ratio, "pack_mb_per_s": p.mb_per_s, "unpack_mb_per_s": u.mb_per_s})
+    return {"command": "bench packer", "machine": machine(), "shard_size": shard, "builds": rows,
+            "archives": archives, "images": len(img_files), "text_files": len(txt_files)}
+
+
+def _token_count(out: Path) -> int:
+    from packer.reader import DatasetReader
+
+    reader = DatasetReader(out)
+    return sum(int(reader.column(k, "tokens").offsets[-1]) for k in range(len(reader.manifest.shards)))

@@ -1,0 +1,233 @@
+"""Peer formats, each fed the same data through its own writer and read with its own loader.
+
+Two variants per peer where the peer allows both: "decoded" stores the very pixels mmpack
+stores (224x224x3 uint8 read from the mmpack dataset, so format is compared with format), and
+"jpeg" stores the original image files and decodes + resizes them in the loader's workers,
+the peer's usual use. Every adapter imports its peer lazily; one that is missing or fails to
+import becomes a row saying so, never an error of the bench.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PIP = {"webdataset": "webdataset", "litdata": "litdata", "streaming": "mosaicml-streaming", "datasets": "datasets"}
+NAMES = {"webdataset": "WebDataset", "litdata": "LitData", "streaming": "MosaicML Streaming", "datasets": "HF datasets"}
+
+
+def availability(module: str) -> str | None:
+    """None when the peer imports, else the reason (not installed, or installed but broken)."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return f"not installed: pip install {PIP[module]}  (or pip install 'mmpack[peers]')"
+        return f"installed, but import fails: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a broken peer install is a row, not a crash
+        return f"installed, but import fails: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+    return None
+
+
+@dataclass
+class Source:
+    """The bench's images: decoded pixels from the mmpack dataset and the raw files."""
+
+    dataset: object  # loaders.MMapDataset over image/label
+    files: list[Path]  # raw file of sample i
+    labels: list[int]
+    size: int
+
+
+@dataclass
+class PeerSystem:
+    name: str
+    convert: Callable[[Path], None]
+    loader: Callable[[Path], Iterable]
+    count_of: Callable
+    jpeg: bool
+
+
+def _decode_bytes(raw: bytes, size: int) -> np.ndarray:
+    from packer.images import decode_image
+
+    return decode_image(io.BytesIO(raw), size)
+
+
+def _decoded(src: Source, i: int) -> tuple[np.ndarray, int]:
+    s = src.dataset[i]
+    return s["image"].numpy(), int(s["label"])
+
+
+def _n_shards(n: int) -> int:
+    return max(4, n // 500)
+
+
+# -- WebDataset ------------------------------------------------------------------------------
+def webdataset_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
+    import webdataset as wds
+
+    n = len(src.files)
+
+    def convert(jpeg: bool):
+        def run(out: Path) -> None:
+            out.mkdir(parents=True, exist_ok=True)
+            with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=-(-n // _n_shards(n)), verbose=0) as sink:
+                for i in range(n):
+                    if jpeg:
+                        sink.write({"__key__": f"{i:08d}", "jpg": src.files[i].read_bytes(), "cls": src.labels[i]})
+                    else:
+                        image, label = _decoded(src, i)
+                        sink.write({"__key__": f"{i:08d}", "npy": image, "cls": label})
+        return run
+
+    def loader(jpeg: bool):
+        def make(out: Path):
+            urls = sorted(str(p) for p in out.glob("shard-*.tar"))
+            pipe = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000)
+            if jpeg:
+                pipe = pipe.map(lambda s: (torch.from_numpy(_decode_bytes(s["jpg"], src.size)), int(s["cls"])))
+            else:
+                pipe = pipe.decode().to_tuple("npy", "cls").map(lambda t: (torch.from_numpy(t[0]), int(t[1])))
+            pipe = pipe.batched(bs)
+            return torch.utils.data.DataLoader(pipe, batch_size=None, num_workers=workers, pin_memory=_pin())
+        return make
+
+    return [PeerSystem(f"WebDataset {'JPEG' if j else 'decoded'} tar + DataLoader({workers} workers)",
+                       convert(j), loader(j), lambda b: len(b[1]), j) for j in (False, True)]
+
+
+# -- LitData ---------------------------------------------------------------------------------
+class _LitSource:
+    """litdata.optimize's fn: picklable, opens the mmpack dataset lazily in each worker."""
+
+    def __init__(self, root: str, files: list[str], labels: list[int], jpeg: bool):
+        self.root, self.files, self.labels, self.jpeg, self._ds = root, files, labels, jpeg, None
+
+    def __call__(self, i: int) -> dict:
+        if self.jpeg:
+            return {"jpg": Path(self.files[i]).read_bytes(), "label": self.labels[i]}
+        if self._ds is None:
+            from loaders import MMapDataset
+
+            self._ds = MMapDataset(self.root, columns=["image", "label"])
+        s = self._ds[i]
+        return {"image": s["image"].numpy().copy(), "label": int(s["label"])}
+
+
+def litdata_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
+    import litdata
+
+    class JpegStreaming(litdata.StreamingDataset):
+        def __getitem__(self, index):
+            s = super().__getitem__(index)
+            return {"image": torch.from_numpy(_decode_bytes(s["jpg"], src.size)), "label": s["label"]}
+
+    def convert(jpeg: bool):
+        def run(out: Path) -> None:
+            fn = _LitSource(str(src.dataset.root), [str(f) for f in src.files], src.labels, jpeg)
+            litdata.optimize(fn=fn, inputs=list(range(len(src.files))), output_dir=str(out), chunk_bytes="64MB",
+                             num_workers=workers, mode="overwrite")
+        return run
+
+    def loader(jpeg: bool):
+        def make(out: Path):
+            ds = (JpegStreaming if jpeg else litdata.StreamingDataset)(str(out), shuffle=True)
+            return litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=_pin())
+        return make
+
+    return [PeerSystem(f"LitData {'JPEG' if j else 'decoded'} + StreamingDataLoader({workers} workers)",
+                       convert(j), loader(j), lambda b: len(b["label"]), j) for j in (False, True)]
+
+
+# -- MosaicML Streaming (MDS) ----------------------------------------------------------------
+def streaming_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
+    import streaming
+
+    s = src.size
+
+    class JpegMDS(streaming.StreamingDataset):
+        def __getitem__(self, index):
+            x = super().__getitem__(index)
+            return {"image": torch.from_numpy(_decode_bytes(x["jpg"], s)), "label": x["label"]}
+
+    def convert(jpeg: bool):
+        def run(out: Path) -> None:
+            columns = {"jpg": "bytes", "label": "int"} if jpeg else {"image": f"ndarray:uint8:{s},{s},3", "label": "int"}
+            with streaming.MDSWriter(out=str(out), columns=columns, size_limit=1 << 26) as sink:
+                for i in range(len(src.files)):
+                    if jpeg:
+                        sink.write({"jpg": src.files[i].read_bytes(), "label": src.labels[i]})
+                    else:
+                        image, label = _decoded(src, i)
+                        sink.write({"image": image, "label": label})
+        return run
+
+    def loader(jpeg: bool):
+        def make(out: Path):
+            ds = (JpegMDS if jpeg else streaming.StreamingDataset)(local=str(out), shuffle=True, batch_size=bs)
+            return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=_pin())
+        return make
+
+    return [PeerSystem(f"MosaicML MDS {'JPEG' if j else 'decoded'} + DataLoader({workers} workers)",
+                       convert(j), loader(j), lambda b: len(b["label"]), j) for j in (False, True)]
+
+
+# -- Hugging Face datasets (Arrow) -------------------------------------------------------------
+def datasets_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
+    import datasets as hf
+
+    s = src.size
+
+    def convert(jpeg: bool):
+        def rows():
+            for i, (f, label) in enumerate(zip(src.files, src.labels)):
+                image = {"bytes": f.read_bytes(), "path": None} if jpeg else _decoded(src, i)[0]
+                yield {"image": image, "label": label}
+
+        def run(out: Path) -> None:
+            image = hf.Image(decode=False) if jpeg else hf.Array3D((s, s, 3), "uint8")
+            features = hf.Features({"image": image, "label": hf.Value("int64")})
+            ds = hf.Dataset.from_generator(rows, features=features, cache_dir=str(out.parent / f"hf-cache-{out.name}"))
+            ds.save_to_disk(str(out))
+        return run
+
+    def decode_batch(batch):
+        return {"image": [torch.from_numpy(_decode_bytes(im["bytes"], s)) for im in batch["image"]],
+                "label": batch["label"]}
+
+    def loader(jpeg: bool):
+        def make(out: Path):
+            ds = hf.load_from_disk(str(out))
+            ds = ds.with_transform(decode_batch) if jpeg else ds.with_format("torch")
+            return torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=_pin())
+        return make
+
+    return [PeerSystem(f"HF datasets {'JPEG' if j else 'decoded'} Arrow + DataLoader({workers} workers)",
+                       convert(j), loader(j), lambda b: len(b["label"]), j) for j in (False, True)]
+
+
+ADAPTERS = {"webdataset": webdataset_systems, "litdata": litdata_systems, "streaming": streaming_systems,
+            "datasets": datasets_systems}
+
+
+def _pin() -> bool:
+    return torch.cuda.is_available()
+
+
+def timed_convert(system: PeerSystem, out: Path) -> dict:
+    import shutil
+
+    shutil.rmtree(out, ignore_errors=True)
+    start = time.perf_counter()
+    system.convert(out)
+    seconds = time.perf_counter() - start
+    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+    return {"convert_s": seconds, "disk_bytes": size}

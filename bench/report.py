@@ -1,0 +1,122 @@
+"""Tables on the terminal and PNG plots (matplotlib, the optional `plot` extra)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+def _f(v, spec: str) -> str:
+    """format(v, spec), or a right-aligned '-' of the same width when there is no figure."""
+    if isinstance(v, (int, float)):
+        return format(v, spec)
+    return "-".rjust(int(re.match(r">(\d+)", spec).group(1)))
+
+
+def loaders_table(report: dict) -> str:
+    lines = [f"memcpy (1 thread, {report['batch_size']}-image buffers): {report['memcpy_bytes_per_s'] / 1e9:.1f} GB/s "
+             f"= {report['memcpy_images_per_s']:,.0f} images/s; {report['num_images']} images "
+             f"{report['image_shape']}, batch {report['batch_size']}, cache {report['cache'].split(';')[0]}"]
+    head = (f"{'system':58} {'samples/s':>11} {'MB/s':>7} {'%memcpy':>7} {'x otf':>7} {'x coll':>7} "
+            f"{'1st s':>6} {'cold/s':>9} {'RSS MB':>7} {'PSS MB':>7} {'CPUs/1k':>7} {'conv s':>7} {'disk MB':>8}")
+    stall = report.get("step_ms") is not None or report.get("step_mode") == "model"
+    if stall:
+        head += f" {'GPU util':>8}"
+    lines.append(head)
+    for r in report["results"]:
+        name = r["system"][:58]
+        if "skipped" in r or "error" in r:
+            lines.append(f"{name:58} {r.get('skipped') or 'error: ' + r['error']}")
+            continue
+        rate = r.get("samples_per_s", r.get("tokens_per_s"))
+        unit = " tok" if r["kind"] == "tokens" else ""
+        line = (f"{name:58} {rate:>11,.0f} {_f(r.get('mb_per_s'), '>7,.0f')} {_f(r.get('pct_memcpy'), '>6.0f')}% "
+                f"{_f(r.get('x_on_the_fly'), '>7.1f')} {_f(r.get('x_dataloader_collate'), '>7.1f')} "
+                f"{r['first_batch_s']:>6.2f} {_f(r.get('cold_samples_per_s'), '>9,.0f')} {r['peak_rss_mb']:>7,.0f} "
+                f"{r['peak_pss_mb']:>7,.0f} {r['cpu_s_per_1000']:>7.2f} {r['convert_s']:>7.1f} "
+                f"{r['disk_bytes'] / 1e6:>8,.1f}")
+        if stall and "stall" in r:
+            line += f" {_f(r['stall']['gpu_util_pct'], '>7.0f')}%"
+        lines.append(line + unit)
+    lines.append("x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) with "
+                 "default collate; RSS/PSS: peak of the whole process tree; CPUs/1k: CPU seconds per 1000 samples")
+    if stall:
+        lines.append(f"GPU util: share of wall time spent in the {report['step_ms']} ms step "
+                     f"({report['step_mode']}), i.e. not waiting for data")
+    return "\n".join(lines)
+
+
+def packer_table(report: dict) -> str:
+    lines = [f"{'build':8} {'workers':>7} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'seconds':>8} "
+             f"{'shards':>6} {'out MB':>8} {'peak RSS MB':>11}"]
+    for r in report["builds"]:
+        lines.append(f"{r['what']:8} {r['workers']:>7} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
+                     f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {r['seconds']:>8.1f} "
+                     f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {r['peak_rss_mb']:>11,.0f}")
+    lines.append("efficiency = build rate / (raw per-core rate x workers); raw = Pillow decode+resize or "
+                 "tokenizers batch encode alone, one core, same inputs, same run")
+    for a in report["archives"]:
+        lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
+                     f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "
+                     f"{a['unpack_mb_per_s']:,.0f} MB/s (raw bytes)")
+    return "\n".join(lines)
+
+
+def sweep_table(report: dict) -> str:
+    lines = [f"{'system':24} {'axis':>8} {'value':>5} {'batch':>6} {'samples/s':>11} {'stall':>6}"]
+    for p in report["points"]:
+        lines.append(f"{p['system']:24} {p['axis']:>8} {p['value']:>5} {p['batch_size']:>6} "
+                     f"{p['samples_per_s']:>11,.0f} {100 * p['stall_fraction']:>5.0f}%")
+    lines.append(report["recommendation"])
+    return "\n".join(lines)
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install 'mmpack[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_loaders(report: dict, path: Path) -> None:
+    plt = _plt()
+    rows = [r for r in report["results"] if r["kind"] == "images" and "samples_per_s" in r]
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.6))
+    names = [r["system"] for r in rows][::-1]
+    rates = [r["samples_per_s"] for r in rows][::-1]
+    colors = {"mmpack": "tab:blue", "baseline": "tab:red", "peer": "tab:gray"}
+    ax.barh(names, rates, color=[colors[r["family"]] for r in rows][::-1])
+    ax.axvline(report["memcpy_images_per_s"], color="k", linestyle="--", label="memcpy limit (1 thread)")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"images/s (224x224x3 uint8, batch {report['batch_size']}, warm cache; log scale)")
+    ax.set_title(f"bench loaders on {report['machine']['cores']} cores")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(report: dict, path: Path) -> None:
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict = {}
+    for p in report["points"]:
+        series.setdefault((p["system"], p["axis"], p["batch_size"]), []).append(p)
+    for (system, axis, bs), pts in series.items():
+        xs = [p["value"] for p in pts]
+        label = f"{system}, batch {bs}"
+        a.plot(xs, [p["samples_per_s"] for p in pts], marker="o", label=label)
+        b.plot(xs, [100 * p["stall_fraction"] for p in pts], marker="o", label=label)
+    a.set_yscale("log")
+    a.set_xlabel("worker processes (DataLoader) / threads (Loader)")
+    a.set_ylabel("images/s")
+    b.set_xlabel("worker processes (DataLoader) / threads (Loader)")
+    b.set_ylabel(f"% of wall time waiting for data ({report['step_ms']:g} ms step)")
+    a.legend(fontsize=7)
+    fig.suptitle(report["recommendation"], fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
