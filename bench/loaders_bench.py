@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import data, peers
+from .peers import MP_CONTEXT
 from .measure import files_under, measure, memcpy_rate, stall
 
 PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
@@ -140,14 +141,17 @@ def bench_loaders(args) -> dict:
             lambda b: len(b["label"]), mmpack_conv, files)
     batched = ds.batched(bs)
     run(f"mmpack batched + DataLoader({workers} worker processes)", "mmpack",
-        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=workers, pin_memory=PIN),
+        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=workers, pin_memory=PIN,
+                                            multiprocessing_context=MP_CONTEXT if workers else None),
         lambda b: len(b["label"]), mmpack_conv, files)
     run(f"MMapDataset + DataLoader({workers} workers, collate)", "mmpack",
-        lambda: torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN),
+        lambda: torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,
+                                            multiprocessing_context=MP_CONTEXT if workers else None),
         lambda b: len(b["label"]), mmpack_conv, files)
     otf = OnTheFlyImages(raw_files, labels, ds.columns["image"].shape[0])
     run(f"on-the-fly Pillow + DataLoader({workers} workers)", "baseline",
-        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN),
+        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,
+                                            multiprocessing_context=MP_CONTEXT if workers else None),
         lambda b: len(b["label"]), raw_conv, raw_files, limit=on_the_fly_limit, n_passes=1)
 
     peer_state = {}
@@ -180,7 +184,7 @@ def bench_loaders(args) -> dict:
     otf_text = OnTheFlyText(texts, data.minilm_tokenizer())
     run(f"on-the-fly tokenizers + DataLoader({workers} workers)", "baseline",
         lambda: torch.utils.data.DataLoader(otf_text, batch_size=8, shuffle=True, num_workers=workers,
-                                            collate_fn=torch.cat),
+                                            collate_fn=torch.cat, multiprocessing_context=MP_CONTEXT if workers else None),
         lambda b: b.numel(), {"convert_s": 0.0, "disk_bytes": sum(len(t.encode()) for t in texts)},
         files_under(text_raw), kind="tokens", n_passes=1)
     for r in results:
@@ -258,7 +262,8 @@ def bench_sweep(args) -> dict:
     for bs in args.batch_sizes:
         for w in args.workers_list:
             make = lambda w=w, bs=bs: torch.utils.data.DataLoader(  # noqa: E731
-                ds, batch_size=bs, shuffle=True, num_workers=w, pin_memory=PIN)
+                ds, batch_size=bs, shuffle=True, num_workers=w, pin_memory=PIN,
+                multiprocessing_context=MP_CONTEXT if w else None)
             points.append(_point("DataLoader(MMapDataset)", "workers", w, bs, make, args))
         for t in args.threads_list:
             make = lambda t=t, bs=bs: Loader(ds, bs, num_threads=t)  # noqa: E731

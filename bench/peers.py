@@ -9,8 +9,11 @@ import becomes a row saying so, never an error of the bench.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import sys
 import io
+import multiprocessing
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -19,6 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+# DataLoaders here use the platform's default start method (fork on Linux) explicitly: some
+# peers change the process-wide default on import, which would tax every later row.
+MP_CONTEXT = multiprocessing.get_start_method(allow_none=False)
 PIP = {"webdataset": "webdataset", "litdata": "litdata", "streaming": "mosaicml-streaming", "datasets": "datasets"}
 NAMES = {"webdataset": "WebDataset", "litdata": "LitData", "streaming": "MosaicML Streaming", "datasets": "HF datasets"}
 
@@ -61,6 +67,29 @@ def _decode_bytes(raw: bytes, size: int) -> np.ndarray:
     return decode_image(io.BytesIO(raw), size)
 
 
+class DecodePair:
+    """(jpeg bytes or pixels, label) -> (uint8 HWC tensor, int); picklable for any start method."""
+
+    def __init__(self, size: int | None):
+        self.size = size
+
+    def __call__(self, pair):
+        image, label = pair
+        pixels = _decode_bytes(image, self.size) if self.size else image
+        return torch.from_numpy(pixels), int(label)
+
+
+class DecodeBatch:
+    """HF `with_transform`: a batch of JPEG bytes -> decoded, resized tensors."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, batch):
+        return {"image": [torch.from_numpy(_decode_bytes(im["bytes"], self.size)) for im in batch["image"]],
+                "label": batch["label"]}
+
+
 def _decoded(src: Source, i: int) -> tuple[np.ndarray, int]:
     s = src.dataset[i]
     return s["image"].numpy(), int(s["label"])
@@ -93,11 +122,12 @@ def webdataset_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
             urls = sorted(str(p) for p in out.glob("shard-*.tar"))
             pipe = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000)
             if jpeg:
-                pipe = pipe.map(lambda s: (torch.from_numpy(_decode_bytes(s["jpg"], src.size)), int(s["cls"])))
+                pipe = pipe.to_tuple("jpg", "cls").map(DecodePair(src.size))
             else:
-                pipe = pipe.decode().to_tuple("npy", "cls").map(lambda t: (torch.from_numpy(t[0]), int(t[1])))
+                pipe = pipe.decode().to_tuple("npy", "cls").map(DecodePair(None))
             pipe = pipe.batched(bs)
-            return torch.utils.data.DataLoader(pipe, batch_size=None, num_workers=workers, pin_memory=_pin())
+            return torch.utils.data.DataLoader(pipe, batch_size=None, num_workers=workers, pin_memory=_pin(),
+                                               multiprocessing_context=MP_CONTEXT if workers else None)
         return make
 
     return [PeerSystem(f"WebDataset {'JPEG' if j else 'decoded'} tar + DataLoader({workers} workers)",
@@ -125,10 +155,9 @@ class _LitSource:
 def litdata_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
     import litdata
 
-    class JpegStreaming(litdata.StreamingDataset):
-        def __getitem__(self, index):
-            s = super().__getitem__(index)
-            return {"image": torch.from_numpy(_decode_bytes(s["jpg"], src.size)), "label": s["label"]}
+    from ._peer_classes import lit_jpeg
+
+    JpegStreaming = lit_jpeg()
 
     def convert(jpeg: bool):
         def run(out: Path) -> None:
@@ -139,8 +168,9 @@ def litdata_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
 
     def loader(jpeg: bool):
         def make(out: Path):
-            ds = (JpegStreaming if jpeg else litdata.StreamingDataset)(str(out), shuffle=True)
-            return litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=_pin())
+            ds = JpegStreaming(str(out), shuffle=True, size=src.size) if jpeg else litdata.StreamingDataset(str(out), shuffle=True)
+            return litdata.StreamingDataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=_pin(),
+                                               multiprocessing_context=MP_CONTEXT if workers else None)
         return make
 
     return [PeerSystem(f"LitData {'JPEG' if j else 'decoded'} + StreamingDataLoader({workers} workers)",
@@ -151,12 +181,9 @@ def litdata_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
 def streaming_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
     import streaming
 
-    s = src.size
+    from ._peer_classes import mds_jpeg
 
-    class JpegMDS(streaming.StreamingDataset):
-        def __getitem__(self, index):
-            x = super().__getitem__(index)
-            return {"image": torch.from_numpy(_decode_bytes(x["jpg"], s)), "label": x["label"]}
+    s, JpegMDS = src.size, mds_jpeg()
 
     def convert(jpeg: bool):
         def run(out: Path) -> None:
@@ -172,8 +199,10 @@ def streaming_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
 
     def loader(jpeg: bool):
         def make(out: Path):
-            ds = (JpegMDS if jpeg else streaming.StreamingDataset)(local=str(out), shuffle=True, batch_size=bs)
-            return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=_pin())
+            ds = (JpegMDS(local=str(out), shuffle=True, batch_size=bs, size=s) if jpeg
+                  else streaming.StreamingDataset(local=str(out), shuffle=True, batch_size=bs))
+            return torch.utils.data.DataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=_pin(),
+                                               multiprocessing_context=MP_CONTEXT if workers else None)
         return make
 
     return [PeerSystem(f"MosaicML MDS {'JPEG' if j else 'decoded'} + DataLoader({workers} workers)",
@@ -199,15 +228,12 @@ def datasets_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
             ds.save_to_disk(str(out))
         return run
 
-    def decode_batch(batch):
-        return {"image": [torch.from_numpy(_decode_bytes(im["bytes"], s)) for im in batch["image"]],
-                "label": batch["label"]}
-
     def loader(jpeg: bool):
         def make(out: Path):
             ds = hf.load_from_disk(str(out))
-            ds = ds.with_transform(decode_batch) if jpeg else ds.with_format("torch")
-            return torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=_pin())
+            ds = ds.with_transform(DecodeBatch(s)) if jpeg else ds.with_format("torch")
+            return torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=_pin(),
+                                               multiprocessing_context=MP_CONTEXT if workers else None)
         return make
 
     return [PeerSystem(f"HF datasets {'JPEG' if j else 'decoded'} Arrow + DataLoader({workers} workers)",
@@ -227,7 +253,8 @@ def timed_convert(system: PeerSystem, out: Path) -> dict:
 
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    system.convert(out)
+    with contextlib.redirect_stdout(sys.stderr):  # peers print progress; stdout is the table's
+        system.convert(out)
     seconds = time.perf_counter() - start
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     return {"convert_s": seconds, "disk_bytes": size}
