@@ -94,15 +94,10 @@ class Loader:
 
     def state_dict(self) -> dict:
         """A few integers: enough to resume exactly, whatever the worker or thread count."""
-        p = self._plan
-        return {"seed": p.seed, "epoch": p.epoch, "cursor": p.cursor, "order": p.order}
+        return self._plan.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        p = self._plan
-        if state["order"] != p.order or state["seed"] != p.seed:
-            raise ValueError(f"state is for order={state['order']} seed={state['seed']}, "
-                             f"this loader has order={p.order} seed={p.seed}")
-        p.epoch, p.cursor = int(state["epoch"]), int(state["cursor"])
+        self._plan.load_state_dict(state)
 
     def __len__(self) -> int:
         return self._plan.num_batches(self._plan.share())
@@ -117,7 +112,7 @@ class Loader:
     def _iter_host(self):
         plan = self._plan
         share = plan.share()
-        num_batches, step = plan.num_batches(share), plan.batch_size * plan.world_size
+        num_batches = plan.num_batches(share)
         if self._ring is None:
             self._ring = [self.source.alloc(plan.batch_size, self.pin_memory) for _ in range(self.num_buffers)]
         ready: queue.Queue = queue.Queue(maxsize=self.num_buffers - 2)
@@ -153,7 +148,7 @@ class Loader:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                plan.cursor = min(plan.cursor + step, plan.num_samples)
+                plan.advance(1)
                 yield item
             plan.cursor = 0  # the epoch is done; set_epoch() picks the next order
         finally:
@@ -178,7 +173,20 @@ class BatchedDataset(torch.utils.data.IterableDataset):
                                drop_last=drop_last, rank=rank, world_size=world_size)
 
     def set_epoch(self, epoch: int) -> None:
-        self._plan.epoch = epoch
+        self._plan.epoch, self._plan.cursor = epoch, 0
+
+    def state_dict(self, batches_seen: int) -> dict:
+        """The state after the training loop took `batches_seen` batches from the DataLoader in
+        this epoch (since the last set_epoch / load_state_dict): DataLoader hands batches over in
+        the global order, so that count is all it takes. Load it into a fresh BatchedDataset
+        before building its DataLoader to resume exactly, with any number of workers."""
+        p = self._plan
+        state = p.state_dict()
+        state["cursor"] = min(p.cursor + batches_seen * p.batch_size * p.world_size, p.num_samples)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self._plan.load_state_dict(state)
 
     def __len__(self) -> int:
         return self._plan.num_batches(self._plan.share())

@@ -112,3 +112,17 @@ class EpochPlan:
 
     def num_batches(self, share: np.ndarray) -> int:
         return -(-len(share) // self.batch_size)
+
+    def state_dict(self) -> dict:
+        """A few integers: enough to resume exactly, whatever the worker or thread count."""
+        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "order": self.order}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["order"] != self.order or state["seed"] != self.seed:
+            raise ValueError(f"state is for order={state['order']} seed={state['seed']}, "
+                             f"this loader has order={self.order} seed={self.seed}")
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+
+    def advance(self, batches: int) -> None:
+        """Move the cursor past `batches` batches of every rank (global samples)."""
+        self.cursor = min(self.cursor + batches * self.batch_size * self.world_size, self.num_samples)

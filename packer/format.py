@@ -215,7 +215,7 @@ class Manifest:
             raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
 
 
-# -- 8. Archive form --------------------------------------------------------------------------
+# -- 9. Archive form --------------------------------------------------------------------------
 ARCHIVE_NAME = "archive.json"
 ARCHIVE_FORMAT = "mmpack-archive"
 ARCHIVE_SUFFIX = ".zst"

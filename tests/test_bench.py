@@ -1,25 +1,97 @@
-"""`bench loaders` in its smallest size: every system has a row with sane positive figures and
-missing peers are reported, not fatal. Not a speed test."""
+"""Every bench command in its smallest size: the JSON has every system's row with sane, positive
+figures, a missing peer is a row saying so (not an error), plots are written. Not speed tests."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
+import bench
+from bench import peers
 from bench.cli import main
 
+TINY = ["--images", "40", "--text-mb", "0.2"]
 
-def test_bench_loaders_smallest(tmp_path, capsys):
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("bench-work")
+
+
+def test_bench_loaders_smallest(work, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    assert main(["loaders", "--images", "48", "--text-mb", "0.3", "--batch-size", "16", "--passes", "1",
-                 "--work", str(tmp_path / "w"), "--json", str(out)]) == 0
+    assert main(["loaders", *TINY, "--batch-size", "8", "--passes", "1", "--work", str(work), "--json", str(out),
+                 "--cold", "--step-ms", "2", "--stall-steps", "3"]) == 0
     report = json.loads(out.read_text())
-    systems = [r["system"] for r in report["results"]]
-    assert any(s.startswith("mmpack Loader") for s in systems)
-    assert any(s.startswith("on-the-fly") for s in systems) and any(s.startswith("MMapDataset") for s in systems)
-    assert any("TokenWindows" in s for s in systems)
-    for r in report["results"]:
-        assert r.get("samples_per_s", r.get("tokens_per_s")) > 0 and r["pct_memcpy"] > 0
-    assert report["memcpy_bytes_per_s"] > 0 and report["machine"]["cores"] >= 1
-    assert set(report["peers"]) == {"webdataset", "litdata", "streaming", "datasets"}
+    rows = {r["system"]: r for r in report["results"]}
+    families = {r["family"] for r in rows.values()}
+    assert families == {"mmpack", "baseline", "peer"}
+    for name in ("mmpack Loader, 1 thread(s)", "MMapDataset + DataLoader(2 workers, collate)",
+                 "on-the-fly Pillow + DataLoader(2 workers)", "mmpack TokenWindows(1024) via Loader",
+                 "on-the-fly tokenizers + DataLoader(2 workers)", "mmpack batched + DataLoader(2 worker processes)"):
+        r = rows[name]
+        rate = r.get("samples_per_s", r.get("tokens_per_s"))
+        assert rate > 0 and r["pct_memcpy"] > 0 and r["cold_samples_per_s"] > 0, name
+        assert r["peak_rss_mb"] > 0 and r["peak_pss_mb"] > 0 and r["cpu_s_per_1000"] >= 0 and r["disk_bytes"] > 0
+        assert 0 <= r["stall"]["stall_fraction"] <= 1
+    assert rows["mmpack Loader, 1 thread(s)"]["x_on_the_fly"] > 0
+    for module, state in report["peers"].items():  # every peer ran, or its row says why not
+        assert state == "ran" or any(r.get("skipped") == state for r in rows.values()), module
+    assert report["memcpy_bytes_per_s"] > 0 and report["machine"]["cores"] >= 1 and report["machine"]["ram_gib"] > 0
     table = capsys.readouterr().out
-    assert "% memcpy" in table and "peer webdataset" in table
+    assert "%memcpy" in table and "GPU util" in table and "WebDataset" in table
+
+
+def test_missing_or_broken_peer_is_a_reason_not_an_error(monkeypatch):
+    import sys
+
+    assert peers.availability("json") is None
+    monkeypatch.setitem(peers.PIP, "no_such_peer_mod", "no-such-peer")
+    assert peers.availability("no_such_peer_mod").startswith("not installed: pip install no-such-peer")
+    monkeypatch.setitem(sys.modules, "broken_peer_mod", None)  # import raises ImportError
+    monkeypatch.setitem(peers.PIP, "broken_peer_mod", "broken")
+    assert peers.availability("broken_peer_mod") is not None
+
+
+def test_bench_sweep_smallest_writes_a_plot_and_a_recommendation(work, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png, out = tmp_path / "sweep.png", tmp_path / "sweep.json"
+    assert main(["sweep", "--images", "40", "--work", str(work), "--workers-list", "0,1", "--threads-list", "1",
+                 "--batch-sizes", "8", "--step-ms", "1", "--stall-steps", "3", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    assert len(report["points"]) == 3 and all(p["samples_per_s"] > 0 for p in report["points"])
+    assert report["recommendation"].startswith("recommendation:") and png.read_bytes()[:4] == b"\x89PNG"
+    assert "recommendation:" in capsys.readouterr().out
+
+
+def test_bench_packer_smallest(work, tmp_path, capsys):
+    out = tmp_path / "packer.json"
+    assert main(["packer", *TINY, "--work", str(work), "--workers-list", "1,2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {(b["what"], b["workers"]) for b in report["builds"]} == {("images", 1), ("images", 2),
+                                                                     ("tokens", 1), ("tokens", 2)}
+    for b in report["builds"]:
+        assert b["rate"] > 0 and b["raw_per_core"] > 0 and 0 < b["efficiency"] and b["peak_rss_mb"] > 0
+    assert {a["what"] for a in report["archives"]} == {"images", "text"}
+    assert all(a["ratio"] > 1 and a["pack_mb_per_s"] > 0 and a["unpack_mb_per_s"] > 0 for a in report["archives"])
+    assert "efficiency" in capsys.readouterr().out
+
+
+def test_stall_on_any_iterable():
+    slow = ({"x": torch.zeros(2)} for _ in range(6))
+    r = bench.stall(slow, step_ms=1, warmup=1)
+    assert r["steps"] == 5 and 0 <= r["stall_fraction"] <= 1 and r["gpu_util_pct"] > 0
+
+    class Starving:  # data takes 20 ms a batch, the step 1 ms: the consumer mostly waits
+        def __iter__(self):
+            import time
+
+            for _ in range(5):
+                time.sleep(0.02)
+                yield 1
+
+    r = bench.stall(Starving(), step_ms=1, warmup=0, steps=8)
+    assert r["steps"] == 8 and r["stall_fraction"] > 0.5  # re-iterated for a second epoch

@@ -178,3 +178,21 @@ def test_abandoning_an_epoch_near_its_end_does_not_hang(built):
     t.join(60)
     assert not t.is_alive(), "abandoning an iterator hung the loader"
     assert seen == [len(ds) - 4 * (len(loader) - 1)] * 3
+
+
+def test_batched_dataset_resumes_mid_epoch_with_another_worker_count(built):
+    ds = MMapDataset(built["images"], columns=["image", "label", "key"])
+
+    def keys(bd, workers):
+        dl = torch.utils.data.DataLoader(bd, batch_size=None, num_workers=workers)
+        return [tuple(b["key"]) for b in dl]
+
+    bd = ds.batched(6, seed=3)
+    bd.set_epoch(2)
+    full = keys(bd, 2)
+    taken = 5
+    state = bd.state_dict(taken)  # the loop took 5 batches, then the job stopped
+    again = ds.batched(6, seed=3)
+    again.load_state_dict(state)
+    assert keys(again, 1) == full[taken:]
+    assert state["epoch"] == 2 and state["cursor"] == 30
