@@ -99,7 +99,7 @@ def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
 
 
 def bench_loaders(args) -> dict:
-    from loaders import Loader, MMapDataset, TokenWindows
+    from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -180,6 +180,9 @@ def bench_loaders(args) -> dict:
     tloader = Loader(tw, 32)
     r = run("mmpack TokenWindows(1024) via Loader", "mmpack", lambda: tloader, lambda b: b[0].numel(),
             {"convert_s": text_build_s, "disk_bytes": _dir_bytes(text_out)}, files_under(text_out), kind="tokens")
+    pdocs = Loader(PackedDocuments(text_out, 2048), 8)
+    run("mmpack PackedDocuments(2048) via Loader", "mmpack", lambda: pdocs, lambda b: b["tokens"].numel(),
+        {"convert_s": text_build_s, "disk_bytes": _dir_bytes(text_out)}, files_under(text_out), kind="tokens")
     texts = [p.read_text(encoding="utf-8") for p in sorted(text_raw.rglob("*.txt"))]
     otf_text = OnTheFlyText(texts, data.minilm_tokenizer())
     run(f"on-the-fly tokenizers + DataLoader({workers} workers)", "baseline",

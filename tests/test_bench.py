@@ -30,7 +30,8 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert families == {"mmpack", "baseline", "peer"}
     for name in ("mmpack Loader, 1 thread(s)", "MMapDataset + DataLoader(2 workers, collate)",
                  "on-the-fly Pillow + DataLoader(2 workers)", "mmpack TokenWindows(1024) via Loader",
-                 "on-the-fly tokenizers + DataLoader(2 workers)", "mmpack batched + DataLoader(2 worker processes)"):
+                 "on-the-fly tokenizers + DataLoader(2 workers)", "mmpack batched + DataLoader(2 worker processes)",
+                 "mmpack PackedDocuments(2048) via Loader"):
         r = rows[name]
         rate = r.get("samples_per_s", r.get("tokens_per_s"))
         assert rate > 0 and r["pct_memcpy"] > 0 and r["cold_samples_per_s"] > 0, name
