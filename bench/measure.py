@@ -121,8 +121,9 @@ def files_under(*roots: Path) -> list[Path]:
 def measure(make_iter: Callable[[], Iterable], count_of: Callable, *, passes: int, limit: int | None = None,
             cold_files: list[Path] | None = None) -> dict:
     """Median samples/s over `passes` passes after a warm-up pass (warm page cache), time to
-    first batch, peak RSS/PSS of the process tree, CPU s per 1000 samples; with `cold_files`
-    also one pass right after evicting them from the page cache."""
+    first batch and CPU s per 1000 samples; then one more pass for the peak RSS/PSS of the process
+    tree (sampling costs CPU, so it never overlaps a timed pass); with `cold_files` first one
+    pass right after evicting them from the page cache."""
     out: dict = {}
     if cold_files:
         evict(cold_files)
@@ -131,15 +132,17 @@ def measure(make_iter: Callable[[], Iterable], count_of: Callable, *, passes: in
     _one_pass(make_iter, count_of, limit)  # warm-up: page cache, worker start, allocations
     rates, firsts, samples = [], [], 0
     cpu0 = cpu_seconds()
-    with PeakMemory() as mem:
-        for _ in range(passes):
-            n, seconds, first = _one_pass(make_iter, count_of, limit)
-            rates.append(n / seconds)
-            firsts.append(first)
-            samples += n
+    for _ in range(passes):  # rates with nothing else running: the memory sampler costs CPU
+        n, seconds, first = _one_pass(make_iter, count_of, limit)
+        rates.append(n / seconds)
+        firsts.append(first)
+        samples += n
+    cpu = cpu_seconds() - cpu0
+    with PeakMemory() as mem:  # one more pass, for memory only
+        _one_pass(make_iter, count_of, limit)
     out.update(samples_per_s=statistics.median(rates), first_batch_s=statistics.median(firsts),
                peak_rss_mb=mem.peak_rss_mb, peak_pss_mb=mem.peak_pss_mb,
-               cpu_s_per_1000=1000 * (cpu_seconds() - cpu0) / max(samples, 1))
+               cpu_s_per_1000=1000 * cpu / max(samples, 1))
     return out
 
 

@@ -19,25 +19,14 @@ from pathlib import Path
 import torch
 
 from bench import data
+from bench.measure import rollup, tree_pids
 from loaders import MMapDataset
 from packer.cli import main as packer
 
 
-def rollup(pid: int) -> dict:
-    fields = {}
-    for line in open(f"/proc/{pid}/smaps_rollup"):
-        parts = line.split()
-        if parts[0] in ("Rss:", "Pss:"):
-            fields[parts[0][:-1].lower() + "_mb"] = int(parts[1]) / 1024
-    return fields
-
-
 def tree() -> list[dict]:
-    import os
-
-    me = os.getpid()
-    kids = [int(p) for p in open(f"/proc/{me}/task/{me}/children").read().split()]
-    return [{"pid": me, **rollup(me)}] + [{"pid": k, **rollup(k)} for k in kids]
+    """RSS and PSS of this process and each of its children (DataLoader workers)."""
+    return [{"pid": pid, **rollup(pid)} for pid in tree_pids()]
 
 
 def main() -> int:
