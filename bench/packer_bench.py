@@ -4,6 +4,7 @@ count; peak memory of the build's process tree; zstd pack/unpack ratio and MB/s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -59,7 +60,7 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str]) -> dict:
 
     shutil.rmtree(out, ignore_errors=True)
     start = time.perf_counter()
-    with PeakMemory(every_s=0.02) as mem:
+    with PeakMemory(every_s=0.02) as mem, contextlib.redirect_stdout(sys.stderr):  # stdout: the table
         code = packer(["build", str(raw), str(out), "-q", "--workers", str(workers), *extra])
     seconds = time.perf_counter() - start
     if code != 0:
