@@ -1,49 +1,40 @@
 """Peer dataset subclasses that decode JPEG bytes in the loader's workers. Module level (built
-once, cached here) so they pickle under any multiprocessing start method; imported only when
-the peer imports."""
+once, cached here under a module-level name) so they pickle under any multiprocessing start
+method; a peer's module is imported only when its class is asked for."""
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 _cache: dict = {}
 
 
-def lit_jpeg():
-    if "lit" not in _cache:
-        import litdata
+def jpeg_dataset(name: str, module: str, base: str):
+    """`module.base` subclassed as `name`: a `size` keyword, and `jpg` bytes in each sample
+    decoded + resized to size x size (the packer's policy) into `image`."""
+    if name not in _cache:
+        parent = getattr(importlib.import_module(module), base)
 
         from .peers import _decode_bytes
 
-        class LitJpeg(litdata.StreamingDataset):
-            def __init__(self, *args, size: int, **kwargs):
-                super().__init__(*args, **kwargs)
-                self.size = size
+        def __init__(self, *args, size: int, **kwargs):
+            parent.__init__(self, *args, **kwargs)
+            self.size = size
 
-            def __getitem__(self, index):
-                s = super().__getitem__(index)
-                return {"image": torch.from_numpy(_decode_bytes(s["jpg"], self.size)), "label": s["label"]}
+        def __getitem__(self, index):
+            s = parent.__getitem__(self, index)
+            return {"image": torch.from_numpy(_decode_bytes(s["jpg"], self.size)), "label": s["label"]}
 
-        globals()["LitJpeg"] = _cache["lit"] = LitJpeg
-        LitJpeg.__module__, LitJpeg.__qualname__ = __name__, "LitJpeg"
-    return _cache["lit"]
+        cls = type(name, (parent,), {"__init__": __init__, "__getitem__": __getitem__, "__module__": __name__})
+        globals()[name] = _cache[name] = cls
+    return _cache[name]
+
+
+def lit_jpeg():
+    return jpeg_dataset("LitJpeg", "litdata", "StreamingDataset")
 
 
 def mds_jpeg():
-    if "mds" not in _cache:
-        import streaming
-
-        from .peers import _decode_bytes
-
-        class MdsJpeg(streaming.StreamingDataset):
-            def __init__(self, *args, size: int, **kwargs):
-                super().__init__(*args, **kwargs)
-                self.size = size
-
-            def __getitem__(self, index):
-                x = super().__getitem__(index)
-                return {"image": torch.from_numpy(_decode_bytes(x["jpg"], self.size)), "label": x["label"]}
-
-        globals()["MdsJpeg"] = _cache["mds"] = MdsJpeg
-        MdsJpeg.__module__, MdsJpeg.__qualname__ = __name__, "MdsJpeg"
-    return _cache["mds"]
+    return jpeg_dataset("MdsJpeg", "streaming", "StreamingDataset")
