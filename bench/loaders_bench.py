@@ -17,7 +17,7 @@ import torch
 
 from . import data, peers
 from .peers import MP_CONTEXT
-from .measure import files_under, measure, memcpy_rate, stall
+from .measure import dir_bytes, files_under, measure, memcpy_rate, stall
 
 PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
 
@@ -62,40 +62,30 @@ def machine() -> dict:
             "platform": platform.platform()}
 
 
-def _dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in files_under(root))
+def _prepared(work: Path, name: str, make_raw, build_args: list[str]) -> tuple[Path, Path, float]:
+    """RAW made by `make_raw(raw)` and its mmpack build with its time (reused from `work`)."""
+    from packer.cli import main as packer
+
+    raw, out = work / f"raw-{name}", work / f"out-{name}"
+    seconds_file = work / f"build-{name}.seconds"
+    if not (out / "manifest.json").exists() or not seconds_file.exists():
+        shutil.rmtree(raw, ignore_errors=True)
+        make_raw(raw)
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
+            packer(["build", str(raw), str(out), "-q", "--overwrite", *build_args])
+        seconds_file.write_text(str(time.perf_counter() - start))
+    return raw, out, float(seconds_file.read_text())
 
 
 def prepare_images(work: Path, count: int) -> tuple[Path, Path, float]:
     """Raw photo crops and their mmpack build (reused from `work` when present)."""
-    from packer.cli import main as packer
-
-    raw, out = work / "raw-images", work / "out-images"
-    seconds_file = work / "build-images.seconds"
-    if not (out / "manifest.json").exists() or not seconds_file.exists():
-        shutil.rmtree(raw, ignore_errors=True)
-        data.make_image_folders(raw, count, seed=0)
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
-            packer(["build", str(raw), str(out), "-q", "--overwrite"])
-        seconds_file.write_text(str(time.perf_counter() - start))
-    return raw, out, float(seconds_file.read_text())
+    return _prepared(work, "images", lambda raw: data.make_image_folders(raw, count, seed=0), [])
 
 
 def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
-    from packer.cli import main as packer
-
-    raw, out = work / "raw-text", work / "out-text"
-    seconds_file = work / "build-text.seconds"
-    if not (out / "manifest.json").exists() or not seconds_file.exists():
-        shutil.rmtree(raw, ignore_errors=True)
-        data.make_text(raw, int(mb * 1024**2))
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            packer(["build", str(raw), str(out), "--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
-                    "-q", "--overwrite"])
-        seconds_file.write_text(str(time.perf_counter() - start))
-    return raw, out, float(seconds_file.read_text())
+    return _prepared(work, "text", lambda raw: data.make_text(raw, int(mb * 1024**2)),
+                     ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos"])
 
 
 def bench_loaders(args) -> dict:
@@ -114,7 +104,7 @@ def bench_loaders(args) -> dict:
     classes = sorted({p.parent.name for p in raw_files})
     labels = [classes.index(p.parent.name) for p in raw_files]
     on_the_fly_limit = min(len(raw_files), 4 * bs)
-    mmpack_conv = {"convert_s": build_s, "disk_bytes": _dir_bytes(out)}
+    mmpack_conv = {"convert_s": build_s, "disk_bytes": dir_bytes(out)}
     raw_conv = {"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)}
     results: list[dict] = []
 
@@ -179,10 +169,10 @@ def bench_loaders(args) -> dict:
     tw = TokenWindows(text_out, 1024)
     tloader = Loader(tw, 32)
     r = run("mmpack TokenWindows(1024) via Loader", "mmpack", lambda: tloader, lambda b: b[0].numel(),
-            {"convert_s": text_build_s, "disk_bytes": _dir_bytes(text_out)}, files_under(text_out), kind="tokens")
+            {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
     pdocs = Loader(PackedDocuments(text_out, 2048), 8)
     run("mmpack PackedDocuments(2048) via Loader", "mmpack", lambda: pdocs, lambda b: b["tokens"].numel(),
-        {"convert_s": text_build_s, "disk_bytes": _dir_bytes(text_out)}, files_under(text_out), kind="tokens")
+        {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
     texts = [p.read_text(encoding="utf-8") for p in sorted(text_raw.rglob("*.txt"))]
     otf_text = OnTheFlyText(texts, data.minilm_tokenizer())
     run(f"on-the-fly tokenizers + DataLoader({workers} workers)", "baseline",

@@ -117,6 +117,10 @@ def files_under(*roots: Path) -> list[Path]:
     return [p for root in roots for p in Path(root).rglob("*") if p.is_file()]
 
 
+def dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in files_under(root))
+
+
 # -- timed passes ----------------------------------------------------------------------------
 def measure(make_iter: Callable[[], Iterable], count_of: Callable, *, passes: int, limit: int | None = None,
             cold_files: list[Path] | None = None) -> dict:

@@ -67,7 +67,7 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str]) -> dict:
         raise RuntimeError(f"packer build exited {code}")
     m = load_manifest(out)
     return {"seconds": seconds, "samples": m.num_samples, "shards": len(m.shards), "size_bytes": m.size_bytes,
-            "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb, "manifest": m}
+            "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
 
 def bench_packer(args) -> dict:
@@ -88,14 +88,14 @@ def bench_packer(args) -> dict:
         rate = r["samples"] / r["seconds"]
         rows.append({"what": "images", "workers": w, "rate": rate, "unit": "images/s",
                      "raw_per_core": per_core_img, "efficiency": rate / (per_core_img * w),
-                     **{k: v for k, v in r.items() if k != "manifest"}})
+                     **r})
         r = _build(raw_txt, work / f"pk-text-{w}", w, ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
                                                       "--shard-size", shard])
         tokens = _token_count(work / f"pk-text-{w}")
         rate = tokens / r["seconds"]
         rows.append({"what": "tokens", "workers": w, "rate": rate, "unit": "tokens/s",
                      "raw_per_core": per_core_tok, "efficiency": rate / (per_core_tok * w),
-                     **{k: v for k, v in r.items() if k != "manifest"}})
+                     **r})
     archives = []
     last = args.workers_list[-1]
     for what in ("images", "text"):

@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .measure import dir_bytes
+
 # DataLoaders here use the platform's default start method (fork on Linux) explicitly: some
 # peers change the process-wide default on import, which would tax every later row.
 MP_CONTEXT = multiprocessing.get_start_method(allow_none=False)
@@ -256,5 +258,4 @@ def timed_convert(system: PeerSystem, out: Path) -> dict:
     with contextlib.redirect_stdout(sys.stderr):  # peers print progress; stdout is the table's
         system.convert(out)
     seconds = time.perf_counter() - start
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    return {"convert_s": seconds, "disk_bytes": size}
+    return {"convert_s": seconds, "disk_bytes": dir_bytes(out)}

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from . import writer
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import ShardContext, ShardResult, read_sidecar, reusable, run_shard
+from .shards import ShardContext, ShardResult, read_sidecar, reusable
 from .sources import Scan, scan
 from .system import available_cores
 from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
@@ -173,10 +173,11 @@ def _discard(config: BuildConfig) -> None:
 # -- prepare: scan, plan, fingerprint, claim the staging --------------------------------------
 def _prepare(config: BuildConfig) -> Prepared:
     _check_out(config)
-    base = _append_base(config) if config.append else None
+    existing = DatasetReader(config.out) if config.append else None
+    base = existing.manifest if existing else None
     found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None)
-    if base is not None:
-        found = _only_new(found, base, config.out)
+    if existing is not None:
+        found = _only_new(found, existing)
     tokenizer = _tokenizer_for(config, found.kind)
     columns = _columns(config, found.kind, tokenizer)
     if base is not None:
@@ -327,10 +328,6 @@ def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> 
 
 
 # -- append ---------------------------------------------------------------------------------
-def _append_base(config: BuildConfig) -> fmt.Manifest:
-    return DatasetReader(config.out).manifest
-
-
 def record_key(key: str, kind: str) -> str:
     """The record (file) a sample or skip key belongs to: text keys carry ':line' / ':row'."""
     if kind == "text":
@@ -340,11 +337,11 @@ def record_key(key: str, kind: str) -> str:
     return key
 
 
-def _only_new(found: Scan, base: fmt.Manifest, out: Path) -> Scan:
+def _only_new(found: Scan, reader: DatasetReader) -> Scan:
     """The records of RAW that the dataset does not hold yet (packed or skipped before)."""
+    base = reader.manifest
     if found.kind != base.kind:
-        raise ConfigError(f"--append: RAW holds {found.kind}, the dataset in {out} is {base.kind}")
-    reader = DatasetReader(out)
+        raise ConfigError(f"--append: RAW holds {found.kind}, the dataset in {reader.root} is {base.kind}")
     known = {record_key(s.key, base.kind) for s in base.skipped}
     for pos in range(len(base.shards)):
         keys = reader.column(pos, "key")

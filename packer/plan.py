@@ -75,6 +75,9 @@ class _Cutter:
     def room_rows(self) -> int | None:
         return None if not self.rows_limit else self.rows_limit - self._rows
 
+    def room_bytes(self) -> int | None:
+        return None if not self.bytes_limit else self.bytes_limit - self._bytes
+
     def add(self, span: Span, rows: int, nbytes: int) -> None:
         last = self._spans[-1] if self._spans else None
         whole = span.start == 0 and span.stop is None
@@ -174,11 +177,11 @@ def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int) -> Non
     row = 0
     while row < total:
         take = total - row
-        room = cutter.room_rows()
-        if room is not None:
-            take = min(take, room)
-        if cutter.bytes_limit:
-            take = min(take, max(1, -(-(cutter.bytes_limit - cutter._bytes) // per_row)))
+        rows, nbytes = cutter.room_rows(), cutter.room_bytes()
+        if rows is not None:
+            take = min(take, rows)
+        if nbytes is not None:
+            take = min(take, max(1, -(-nbytes // per_row)))
         whole = row == 0 and take == total
         cutter.add(Span(i) if whole else Span(i, 1, row, row + take), take, take * per_row)
         row += take
