@@ -4,12 +4,7 @@ build never leaves a dataset dir that opens."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 
@@ -18,6 +13,8 @@ from packer import format as fmt
 from packer.cli import main
 from packer.errors import IntegrityError, ManifestError
 from packer.reader import load_manifest
+
+from .procs import kill_mid_build
 
 
 @pytest.fixture
@@ -97,26 +94,9 @@ def test_garbled_manifest_is_one_line_error(dataset, capsys):
     assert "not valid JSON" in err and err.count("\n") == 1
 
 
-def _kill_mid_build(raw, out, extra=()):
-    """Start a real `packer build` subprocess and SIGKILL it once it has written a shard."""
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out),
-                             "--image-size", "96", "--shard-size", "4", "-q", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    staging = out / fmt.STAGING_DIR
-    while time.time() < deadline and proc.poll() is None:
-        names = [p.name for p in staging.iterdir()] if staging.is_dir() else []
-        if any(n.endswith(".partial") for n in names) and any(n.endswith(".json") and n.startswith("shard-") for n in names):
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the build finished before it could be killed; use more input"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 def test_killed_build_leaves_nothing_that_opens(tmp_path, image_raw, capsys):
     out = tmp_path / "killed"
-    _kill_mid_build(image_raw, out)
+    kill_mid_build(image_raw, out, ["--image-size", "96", "--shard-size", "4"])
     with pytest.raises(ManifestError, match="incomplete build"):
         MMapDataset(out)
     assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 2  # other args: refused
@@ -128,6 +108,6 @@ def test_killed_build_leaves_nothing_that_opens(tmp_path, image_raw, capsys):
 def test_killed_overwrite_leaves_nothing_that_opens(tmp_path, image_raw):
     out = tmp_path / "over"
     assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 0
-    _kill_mid_build(image_raw, out, ["--overwrite"])
+    kill_mid_build(image_raw, out, ["--image-size", "96", "--shard-size", "4", "--overwrite"])
     with pytest.raises(ManifestError):
         MMapDataset(out)

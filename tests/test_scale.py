@@ -9,10 +9,6 @@ import json
 import multiprocessing
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +20,8 @@ from packer.archive import materialize
 from packer.cli import main
 from packer.errors import ManifestError
 from packer.reader import load_manifest
+
+from .procs import kill_mid_build
 
 
 def tree(out: Path) -> dict[str, str]:
@@ -69,26 +67,11 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     assert any(k.endswith(".jsonl:" + k.rsplit(":", 1)[1]) and not k.endswith(":1") for k in firsts if ".jsonl:" in k)
 
 
-def _kill_after_a_shard(raw: Path, out: Path, args: list[str]) -> None:
-    """A real `packer build` subprocess (2 workers), SIGKILLed once a shard is whole."""
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    staging, deadline = out / fmt.STAGING_DIR, time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if staging.is_dir() and any(p.name.startswith("shard-") and p.name.endswith(".json") for p in staging.iterdir()):
-            break
-        time.sleep(0.005)
-    assert proc.poll() is None, "the build finished before it could be killed; use more input"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    time.sleep(0.3)  # its workers die with it (PR_SET_PDEATHSIG)
-
-
 def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw):
     args = ["--image-size", "96", "--shard-size", "4", "--workers", "2"]
     build(image_raw, tmp_path / "clean", *args)
     out = tmp_path / "resumed"
-    _kill_after_a_shard(image_raw, out, args)
+    kill_mid_build(image_raw, out, args)
     staging = out / fmt.STAGING_DIR
     whole = sorted(p.name[:-5] for p in staging.glob("shard-*.json"))
     inode = (staging / whole[0] / "image.npy").stat().st_ino
@@ -104,7 +87,7 @@ def test_resume_refuses_changed_arguments_or_inputs(tmp_path, image_raw, capsys)
     shutil.copytree(image_raw, raw, symlinks=True)
     out = tmp_path / "out"
     args = ["--image-size", "96", "--shard-size", "4", "--workers", "2"]
-    _kill_after_a_shard(raw, out, args)
+    kill_mid_build(raw, out, args)
     assert main(["build", str(raw), str(out), "-q", "--image-size", "64", "--shard-size", "4"]) == 2
     err = capsys.readouterr().err
     assert "unfinished build" in err and "image_size 96 (now 64)" in err and err.count("\n") == 1

@@ -1,0 +1,30 @@
+"""A real `packer build` subprocess killed with SIGKILL mid-build, shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from packer import format as fmt
+
+
+def kill_mid_build(raw: Path, out: Path, args: list[str]) -> None:
+    """SIGKILL the build once one shard is whole in staging and another is being written."""
+    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging, deadline = out / fmt.STAGING_DIR, time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        names = [p.name for p in staging.iterdir()] if staging.is_dir() else []
+        if any(n.endswith(".partial") for n in names) and any(n.startswith("shard-") and n.endswith(".json") for n in names):
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the build finished before it could be killed; use more input"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    # its pool workers get SIGKILL (PR_SET_PDEATHSIG) once the forkserver notices its parent is
+    # gone, a few ms later; a person re-running the build is never that quick, a test is
+    time.sleep(0.3)
