@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .gather import Memory
 from .sampler import EpochPlan, Order, worker_batches
 
 
@@ -25,7 +26,7 @@ class BatchSource(Protocol):
 
     def __len__(self) -> int: ...
 
-    def alloc(self, batch_size: int, pin: bool) -> dict[str, torch.Tensor]: ...
+    def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]: ...
 
     def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1) -> dict: ...
 
@@ -58,21 +59,21 @@ class Loader:
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
         rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE.
         columns: the columns to gather (default all).
-        num_buffers: ring size, >= 3: one batch held by the caller, one queued, one being filled.
+        num_buffers: ring size, >= 2: the batch the caller holds plus those filled ahead.
     """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_threads: int | None = None, pin_memory: bool | None = None, device=None,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, num_buffers: int = 3):
+                 columns: list[str] | None = None, num_buffers: int = 2):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size)
         self.num_threads = num_threads or min(4, os.cpu_count() or 1)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
-        if num_buffers < 3:
-            raise ValueError("num_buffers must be >= 3")
+        if num_buffers < 2:
+            raise ValueError("num_buffers must be >= 2")
         self.num_buffers = num_buffers
         self._ring: list[dict] | None = None
         self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
@@ -114,30 +115,28 @@ class Loader:
         share = plan.share()
         num_batches = plan.num_batches(share)
         if self._ring is None:
-            self._ring = [self.source.alloc(plan.batch_size, self.pin_memory) for _ in range(self.num_buffers)]
-        ready: queue.Queue = queue.Queue(maxsize=self.num_buffers - 2)
+            memory = "pinned" if self.pin_memory else "ring"
+            self._ring = [self.source.alloc(plan.batch_size, memory) for _ in range(self.num_buffers)]
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+        free = threading.Semaphore(self.num_buffers)  # ring buffers the producer may fill now
         stop = threading.Event()
-
-        def offer(item) -> bool:
-            """Hand an item over unless the consumer has gone (then never block: it won't read)."""
-            while not stop.is_set():
-                try:
-                    ready.put(item, timeout=0.1)
-                    return True
-                except queue.Full:
-                    pass
-            return False
 
         def produce():
             try:
                 for b in range(num_batches):
-                    ids = share[b * plan.batch_size:(b + 1) * plan.batch_size]
-                    batch = self.source.gather(ids, self._ring[b % self.num_buffers], self._pool, self.num_threads)
-                    if not offer(batch):
+                    while not free.acquire(timeout=0.1):  # a buffer comes free when the caller takes the next batch
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
                         return
-                offer(None)
+                    ready.put(self.source.gather(ids_of(b), self._ring[b % self.num_buffers], self._pool,
+                                                 self.num_threads))
+                ready.put(None)
             except BaseException as exc:  # re-raised in the consumer
-                offer(exc)
+                ready.put(exc)
+
+        def ids_of(b):
+            return share[b * plan.batch_size:(b + 1) * plan.batch_size]
 
         producer = threading.Thread(target=produce, daemon=True, name="mmpack-loader")
         producer.start()
@@ -150,6 +149,7 @@ class Loader:
                     raise item
                 plan.advance(1)
                 yield item
+                free.release()  # the caller asks for the next batch: the one it held may be refilled
             plan.cursor = 0  # the epoch is done; set_epoch() picks the next order
         finally:
             stop.set()
@@ -196,7 +196,9 @@ class BatchedDataset(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         share = self._plan.share()
         bs = self._plan.batch_size
+        # a fresh buffer per batch; in a worker it is shared memory from the start, so DataLoader
+        # hands it to the main process without a copy
+        memory = "shared" if info else "plain"
         for b in worker_batches(self._plan.num_batches(share), worker, workers):
             ids = share[b * bs:(b + 1) * bs]
-            # fresh buffers: DataLoader moves each batch to the main process through shared memory
-            yield self.source.gather(ids, self.source.alloc(len(ids), False))
+            yield self.source.gather(ids, self.source.alloc(len(ids), memory))

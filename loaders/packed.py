@@ -67,7 +67,7 @@ class PackedDocuments:
     def __len__(self) -> int:
         return len(self._bounds) - 1
 
-    def alloc(self, batch_size: int, pin: bool) -> dict:
+    def alloc(self, batch_size: int, memory: str) -> dict:
         return {}
 
     def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1) -> dict:

@@ -16,7 +16,7 @@ import torch
 
 from packer.reader import DatasetReader
 
-from .gather import empty
+from .gather import Memory, empty
 from .sampler import Order, epoch_order
 
 
@@ -61,8 +61,8 @@ class TokenWindows:
     def _values(self, k: int) -> np.ndarray:
         return self._reader.column(k, self.column).values
 
-    def alloc(self, batch_size: int, pin: bool) -> dict[str, torch.Tensor]:
-        return {"window": empty((batch_size, self.seq_len + 1), np.int64, pin)}
+    def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
+        return {"window": empty((batch_size, self.seq_len + 1), np.int64, memory)}
 
     def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1):
         """(x, y) int64 [len(ids), seq_len] views of one buffer."""
@@ -87,7 +87,7 @@ class TokenWindows:
             index += n
         if not 0 <= index < n:
             raise IndexError(f"window {index} out of range for {n} windows")
-        x, y = self.gather(np.array([index]), self.alloc(1, False))
+        x, y = self.gather(np.array([index]), self.alloc(1, "plain"))
         return x[0], y[0]
 
     def __iter__(self):

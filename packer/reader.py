@@ -89,7 +89,10 @@ def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         )
     if int(np.prod(shape)) == 0:
         return np.zeros(shape, dtype=dtype)
-    return np.memmap(path, dtype=dtype, mode="c", offset=fmt.NPY_HEADER_BYTES, shape=tuple(shape))
+    mapped = np.memmap(path, dtype=dtype, mode="c", offset=fmt.NPY_HEADER_BYTES, shape=tuple(shape))
+    # a plain ndarray view of the map (which it keeps open): indexing an np.memmap runs Python
+    # (__array_finalize__, __getitem__) per access, a quarter of a gather's time at 256 samples
+    return mapped.view(np.ndarray)
 
 
 def map_column(shard_dir: Path, column: fmt.Column, num_samples: int) -> ColumnArrays:
