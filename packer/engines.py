@@ -52,7 +52,9 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
             except queue_mod.Empty:
                 return
 
-    pool = ProcessPoolExecutor(workers, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
+    busy = mp.Value("i", 0)  # workers inside a shard: sizes each one's decode lanes (packer.shards)
+    pool = ProcessPoolExecutor(workers, mp_context=mp, initializer=init_worker,
+                               initargs=(progress, rayon_threads, busy, workers))
     try:
         pending = {pool.submit(run_shard, ctx, *job) for job in _take(jobs, 2 * workers)}
         while pending:

@@ -13,7 +13,9 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,14 +87,38 @@ def _tokenizer(spec: TokenizerSpec):
     return tok
 
 
-def init_worker(queue, rayon_threads: int | None) -> None:
+# -- decode lanes: how many images a worker decodes at once -----------------------------------
+# A pool of W workers may run W decodes in all. While every worker has a shard, each decodes one
+# image at a time; when some have run out of shards (the end of a build, or fewer shards than
+# workers), those still busy decode ceil(W / busy) images at once in threads (Pillow releases
+# the GIL while decoding and resizing), so the idle cores are used and the tail shrinks.
+_busy = None  # multiprocessing.Value: workers now inside run_shard
+_budget = 1
+
+
+def _lanes() -> int:
+    if _busy is None:
+        return 1
+    return max(1, -(-_budget // max(1, _busy.value)))
+
+
+def _enter_shard(delta: int) -> None:
+    if _busy is not None:
+        with _busy.get_lock():
+            _busy.value += delta
+
+
+def init_worker(queue, rayon_threads: int | None, busy=None, budget: int = 1) -> None:
     """Pool worker initializer: progress to the parent's queue; tokenizers' Rust pool sized so
-    that N workers do not oversubscribe the cores (set before its first use in this process)."""
+    that N workers do not oversubscribe the cores (set before its first use in this process);
+    the shared count of busy workers that sizes the decode lanes."""
+    global _busy, _budget
     _die_with_parent()
     if rayon_threads:
         os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     set_progress_sink(queue.put if queue is not None else None)
+    _busy, _budget = busy, budget
 
 
 def _die_with_parent() -> None:
@@ -159,14 +185,18 @@ def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Reco
     items = 0
     shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns)
     try:
-        for item in _samples(ctx, records, ticker):
-            items += 1
-            if isinstance(item, fmt.Skip):
-                if ctx.strict:
-                    raise SourceError(f"{ctx.raw / item.key.split(':')[0]}: {item.reason} (--strict)")
-                skipped.append(item)
-            else:
-                shard.add(item)
+        _enter_shard(+1)
+        try:
+            for item in _samples(ctx, records, ticker):
+                items += 1
+                if isinstance(item, fmt.Skip):
+                    if ctx.strict:
+                        raise SourceError(f"{ctx.raw / item.key.split(':')[0]}: {item.reason} (--strict)")
+                    skipped.append(item)
+                else:
+                    shard.add(item)
+        finally:
+            _enter_shard(-1)  # only writing from here: the other workers may widen
         ticker.tick(0, flush=True)
         if shard.num_samples == 0:
             shard.abort()
@@ -188,8 +218,8 @@ def _key_bytes(key: str) -> np.ndarray:
 def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
     """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
     if ctx.kind == "images":
-        for _, record in records:
-            yield _image_sample(ctx, record)
+        for sample in _in_lanes(lambda r: _image_sample(ctx, r[1]), records):
+            yield sample
             ticker.tick()
         return
 
@@ -201,6 +231,31 @@ def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
                 yield from iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line)
 
     yield from _tokenized(items(), ctx.tokenizer, ticker)
+
+
+def _in_lanes(fn: Callable, items) -> Iterator:
+    """fn(item) for each item, in order: here while this worker has one lane, else with up to
+    `_lanes()` calls at once in threads (re-read per item, so a worker widens when others finish)."""
+    pending: deque = deque()
+    pool = None
+    try:
+        for item in items:
+            lanes = _lanes()
+            if lanes == 1 and not pending:
+                yield fn(item)
+                continue
+            if pool is None:
+                pool = ThreadPoolExecutor(max(2, _budget), thread_name_prefix="mmpack-decode")
+            pending.append(pool.submit(fn, item))
+            while len(pending) >= lanes:  # at most `lanes` decodes at once
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        if pool is not None:
+            for f in pending:
+                f.cancel()
+            pool.shutdown(wait=True)
 
 
 def _image_sample(ctx: ShardContext, record: Record):

@@ -272,3 +272,34 @@ def test_ray_engine_gives_the_same_dataset(tmp_path, image_raw):
     build(image_raw, tmp_path / "local", *IMG)
     build(image_raw, tmp_path / "ray", *IMG, "--engine", "ray")
     assert tree(tmp_path / "ray") == tree(tmp_path / "local")
+
+
+def test_decode_lanes_keep_record_order_and_widen_when_workers_idle(monkeypatch):
+    """A worker decodes one image at a time while every worker is busy, several in threads once
+    others are idle (the end of a build); the samples come out in record order either way."""
+    import threading
+    import time
+
+    from packer import shards
+
+    busy = multiprocessing.Value("i", 0)
+    monkeypatch.setattr(shards, "_busy", busy)
+    monkeypatch.setattr(shards, "_budget", 3)
+    running, peak, lock = [0], [0], threading.Lock()
+    peaks = []
+
+    def work(i):
+        with lock:
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.01)
+        with lock:
+            running[0] -= 1
+        return i * i
+
+    for workers_busy, lanes in [(3, 1), (2, 2), (1, 3)]:
+        busy.value, peak[0] = workers_busy, 0
+        assert shards._lanes() == lanes
+        assert list(shards._in_lanes(work, range(40))) == [i * i for i in range(40)]
+        peaks.append(peak[0])
+    assert peaks == [1, 2, 3]
