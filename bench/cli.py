@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     common(pk, 1500, 8)
     pk.add_argument("--workers-list", type=_ints, default=sorted({1, cores}))
     pk.add_argument("--shard-size", default="64MB", help="shard size for the builds (default 64MB)")
+    pk.add_argument("--text-shard-size", default=None,
+                    help="shard size for the text builds (default: --shard-size; the sample text is then one shard, "
+                         "built by one process whose tokenizer threads use every core)")
     pk.add_argument("--level", type=int, default=3, help="zstd level for pack/unpack")
     return ap
 

@@ -46,14 +46,15 @@ def loaders_table(report: dict) -> str:
 
 
 def packer_table(report: dict) -> str:
-    lines = [f"{'build':8} {'workers':>7} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'seconds':>8} "
+    lines = [f"{'build':8} {'workers':>7} {'cores':>5} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'seconds':>8} "
              f"{'shards':>6} {'out MB':>8} {'peak RSS MB':>11}"]
     for r in report["builds"]:
-        lines.append(f"{r['what']:8} {r['workers']:>7} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
+        lines.append(f"{r['what']:8} {r['workers']:>7} {r['cores_used']:>5} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
                      f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {r['seconds']:>8.1f} "
                      f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {r['peak_rss_mb']:>11,.0f}")
-    lines.append("efficiency = build rate / (raw per-core rate x workers); raw = Pillow decode+resize or "
-                 "tokenizers batch encode alone, one core, same inputs, same run")
+    lines.append("efficiency = build rate / (raw per-core rate x cores used); raw = Pillow decode+resize or "
+                 "tokenizers batch encode alone, one core, same inputs, same run; cores used: one per worker "
+                 "for images, and tokenizers' threads for text (every core when one process builds)")
     for a in report["archives"]:
         lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
                      f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "
