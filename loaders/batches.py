@@ -129,14 +129,11 @@ class Loader:
                             return
                     if stop.is_set():
                         return
-                    ready.put(self.source.gather(ids_of(b), self._ring[b % self.num_buffers], self._pool,
-                                                 self.num_threads))
+                    ids = share[b * plan.batch_size:(b + 1) * plan.batch_size]
+                    ready.put(self.source.gather(ids, self._ring[b % self.num_buffers], self._pool, self.num_threads))
                 ready.put(None)
             except BaseException as exc:  # re-raised in the consumer
                 ready.put(exc)
-
-        def ids_of(b):
-            return share[b * plan.batch_size:(b + 1) * plan.batch_size]
 
         producer = threading.Thread(target=produce, daemon=True, name="mmpack-loader")
         producer.start()

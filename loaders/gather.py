@@ -144,9 +144,9 @@ def _copy_samples(jobs, shard, rows, pool, num_threads: int) -> list:
 
 def _gather_strings(arrays: list[ColumnArrays], shard, rows, encoding: str) -> list[str]:
     """A string column: each shard's bytes for the batch in one vectorised take, decoded once
-    (ASCII, the usual case for keys) and sliced, else decoded piece by piece. This runs while
-    the pool copies images, so it must hold the GIL briefly: a per-sample loop here stalled the
-    copy threads (GIL hand-over waits up to the 5 ms switch interval) and cost a quarter of a batch."""
+    (ASCII, the usual case for keys) and sliced, else decoded piece by piece. 0.09 ms for 256
+    keys against 0.18 ms for a bytes() + decode per sample; it runs on the producer thread while
+    the pool copies images, and holds the GIL the whole time."""
     starts = np.empty(len(rows), np.int64)
     ends = np.empty(len(rows), np.int64)
     pieces = []

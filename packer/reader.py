@@ -91,7 +91,8 @@ def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         return np.zeros(shape, dtype=dtype)
     mapped = np.memmap(path, dtype=dtype, mode="c", offset=fmt.NPY_HEADER_BYTES, shape=tuple(shape))
     # a plain ndarray view of the map (which it keeps open): indexing an np.memmap runs Python
-    # (__array_finalize__, __getitem__) per access, a quarter of a gather's time at 256 samples
+    # (__array_finalize__, __getitem__) per access: a gather of 256 images ran at 59k/s on np.memmap
+    # objects, 74k/s on these views
     return mapped.view(np.ndarray)
 
 
