@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from packer.system import available_cores
+from packer.builder import parallelism
 
 from . import data
 from .loaders_bench import machine, prepare_images, prepare_text
@@ -84,14 +84,14 @@ def bench_packer(args) -> dict:
     per_core_img = raw_image_rate(img_files, 224)
     per_core_tok = raw_token_rate(txt_files)
     rows = []
-    shard = args.shard_size
+    shard, text_shard = args.shard_size, args.text_shard_size or args.shard_size
     for w in args.workers_list:
         r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard])
         rate, cores = r["samples"] / r["seconds"], cores_used("images", w, r["shards"])
         rows.append({"what": "images", "workers": w, "cores_used": cores, "rate": rate, "unit": "images/s",
                      "raw_per_core": per_core_img, "efficiency": rate / (per_core_img * cores), **r})
         r = _build(raw_txt, work / f"pk-text-{w}", w, ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
-                                                      "--shard-size", args.text_shard_size or shard])
+                                                      "--shard-size", text_shard])
         rate, cores = _token_count(work / f"pk-text-{w}") / r["seconds"], cores_used("text", w, r["shards"])
         rows.append({"what": "tokens", "workers": w, "cores_used": cores, "rate": rate, "unit": "tokens/s",
                      "raw_per_core": per_core_tok, "efficiency": rate / (per_core_tok * cores), **r})
@@ -104,21 +104,15 @@ def bench_packer(args) -> dict:
         u = unpack(arc, back, overwrite=True)
         archives.append({"what": what, "level": args.level, "raw_bytes": p.raw_bytes, "zstd_bytes": p.packed_bytes,
                          "ratio": p.ratio, "pack_mb_per_s": p.mb_per_s, "unpack_mb_per_s": u.mb_per_s})
-    return {"command": "bench packer", "machine": machine(), "shard_size": shard, "text_shard_size": args.text_shard_size or shard,
+    return {"command": "bench packer", "machine": machine(), "shard_size": shard, "text_shard_size": text_shard,
             "builds": rows,
             "archives": archives, "images": len(img_files), "text_files": len(txt_files)}
 
 
 def cores_used(kind: str, workers: int, shards: int) -> int:
-    """Cores a build of `shards` shards with --workers N keeps busy (see packer.builder._run):
-    one process per shard up to N; image decodes use one core per worker (lanes only move idle
-    workers' share to busy ones); tokenizers' Rust threads use cores // N each, or every core
-    when the build runs in one process."""
-    procs = max(1, min(workers, shards))
-    if kind == "images":
-        return procs
-    cores = available_cores()
-    return cores if procs == 1 else procs * max(1, cores // procs)
+    """Cores a build keeps busy: its processes for images, their tokenizer threads for text."""
+    procs, threads = parallelism(workers, shards)
+    return procs if kind == "images" else procs * threads
 
 
 def _token_count(out: Path) -> int:

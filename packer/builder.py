@@ -368,6 +368,17 @@ def _check_compatible(config, base: fmt.Manifest, kind: str, columns, tokenizer)
 
 
 # -- run: the shard tasks, here, in a pool, or on Ray --------------------------------------------
+def parallelism(workers: int, shards: int) -> tuple[int, int]:
+    """(processes, tokenizer threads per process) of a local build of `shards` shards with
+    --workers N: one process per shard up to N; in a pool each process's tokenizers (Rust)
+    threads get cores // N so the workers do not oversubscribe; a build in one process leaves
+    them at every core. Image decodes use one core per process (lanes only move idle workers'
+    share to busy ones)."""
+    procs = max(1, min(workers, shards))
+    cores = available_cores()
+    return procs, cores if procs == 1 else max(1, cores // procs)
+
+
 def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResult]:
     total = sum(t.items for t in tasks)
     done = 0
@@ -388,7 +399,7 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResul
         else:
             todo.append(task)
     jobs = ((task, list(records_of(prep.found, task))) for task in todo)
-    workers = min(prep.config.num_workers, len(todo))
+    workers, threads = parallelism(prep.config.num_workers, len(todo))
     if prep.config.engine == "ray":
         from .engines import run_ray
 
@@ -400,7 +411,7 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResul
     else:
         from .engines import run_pool
 
-        ran = run_pool(prep.ctx, jobs, advance, workers, max(1, available_cores() // workers))
+        ran = run_pool(prep.ctx, jobs, advance, workers, threads)
     results.update((r.shard.index, r) for r in ran)
     return [results[t.index] for t in tasks]
 

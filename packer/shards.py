@@ -102,7 +102,7 @@ def _lanes() -> int:
     return max(1, -(-_budget // max(1, _busy.value)))
 
 
-def _enter_shard(delta: int) -> None:
+def _count_busy(delta: int) -> None:
     if _busy is not None:
         with _busy.get_lock():
             _busy.value += delta
@@ -185,7 +185,7 @@ def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Reco
     items = 0
     shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns)
     try:
-        _enter_shard(+1)
+        _count_busy(+1)
         try:
             for item in _samples(ctx, records, ticker):
                 items += 1
@@ -196,7 +196,7 @@ def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Reco
                 else:
                     shard.add(item)
         finally:
-            _enter_shard(-1)  # only writing from here: the other workers may widen
+            _count_busy(-1)  # only writing from here: the other workers may widen
         ticker.tick(0, flush=True)
         if shard.num_samples == 0:
             shard.abort()
