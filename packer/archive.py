@@ -87,7 +87,7 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
     def one(entry: fmt.FileEntry) -> fmt.ArchiveFile:
         src, dst = root / entry.path, staging / (entry.path + fmt.ARCHIVE_SUFFIX)
         dst.parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as fin, open(dst, "wb") as fout:
+        with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
             reader, out = _Hashing(fin), _Hashing(fout)
             zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
             fout.flush()
@@ -102,9 +102,7 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
     for f in files:
         (archive / f.path).parent.mkdir(parents=True, exist_ok=True)
         os.rename(staging / f.path, archive / f.path)
-    tmp = archive / (fmt.ARCHIVE_NAME + ".tmp")
-    tmp.write_text(doc, encoding="utf-8")
-    os.rename(tmp, archive / fmt.ARCHIVE_NAME)
+    writer.write_atomic(archive / fmt.ARCHIVE_NAME, doc)
     shutil.rmtree(staging, ignore_errors=True)
     return Transfer(manifest.size_bytes, sum(f.size_bytes for f in files), time.perf_counter() - started)
 
@@ -124,7 +122,7 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
         src, dst = archive / entry.path, staging / entry.of
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
-            with open(src, "rb") as fin, open(dst, "wb") as fout:
+            with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
                 reader, result = _Hashing(fin), _Hashing(fout)
                 zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
                 fout.flush()

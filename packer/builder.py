@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import time
@@ -227,9 +226,7 @@ def _claim_staging(config: BuildConfig, doc: dict) -> None:
         writer.unpublish(out)
     staging.mkdir(exist_ok=True)
     if old is None or old.get("fingerprint") != doc["fingerprint"]:
-        tmp = staging / f"{PLAN_FILE}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(doc, indent=1), encoding="utf-8")
-        os.rename(tmp, plan_file)  # parts racing here write the same content
+        writer.write_atomic(plan_file, json.dumps(doc, indent=1))  # parts racing here write the same
 
 
 def _read_plan(out: Path) -> dict | None:

@@ -143,10 +143,7 @@ def sidecar_path(staging: Path, index: int) -> Path:
 def _write_sidecar(ctx: ShardContext, result: ShardResult) -> None:
     doc = {"fingerprint": ctx.fingerprint, "shard": asdict(result.shard),
            "skipped": [asdict(s) for s in result.skipped], "items": result.items}
-    path = sidecar_path(ctx.staging, result.shard.index)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc), encoding="utf-8")
-    os.rename(tmp, path)
+    writer.write_atomic(sidecar_path(ctx.staging, result.shard.index), json.dumps(doc))
 
 
 def read_sidecar(staging: Path, index: int, fingerprint: str) -> ShardResult | None:

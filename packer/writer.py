@@ -8,10 +8,12 @@ moves whole shards into OUT and writes the manifest last, with an atomic rename.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import numpy as np
@@ -30,12 +32,27 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _write(f: BinaryIO, data, path: Path) -> None:
-    """f.write(data), with the file's name on an OSError (ENOSPC from write() carries none)."""
+@contextlib.contextmanager
+def naming(path: Path) -> Iterator[None]:
+    """An OSError inside carries `path` as its file name: ENOSPC from write(), flush() or
+    fsync() names none, and the user needs to know where the disk filled up."""
     try:
-        f.write(data)
+        yield
     except OSError as exc:
-        raise OSError(exc.errno, exc.strerror, str(path)) from None
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, str(path)) from None
+        raise
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A small text file (manifest, plan, sidecar) that is either whole or absent: written to a
+    temp name (per process: several parts may write the same file), fsynced, renamed."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    with naming(tmp), open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -52,22 +69,27 @@ class _NpyStream:
     def __init__(self, path: Path, dtype: str, sample_shape: tuple[int, ...]):
         self.path, self.dtype, self.sample_shape = path, np.dtype(dtype), sample_shape
         self.num_rows = 0
-        self._file: BinaryIO = open(path, "wb")
-        self._file.write(fmt.npy_header(self.dtype.str, (0, *sample_shape)))
+        with naming(path):
+            self._file: BinaryIO = open(path, "wb")
+            self._file.write(fmt.npy_header(self.dtype.str, (0, *sample_shape)))
 
     def write(self, array: np.ndarray, num_rows: int) -> None:
-        _write(self._file, np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data, self.path)
+        with naming(self.path):
+            self._file.write(np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data)
         self.num_rows += num_rows
 
     def close(self) -> None:
-        self._file.seek(0)
-        self._file.write(fmt.npy_header(self.dtype.str, (self.num_rows, *self.sample_shape)))
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        with naming(self.path):
+            self._file.seek(0)
+            self._file.write(fmt.npy_header(self.dtype.str, (self.num_rows, *self.sample_shape)))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
 
     def abort(self) -> None:
-        self._file.close()
+        """Close without keeping anything: a failing flush (the disk that is full) is not news."""
+        with contextlib.suppress(OSError):
+            self._file.close()
 
 
 class _ColumnWriter:
@@ -116,9 +138,9 @@ class _ColumnWriter:
 
 def write_npy(path: Path, array: np.ndarray) -> None:
     """A whole array as one column file (fixed 128-byte header), fsynced."""
-    with open(path, "wb") as f:
-        _write(f, fmt.npy_header(array.dtype.str, array.shape), path)
-        _write(f, np.ascontiguousarray(array).reshape(-1).data, path)
+    with naming(path), open(path, "wb") as f:
+        f.write(fmt.npy_header(array.dtype.str, array.shape))
+        f.write(np.ascontiguousarray(array).reshape(-1).data)
         f.flush()
         os.fsync(f.fileno())
 
@@ -195,12 +217,7 @@ def publish(out: Path, manifest: fmt.Manifest, moved: list[int] | None = None) -
             shutil.rmtree(out / name)
         os.rename(staging / name, out / name)
     _fsync_dir(out)
-    tmp = out / (fmt.MANIFEST_NAME + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(manifest.to_json())
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, out / fmt.MANIFEST_NAME)
+    write_atomic(out / fmt.MANIFEST_NAME, manifest.to_json())
     _fsync_dir(out)
     shutil.rmtree(staging, ignore_errors=True)
 

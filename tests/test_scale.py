@@ -3,12 +3,12 @@ append, zstd archives, concurrent archive opens, a full disk, progress, Ray."""
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import multiprocessing
-import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -214,42 +214,69 @@ def test_concurrent_first_opens_of_an_archive_unpack_once(tmp_path, built):
     assert np.array_equal(ds[3]["tokens"].numpy(), ref[3]["tokens"].numpy())
 
 
-def test_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, image_raw, capsys, monkeypatch):
-    from packer import writer
+_FULL_DISK = r"""
+import json, os, subprocess, sys
+from pathlib import Path
+raw, mnt, filler_bytes, args = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+from packer import load_manifest
+report = {}
+for workers in ("1", "2"):
+    out, filler = mnt / f"ds{workers}", mnt / "filler"
+    filler.write_bytes(b"\0" * filler_bytes)  # tmpfs: really takes the space
+    cmd = [sys.executable, "-m", "packer.cli", "build", raw, str(out), "-q", *args, "--workers", workers]
+    full = subprocess.run(cmd, capture_output=True, text=True)
+    try:
+        load_manifest(out)
+        loads = True
+    except Exception:
+        loads = False
+    state = {"rc": full.returncode, "stderr": full.stderr, "loads": loads,
+             "partials": sorted(p.name for p in (out / ".staging").glob("*.partial"))}
+    filler.unlink()  # space freed: the same command resumes
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    state.update(rc_again=again.returncode, stderr_again=again.stderr,
+                 files={p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.glob("shard-*/*"))})
+    report[workers] = state
+    subprocess.run(["rm", "-rf", str(out)], check=True)
+print(json.dumps(report))
+"""
 
-    written = {"bytes": 0}
 
-    class FillingDisk:  # a file whose writes fail with ENOSPC once the "disk" holds 100 KB
-        def __init__(self, *args, **kwargs):
-            self.f = open(*args, **kwargs)
+def _private_tmpfs_works(mnt: Path) -> bool:
+    if not sys.platform.startswith("linux") or shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-rm", "sh", "-c", 'mount -t tmpfs -o size=1m mmpack-probe "$1"', "sh",
+                            str(mnt)], capture_output=True)
+    return probe.returncode == 0
 
-        def write(self, data):
-            written["bytes"] += len(data)
-            if written["bytes"] > 100_000:
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            return self.f.write(data)
 
-        def __getattr__(self, name):
-            return getattr(self.f, name)
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.f.close()
-
-    monkeypatch.setattr(writer, "open", FillingDisk, raising=False)
-    out = tmp_path / "full"
-    assert main(["build", str(image_raw), str(out), "-q", *IMG, "--workers", "1"]) == 2
-    err = capsys.readouterr().err
-    assert "No space left on device" in err and ".partial/" in err and err.count("\n") == 1
-    assert not (out / fmt.MANIFEST_NAME).exists()
-    assert not list((out / fmt.STAGING_DIR).glob("*.partial"))
-    with pytest.raises(ManifestError):
-        MMapDataset(out)
-    monkeypatch.delattr(writer, "open")
-    build(image_raw, out, *IMG, "--workers", "1")  # space freed: resumes
-    assert len(MMapDataset(out)) > 0
+def test_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, image_raw):
+    """A real full disk: a small tmpfs mounted in a private mount namespace (`unshare -rm`, no
+    root needed where user namespaces are allowed), a filler file taking most of it."""
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    if not _private_tmpfs_works(mnt):
+        pytest.skip("needs Linux with unshare and user namespaces to mount a small tmpfs")
+    ref = tmp_path / "ref"
+    build(image_raw, ref, *IMG, "--workers", "1")
+    need = sum(p.stat().st_size for p in ref.rglob("*") if p.is_file())
+    disk = 2 * need + (1 << 20)  # room for the dataset twice over, once the filler is gone
+    filler = disk - need // 2  # the first build finds half the space it needs
+    shell = 'mount -t tmpfs -o size="$1" mmpack-test "$2" && shift 2 && exec "$@"'
+    res = subprocess.run(["unshare", "-rm", "sh", "-c", shell, "sh", str(disk), str(mnt), sys.executable, "-c",
+                          _FULL_DISK, str(image_raw), str(mnt), str(filler), *IMG],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    want = {p.relative_to(ref).as_posix(): p.stat().st_size for p in sorted(ref.glob("shard-*/*"))}
+    for workers, state in report.items():
+        err = state["stderr"]
+        assert state["rc"] == 2, (workers, err)
+        assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err, err
+        assert f"small-disk/ds{workers}/.staging/" in err, err  # names the file it could not write
+        assert not state["loads"] and state["partials"] == [], state
+        assert state["rc_again"] == 0, state["stderr_again"]
+        assert state["files"] == want  # the resumed build is the whole dataset
 
 
 def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
