@@ -9,6 +9,8 @@ skips, and the build fingerprint), which is what lets a killed build resume and 
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import sys
@@ -174,9 +176,42 @@ def reusable(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
     return result
 
 
+@contextlib.contextmanager
+def shard_lock(staging: Path, index: int) -> Iterator[None]:
+    """Held while a process writes shard `index` (flock on `shard-k.lock` in staging). A build
+    started again right after a `kill -9` waits for the old build's worker, which may still be
+    finishing that shard for a few ms; two runs of the same part take turns. The kernel drops the
+    lock when its holder dies. File systems without flock (some shared ones) go unlocked."""
+    if sys.platform == "win32":
+        yield
+        return
+    import fcntl
+
+    path = staging / f"{fmt.shard_dir_name(index)}.lock"
+    with writer.naming(path):
+        f = open(path, "a")
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                raise
+        yield
+
+
 # -- the shard function --------------------------------------------------------------------
 def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> ShardResult:
-    """Pack one planned shard into staging; deterministic: same inputs, same bytes."""
+    """Pack one planned shard into staging; deterministic: same inputs, same bytes. A shard that
+    another run finished while this one waited for its lock is reused as it is."""
+    with shard_lock(ctx.staging, task.index):
+        done = reusable(ctx.staging, task.index, ctx.fingerprint)
+        if done is not None:
+            _Ticker().tick(done.items, flush=True)
+            return done
+        return _pack_shard(ctx, task, records)
+
+
+def _pack_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> ShardResult:
     skipped: list[fmt.Skip] = []
     ticker = _Ticker()
     items = 0

@@ -12,8 +12,9 @@ from pathlib import Path
 from packer import format as fmt
 
 
-def kill_mid_build(raw: Path, out: Path, args: list[str]) -> None:
-    """SIGKILL the build once one shard is whole in staging and another is being written."""
+def kill_mid_build(raw: Path, out: Path, args: list[str], *, settle: bool = True) -> None:
+    """SIGKILL the build once one shard is whole in staging and another is being written.
+    `settle`: wait for its pool workers to go too (see the end)."""
     proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     staging, deadline = out / fmt.STAGING_DIR, time.time() + 120
@@ -26,5 +27,8 @@ def kill_mid_build(raw: Path, out: Path, args: list[str]) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     # its pool workers get SIGKILL (PR_SET_PDEATHSIG) once the forkserver notices its parent is
-    # gone, a few ms later; a person re-running the build is never that quick, a test is
-    time.sleep(0.3)
+    # gone, a few ms later. A build resumed at once waits for them on the shard locks
+    # (settle=False tests that); --overwrite deletes staging without waiting: a person is never
+    # that quick, a test is
+    if settle:
+        time.sleep(0.3)

@@ -71,7 +71,7 @@ def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw):
     args = ["--image-size", "96", "--shard-size", "4", "--workers", "2"]
     build(image_raw, tmp_path / "clean", *args)
     out = tmp_path / "resumed"
-    kill_mid_build(image_raw, out, args)
+    kill_mid_build(image_raw, out, args, settle=False)  # resumed while the old workers may still run
     staging = out / fmt.STAGING_DIR
     whole = sorted(p.name[:-5] for p in staging.glob("shard-*.json"))
     inode = (staging / whole[0] / "image.npy").stat().st_ino
@@ -330,3 +330,30 @@ def test_decode_lanes_keep_record_order_and_widen_when_workers_idle(monkeypatch)
         assert list(shards._in_lanes(work, range(40))) == [i * i for i in range(40)]
         peaks.append(peak[0])
     assert peaks == [1, 2, 3]
+
+
+def test_a_shard_being_written_elsewhere_is_waited_for_then_reused(tmp_path, image_raw):
+    """A killed build's worker may still be finishing a shard when the build is started again:
+    the new run waits on the shard's lock instead of writing the same files at the same time,
+    then reuses the shard if the other run finished it."""
+    import threading
+
+    from packer import builder, shards
+
+    config = builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, shard_rows=8, shard_bytes=None,
+                                 workers=1)
+    prep = builder._prepare(config)
+    task = prep.plan.tasks[0]
+    records = list(builder.records_of(prep.found, task))
+    staging = prep.ctx.staging
+    got = {}
+    with shards.shard_lock(staging, task.index):  # "the old run's worker", still writing shard 0
+        runner = threading.Thread(target=lambda: got.update(first=shards.run_shard(prep.ctx, task, records)))
+        runner.start()
+        runner.join(timeout=1.0)
+        assert runner.is_alive(), "run_shard did not wait for the shard's lock"
+        assert not (staging / "shard-00000.partial").exists() and not shards.sidecar_path(staging, 0).exists()
+        old = shards._pack_shard(prep.ctx, task, records)  # the old run finishes the shard
+    runner.join(timeout=60)
+    assert not runner.is_alive()
+    assert got["first"].reused and got["first"].shard == old.shard
