@@ -365,15 +365,22 @@ def _check_compatible(config, base: fmt.Manifest, kind: str, columns, tokenizer)
 
 
 # -- run: the shard tasks, here, in a pool, or on Ray --------------------------------------------
-def parallelism(workers: int, shards: int) -> tuple[int, int]:
-    """(processes, tokenizer threads per process) of a local build of `shards` shards with
-    --workers N: one process per shard up to N; in a pool each process's tokenizers (Rust)
-    threads get cores // N so the workers do not oversubscribe; a build in one process leaves
-    them at every core. Image decodes use one core per process (lanes only move idle workers'
-    share to busy ones)."""
-    procs = max(1, min(workers, shards))
+def parallelism(workers: int, units: int) -> tuple[int, int]:
+    """(processes, tokenizer threads per process) of a local build of `units` pool tasks (shards,
+    or pieces of fixed-size image shards) with --workers N: one process per task up to N; in a
+    pool each process's tokenizers (Rust) threads get cores // N so the workers do not
+    oversubscribe; a build in one process leaves them at every core."""
+    procs = max(1, min(workers, units))
     cores = available_cores()
     return procs, cores if procs == 1 else max(1, cores // procs)
+
+
+def pool_tasks(ctx: ShardContext, items: list[int]) -> int:
+    """Tasks a pool gets for shards of these item counts: pieces of image shards, else shards."""
+    from .engines import in_pieces
+    from .shards import PIECE_ROWS
+
+    return sum(-(-n // PIECE_ROWS) for n in items) if in_pieces(ctx) else len(items)
 
 
 def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResult]:
@@ -396,7 +403,7 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResul
         else:
             todo.append(task)
     jobs = ((task, list(records_of(prep.found, task))) for task in todo)
-    workers, threads = parallelism(prep.config.num_workers, len(todo))
+    workers, threads = parallelism(prep.config.num_workers, pool_tasks(prep.ctx, [t.items for t in todo]))
     if prep.config.engine == "ray":
         from .engines import run_ray
 

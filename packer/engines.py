@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import multiprocessing
 import queue as queue_mod
+import shutil
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from .errors import ConfigError
-from .shards import ShardContext, ShardResult, init_worker, run_shard, set_progress_sink
+from .writer import partial_dir
+from .shards import (PIECE_ROWS, ShardContext, ShardResult, finish_pieces, init_worker, open_pieces, run_piece,
+                     run_shard, set_progress_sink)
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
@@ -42,8 +46,6 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
         # so forking from it is safe); each worker then starts in milliseconds, not a second
         mp.set_forkserver_preload(["packer.shards"])
     progress = mp.Queue()
-    results: list[ShardResult] = []
-    jobs = iter(jobs)
 
     def drain() -> None:
         while True:
@@ -52,22 +54,89 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
             except queue_mod.Empty:
                 return
 
-    busy = mp.Value("i", 0)  # workers inside a shard: sizes each one's decode lanes (packer.shards)
-    pool = ProcessPoolExecutor(workers, mp_context=mp, initializer=init_worker,
-                               initargs=(progress, rayon_threads, busy, workers))
+    pool = ProcessPoolExecutor(workers, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
+    run = _run_pieces if in_pieces(ctx) else _run_shards
     try:
-        pending = {pool.submit(run_shard, ctx, *job) for job in _take(jobs, 2 * workers)}
-        while pending:
-            done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
-            drain()
-            for future in done:
-                results.append(future.result())  # re-raises a worker's error here
-                pending |= {pool.submit(run_shard, ctx, *job) for job in _take(jobs, 1)}
-        drain()
+        results = run(pool, ctx, iter(jobs), 2 * workers, drain, advance)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    return results
+
+
+def in_pieces(ctx: ShardContext) -> bool:
+    """Image shards of one fixed size go to a pool as pieces (packer.shards.open_pieces)."""
+    return ctx.kind == "images" and not next(c for c in ctx.columns if c.name == "image").ragged
+
+
+def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
+    """One task per shard, at most `window` queued."""
+    results: list[ShardResult] = []
+    pending = {pool.submit(run_shard, ctx, *job) for job in _take(jobs, window)}
+    while pending:
+        done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+        drain()
+        for future in done:
+            results.append(future.result())  # re-raises a worker's error here
+            pending |= {pool.submit(run_shard, ctx, *job) for job in _take(jobs, 1)}
+    drain()
+    return results
+
+
+def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
+    """Shards opened here one after another, their pieces run by any worker (at most `window`
+    queued), each shard finished by a worker once all its pieces are back."""
+    results: list[ShardResult] = []
+    calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
+    shards: dict[int, list] = {}  # index -> [task, records, pieces left, skips by slot]
+    pending: dict = {}  # future -> shard index, or None for a finish
+
+    def refill() -> None:
+        while len(pending) < window:
+            if not calls and not _open_next():
+                return
+            index, first = calls.popleft()
+            records = shards[index][1][first:first + PIECE_ROWS]
+            pending[pool.submit(run_piece, ctx, index, first, records)] = index
+
+    def _open_next() -> bool:
+        for task, records in jobs:
+            done = open_pieces(ctx, task)
+            if done is not None:  # finished by another run of this build meanwhile
+                results.append(done)
+                advance(done.items)
+                continue
+            starts = range(0, len(records), PIECE_ROWS)
+            shards[task.index] = [task, records, len(starts), {}]
+            calls.extend((task.index, first) for first in starts)
+            return True
+        return False
+
+    try:
+        refill()
+        while pending:
+            done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+            drain()
+            for future in done:
+                index = pending.pop(future)
+                value = future.result()  # re-raises a worker's error here
+                if index is None:
+                    results.append(value)
+                    continue
+                shard = shards[index]
+                shard[2] -= 1
+                shard[3].update(value)
+                if shard[2] == 0:
+                    task, records, _, skips = shards.pop(index)
+                    pending[pool.submit(finish_pieces, ctx, task, records, skips)] = None
+            refill()
+    except BaseException:  # a piece failed (a full disk): no half-filled shard stays behind
+        pool.shutdown(wait=True, cancel_futures=True)
+        for index in shards:
+            shutil.rmtree(partial_dir(ctx.staging, index), ignore_errors=True)
+        raise
+    drain()
     return results
 
 

@@ -13,11 +13,10 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -89,38 +88,14 @@ def _tokenizer(spec: TokenizerSpec):
     return tok
 
 
-# -- decode lanes: how many images a worker decodes at once -----------------------------------
-# A pool of W workers may run W decodes in all. While every worker has a shard, each decodes one
-# image at a time; when some have run out of shards (the end of a build, or fewer shards than
-# workers), those still busy decode ceil(W / busy) images at once in threads (Pillow releases
-# the GIL while decoding and resizing), so the idle cores are used and the tail shrinks.
-_busy = None  # multiprocessing.Value: workers now inside run_shard
-_budget = 1
-
-
-def _lanes() -> int:
-    if _busy is None:
-        return 1
-    return max(1, -(-_budget // max(1, _busy.value)))
-
-
-def _count_busy(delta: int) -> None:
-    if _busy is not None:
-        with _busy.get_lock():
-            _busy.value += delta
-
-
-def init_worker(queue, rayon_threads: int | None, busy=None, budget: int = 1) -> None:
+def init_worker(queue, rayon_threads: int | None) -> None:
     """Pool worker initializer: progress to the parent's queue; tokenizers' Rust pool sized so
-    that N workers do not oversubscribe the cores (set before its first use in this process);
-    the shared count of busy workers that sizes the decode lanes."""
-    global _busy, _budget
+    that N workers do not oversubscribe the cores (set before its first use in this process)."""
     _die_with_parent()
     if rayon_threads:
         os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     set_progress_sink(queue.put if queue is not None else None)
-    _busy, _budget = busy, budget
 
 
 def _die_with_parent() -> None:
@@ -217,22 +192,27 @@ def _pack_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Re
     items = 0
     shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns)
     try:
-        _count_busy(+1)
-        try:
-            for item in _samples(ctx, records, ticker):
-                items += 1
-                if isinstance(item, fmt.Skip):
-                    if ctx.strict:
-                        raise SourceError(f"{ctx.raw / item.key.split(':')[0]}: {item.reason} (--strict)")
-                    skipped.append(item)
-                else:
-                    shard.add(item)
-        finally:
-            _count_busy(-1)  # only writing from here: the other workers may widen
+        for item in _samples(ctx, records, ticker):
+            items += 1
+            if isinstance(item, fmt.Skip):
+                _check_strict(ctx, item)
+                skipped.append(item)
+            else:
+                shard.add(item)
         ticker.tick(0, flush=True)
+    except BaseException:
+        shard.abort()
+        raise
+    return _finish(ctx, task.index, shard, skipped, items)
+
+
+def _finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:
+    """Close a shard whose samples are all added (or drop it: every record skipped), then its
+    sidecar: from here on it is whole and reusable."""
+    try:
         if shard.num_samples == 0:
             shard.abort()
-            done = fmt.Shard(task.index, 0, ())
+            done = fmt.Shard(index, 0, ())
         else:
             done = shard.close()
     except BaseException:
@@ -243,6 +223,78 @@ def _pack_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Re
     return result
 
 
+def _check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
+    if ctx.strict:
+        raise SourceError(f"{ctx.raw / skip.key.split(':')[0]}: {skip.reason} (--strict)")
+
+
+# -- image shards in pieces: several processes fill one shard's image column -----------------
+# A pool builds an image shard as pieces of PIECE_ROWS records, each run by whichever worker is
+# free: the build process opens the shard (a slot per record in image.npy), pieces decode into
+# their slots, and the last step writes labels and keys, squeezes out skipped records' slots
+# and closes the shard as run_shard would: the bytes are the same. Work is shared image by
+# image, so no core waits while the last shard is packed by one worker.
+PIECE_ROWS = 32
+
+
+def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
+    """Start shard `task` as pieces (a fresh partial dir, image.npy with a slot per record);
+    returns the shard instead when another run finished it meanwhile."""
+    with shard_lock(ctx.staging, task.index):
+        done = reusable(ctx.staging, task.index, ctx.fingerprint)
+        if done is not None:
+            return done
+        path = writer.partial_dir(ctx.staging, task.index)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        writer.create_slots(_image_path(ctx, task.index), _image_column(ctx), task.items)
+    return None
+
+
+def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Span, Record]]) -> dict[int, fmt.Skip]:
+    """Decode records into slots first, first + 1, ... of shard `index`; returns the skips by slot."""
+    ticker = _Ticker()
+    slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
+    skips = {}
+    try:
+        for slot, (_, record) in enumerate(records, start=first):
+            try:
+                slots.put(slot, decode_image(record.path, ctx.image_size))
+            except SourceError as exc:
+                skip = fmt.Skip(record.key, "decode", str(exc))
+                _check_strict(ctx, skip)
+                skips[slot] = skip
+            ticker.tick()
+    finally:
+        slots.close()
+    ticker.tick(0, flush=True)
+    return skips
+
+
+def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
+                  skips: dict[int, fmt.Skip]) -> ShardResult:
+    """Every piece of shard `task` done: labels and keys of the kept records, then close."""
+    with shard_lock(ctx.staging, task.index):
+        keep = [slot not in skips for slot in range(len(records))]
+        shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns, slots={"image": keep})
+        try:
+            for (_, record), kept in zip(records, keep):
+                if kept:
+                    shard.add(_image_fields(record))
+        except BaseException:
+            shard.abort()
+            raise
+        return _finish(ctx, task.index, shard, [skips[s] for s in sorted(skips)], len(records))
+
+
+def _image_column(ctx: ShardContext) -> fmt.Column:
+    return next(c for c in ctx.columns if c.name == "image")
+
+
+def _image_path(ctx: ShardContext, index: int) -> Path:
+    return writer.partial_dir(ctx.staging, index) / fmt.column_file_names(_image_column(ctx))["values"]
+
+
 def _key_bytes(key: str) -> np.ndarray:
     return np.frombuffer(key.encode("utf-8"), dtype=np.uint8)
 
@@ -250,8 +302,8 @@ def _key_bytes(key: str) -> np.ndarray:
 def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
     """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
     if ctx.kind == "images":
-        for sample in _in_lanes(lambda r: _image_sample(ctx, r[1]), records):
-            yield sample
+        for _, record in records:
+            yield _image_sample(ctx, record)
             ticker.tick()
         return
 
@@ -265,37 +317,16 @@ def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
     yield from _tokenized(items(), ctx.tokenizer, ticker)
 
 
-def _in_lanes(fn: Callable, items) -> Iterator:
-    """fn(item) for each item, in order: here while this worker has one lane, else with up to
-    `_lanes()` calls at once in threads (re-read per item, so a worker widens when others finish)."""
-    pending: deque = deque()
-    pool = None
-    try:
-        for item in items:
-            lanes = _lanes()
-            if lanes == 1 and not pending:
-                yield fn(item)
-                continue
-            if pool is None:
-                pool = ThreadPoolExecutor(max(2, _budget), thread_name_prefix="mmpack-decode")
-            pending.append(pool.submit(fn, item))
-            while len(pending) >= lanes:  # at most `lanes` decodes at once
-                yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
-    finally:
-        if pool is not None:
-            for f in pending:
-                f.cancel()
-            pool.shutdown(wait=True)
-
-
 def _image_sample(ctx: ShardContext, record: Record):
     try:
         pixels = decode_image(record.path, ctx.image_size)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
-    return {"image": pixels, "label": np.int64(record.label), "key": _key_bytes(record.key)}
+    return {"image": pixels, **_image_fields(record)}
+
+
+def _image_fields(record: Record) -> dict:
+    return {"label": np.int64(record.label), "key": _key_bytes(record.key)}
 
 
 def _pair_item(ctx: ShardContext, record: Record):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import shutil
 from pathlib import Path
@@ -106,14 +107,14 @@ class _ColumnWriter:
         else:
             self.values = _NpyStream(shard_dir / names["values"], column.dtype, column.shape)
 
-    def add(self, value: np.ndarray) -> int:
-        """Append one sample; returns its size in bytes."""
+    def add(self, value: np.ndarray) -> None:
+        """Append one sample."""
         col = self.column
         if not col.ragged:
             if value.shape != col.shape:
                 raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
             self.values.write(value, 1)
-            return value.nbytes
+            return
         if len(value.shape) != len(col.shape) or any(
             want is not None and got != want for got, want in zip(value.shape, col.shape)
         ):
@@ -122,7 +123,6 @@ class _ColumnWriter:
         self.offsets.append(self.offsets[-1] + value.size)
         if self.shapes is not None:
             self.shapes.append(value.shape)
-        return value.nbytes
 
     def close(self) -> None:
         self.values.close()
@@ -145,26 +145,98 @@ def write_npy(path: Path, array: np.ndarray) -> None:
         os.fsync(f.fileno())
 
 
+# -- slots: a fixed-shape column filled in any order, by several processes at once ----------
+def create_slots(path: Path, column: fmt.Column, slots: int) -> None:
+    """`path` with room for `slots` rows of the fixed-shape `column`, filled by SlotWriters
+    (pwrite, any order, any process) and finished by `_SlotColumn` once every slot is written."""
+    row = np.dtype(column.dtype).itemsize * math.prod(column.shape)
+    with naming(path), open(path, "wb") as f:
+        f.write(fmt.npy_header(column.dtype, (slots, *column.shape)))
+        f.truncate(fmt.NPY_HEADER_BYTES + slots * row)
+
+
+class SlotWriter:
+    """One process's handle on a slots file: put(slot, row)."""
+
+    def __init__(self, path: Path, column: fmt.Column):
+        self.path, self.column = path, column
+        self.row = np.dtype(column.dtype).itemsize * math.prod(column.shape)
+        with naming(path):
+            self.fd = os.open(path, os.O_WRONLY)
+
+    def put(self, slot: int, value: np.ndarray) -> None:
+        if value.shape != self.column.shape:
+            raise ValueError(f"column {self.column.name}: sample shape {value.shape}, expected {self.column.shape}")
+        data = memoryview(np.ascontiguousarray(value, dtype=self.column.dtype)).cast("B")
+        offset = fmt.NPY_HEADER_BYTES + slot * self.row
+        with naming(self.path):
+            while data:
+                done = os.pwrite(self.fd, data, offset)
+                data, offset = data[done:], offset + done
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class _SlotColumn:
+    """The ShardWriter side of a slots file: at close the rows of skipped records (`keep`
+    False) are squeezed out and the header gets the row count, so the bytes are exactly those
+    `_ColumnWriter` writes for the kept rows in order."""
+
+    def __init__(self, shard_dir: Path, column: fmt.Column, keep: list[bool]):
+        self.column, self.keep = column, keep
+        self.paths = [shard_dir / fmt.column_file_names(column)["values"]]
+
+    def add(self, value) -> None:
+        pass
+
+    def close(self) -> None:
+        path, col = self.paths[0], self.column
+        row = np.dtype(col.dtype).itemsize * math.prod(col.shape)
+        kept = [slot for slot, k in enumerate(self.keep) if k]
+        with naming(path), open(path, "r+b") as f:
+            for new, slot in enumerate(kept):
+                if new != slot:  # only after a skip: move the row up
+                    data = os.pread(f.fileno(), row, fmt.NPY_HEADER_BYTES + slot * row)
+                    os.pwrite(f.fileno(), data, fmt.NPY_HEADER_BYTES + new * row)
+            f.truncate(fmt.NPY_HEADER_BYTES + len(kept) * row)
+            f.write(fmt.npy_header(col.dtype, (len(kept), *col.shape)))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def abort(self) -> None:
+        pass
+
+
+def partial_dir(staging: Path, index: int) -> Path:
+    return staging / (fmt.shard_dir_name(index) + ".partial")
+
+
 class ShardWriter:
     """Writes shard `index` of a dataset under `staging`; use as a context manager.
 
     On an exception inside the `with` block the partial shard is deleted and nothing is renamed:
-    a shard dir without the `.partial` suffix is always whole.
+    a shard dir without the `.partial` suffix is always whole. `slots`: columns already written
+    into slots files in the partial dir (create_slots), each with its keep-flag per slot; then
+    the dir is kept and the other columns are added sample by sample as usual.
     """
 
-    def __init__(self, staging: Path, index: int, columns: tuple[fmt.Column, ...]):
+    def __init__(self, staging: Path, index: int, columns: tuple[fmt.Column, ...],
+                 slots: dict[str, list[bool]] | None = None):
         self.index = index
         self.final_dir = staging / fmt.shard_dir_name(index)
-        self.dir = staging / (fmt.shard_dir_name(index) + ".partial")
-        shutil.rmtree(self.dir, ignore_errors=True)
-        self.dir.mkdir(parents=True)
-        self._columns = [_ColumnWriter(self.dir, c) for c in columns]
+        self.dir = partial_dir(staging, index)
+        if not slots:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True)
+        slots = slots or {}
+        self._columns = [_SlotColumn(self.dir, c, slots[c.name]) if c.name in slots else _ColumnWriter(self.dir, c)
+                         for c in columns]
         self.num_samples = 0
-        self.size_bytes = 0
 
     def add(self, sample: dict[str, np.ndarray]) -> None:
         for writer in self._columns:
-            self.size_bytes += writer.add(sample[writer.column.name])
+            writer.add(sample.get(writer.column.name))
         self.num_samples += 1
 
     def close(self) -> fmt.Shard:

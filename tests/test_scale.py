@@ -301,35 +301,20 @@ def test_ray_engine_gives_the_same_dataset(tmp_path, image_raw):
     assert tree(tmp_path / "ray") == tree(tmp_path / "local")
 
 
-def test_decode_lanes_keep_record_order_and_widen_when_workers_idle(monkeypatch):
-    """A worker decodes one image at a time while every worker is busy, several in threads once
-    others are idle (the end of a build); the samples come out in record order either way."""
-    import threading
-    import time
+@pytest.mark.parametrize("piece_rows", [3, 32])
+def test_image_shards_in_pieces_give_the_bytes_of_one_worker(tmp_path, image_raw, monkeypatch, piece_rows):
+    """A pool splits each image shard into pieces that any worker decodes into the shard's slots;
+    skipped records' slots are squeezed out at the end. Shards of 40 rows, pieces of 3: skips land
+    inside pieces, at piece edges and in whole pieces of other workers."""
+    from packer import engines
 
-    from packer import shards
-
-    busy = multiprocessing.Value("i", 0)
-    monkeypatch.setattr(shards, "_busy", busy)
-    monkeypatch.setattr(shards, "_budget", 3)
-    running, peak, lock = [0], [0], threading.Lock()
-    peaks = []
-
-    def work(i):
-        with lock:
-            running[0] += 1
-            peak[0] = max(peak[0], running[0])
-        time.sleep(0.01)
-        with lock:
-            running[0] -= 1
-        return i * i
-
-    for workers_busy, lanes in [(3, 1), (2, 2), (1, 3)]:
-        busy.value, peak[0] = workers_busy, 0
-        assert shards._lanes() == lanes
-        assert list(shards._in_lanes(work, range(40))) == [i * i for i in range(40)]
-        peaks.append(peak[0])
-    assert peaks == [1, 2, 3]
+    monkeypatch.setattr(engines, "PIECE_ROWS", piece_rows)
+    args = ("--image-size", "32", "--shard-size", "40")
+    build(image_raw, tmp_path / "one", *args, "--workers", 1)
+    build(image_raw, tmp_path / "pieces", *args, "--workers", 3)
+    assert tree(tmp_path / "pieces") == tree(tmp_path / "one")
+    m = load_manifest(tmp_path / "one")
+    assert m.counts["skipped"] > 0 and len(m.shards) > 1 and max(s.num_samples for s in m.shards) > piece_rows
 
 
 def test_a_shard_being_written_elsewhere_is_waited_for_then_reused(tmp_path, image_raw):
