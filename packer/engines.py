@@ -13,9 +13,10 @@ import multiprocessing
 import queue as queue_mod
 import shutil
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
 from .errors import ConfigError
 from .writer import partial_dir
@@ -54,15 +55,46 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
             except queue_mod.Empty:
                 return
 
-    pool = ProcessPoolExecutor(workers, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
-    run = _run_pieces if in_pieces(ctx) else _run_shards
+    pieces = in_pieces(ctx)
+    procs = workers - 1 if pieces else workers
+    pool = ProcessPoolExecutor(procs, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
+    if pieces:  # this process is the last worker: it decodes from the start, while the pool starts
+        pool = _Spread([(pool, procs), (ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1)])
+        set_progress_sink(progress.put)
     try:
-        results = run(pool, ctx, iter(jobs), 2 * workers, drain, advance)
+        results = (_run_pieces if pieces else _run_shards)(pool, ctx, iter(jobs), 2 * workers, drain, advance)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
+    finally:
+        set_progress_sink(None)
     pool.shutdown(wait=True)
     return results
+
+
+class _Spread:
+    """Executors as one: each call goes to the one with the fewest calls outstanding per worker."""
+
+    def __init__(self, executors: list[tuple[Executor, int]]):
+        self._workers = dict(executors)
+        self._outstanding = dict.fromkeys(self._workers, 0)
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> Future:
+        with self._lock:
+            ex = min(self._workers, key=lambda e: self._outstanding[e] / self._workers[e])
+            self._outstanding[ex] += 1
+        future = ex.submit(fn, *args)
+        future.add_done_callback(lambda _: self._done(ex))
+        return future
+
+    def _done(self, ex: Executor) -> None:
+        with self._lock:
+            self._outstanding[ex] -= 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        for ex in self._workers:
+            ex.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
 def in_pieces(ctx: ShardContext) -> bool:
