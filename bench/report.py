@@ -53,8 +53,10 @@ def packer_table(report: dict) -> str:
                      f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {r['seconds']:>8.1f} "
                      f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {r['peak_rss_mb']:>11,.0f}")
     lines.append("efficiency = build rate / (raw per-core rate x cores used); raw = Pillow decode+resize or "
-                 "tokenizers batch encode alone, one core, same inputs, same run; cores used: one per worker "
-                 "for images, and tokenizers' threads for text (every core when one process builds)")
+                 "tokenizers batch encode alone, one core, same inputs, measured just before each build; build "
+                 "rate = `packer build` in its own process, by its own clock (scan to published manifest); cores "
+                 "used: one per worker for images, and tokenizers' threads for text (every core when one process "
+                 "builds)")
     for a in report["archives"]:
         lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
                      f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "
