@@ -1,7 +1,8 @@
 """Where shard tasks run: in this process, in a pool of worker processes, or as Ray tasks.
 
 Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s; the
-shard function is `packer.shards.run_shard` everywhere. Pool workers are started with
+shard function is `packer.shards.run_shard`, except that a pool splits fixed-size image shards
+into pieces (`open_pieces` / `run_piece` / `finish_pieces`, the same bytes). Pool workers are started with
 forkserver (spawn off Linux), never fork: `tokenizers` used before a fork can deadlock the
 child (huggingface/tokenizers#187), and fork would also copy the parent's whole heap. At most
 two jobs per worker are queued, so memory stays bounded by the shard, not the corpus.
