@@ -2,9 +2,9 @@
 
 The same function runs in the build process (`--workers 1`), in pool worker processes (image
 shards there go in pieces, below, with the same bytes), and as a Ray task: it takes a picklable
-context and task and returns a picklable result. A finished shard is `OUT/.staging/shard-k/` plus `shard-k.json` (its files with sizes and checksums, its
-skips, and the build fingerprint), which is what lets a killed build resume and what
-`packer commit` assembles the manifest from.
+context and task and returns a picklable result. A finished shard is `OUT/.staging/shard-k/`
+plus `shard-k.json` (its files with sizes and checksums, its skips, and the build fingerprint),
+which is what lets a killed build resume and what `packer commit` assembles the manifest from.
 """
 
 from __future__ import annotations
