@@ -28,7 +28,7 @@ from . import writer
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import ShardContext, ShardResult, read_sidecar, reusable
+from .shards import PIECE_ROWS, ShardContext, ShardResult, in_pieces, read_sidecar, reusable
 from .sources import Scan, scan
 from .system import available_cores
 from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
@@ -377,9 +377,6 @@ def parallelism(workers: int, units: int) -> tuple[int, int]:
 
 def pool_tasks(ctx: ShardContext, items: list[int]) -> int:
     """Tasks a pool gets for shards of these item counts: pieces of image shards, else shards."""
-    from .engines import in_pieces
-    from .shards import PIECE_ROWS
-
     return sum(-(-n // PIECE_ROWS) for n in items) if in_pieces(ctx) else len(items)
 
 

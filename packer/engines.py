@@ -21,8 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExe
 
 from .errors import ConfigError
 from .writer import partial_dir
-from .shards import (PIECE_ROWS, ShardContext, ShardResult, finish_pieces, init_worker, open_pieces, run_piece,
-                     run_shard, set_progress_sink)
+from .shards import (PIECE_ROWS, ShardContext, ShardResult, finish_pieces, in_pieces, init_worker, open_pieces,
+                     run_piece, run_shard, set_progress_sink)
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
@@ -96,11 +96,6 @@ class _Spread:
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         for ex in self._workers:
             ex.shutdown(wait=wait, cancel_futures=cancel_futures)
-
-
-def in_pieces(ctx: ShardContext) -> bool:
-    """Image shards of one fixed size go to a pool as pieces (packer.shards.open_pieces)."""
-    return ctx.kind == "images" and not next(c for c in ctx.columns if c.name == "image").ragged
 
 
 def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:

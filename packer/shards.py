@@ -13,7 +13,6 @@ import contextlib
 import errno
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -244,9 +243,7 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
         done = reusable(ctx.staging, task.index, ctx.fingerprint)
         if done is not None:
             return done
-        path = writer.partial_dir(ctx.staging, task.index)
-        shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
+        writer.partial_dir(ctx.staging, task.index, fresh=True)
         writer.create_slots(_image_path(ctx, task.index), _image_column(ctx), task.items)
     return None
 
@@ -285,6 +282,11 @@ def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, 
             shard.abort()
             raise
         return _finish(ctx, task.index, shard, [skips[s] for s in sorted(skips)], len(records))
+
+
+def in_pieces(ctx: ShardContext) -> bool:
+    """Image shards of one fixed size go to a pool as pieces."""
+    return ctx.kind == "images" and not _image_column(ctx).ragged
 
 
 def _image_column(ctx: ShardContext) -> fmt.Column:

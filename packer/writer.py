@@ -13,8 +13,8 @@ import hashlib
 import math
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
@@ -146,10 +146,14 @@ def write_npy(path: Path, array: np.ndarray) -> None:
 
 
 # -- slots: a fixed-shape column filled in any order, by several processes at once ----------
+def _row_bytes(column: fmt.Column) -> int:
+    return np.dtype(column.dtype).itemsize * math.prod(column.shape)
+
+
 def create_slots(path: Path, column: fmt.Column, slots: int) -> None:
     """`path` with room for `slots` rows of the fixed-shape `column`, filled by SlotWriters
     (pwrite, any order, any process) and finished by `_SlotColumn` once every slot is written."""
-    row = np.dtype(column.dtype).itemsize * math.prod(column.shape)
+    row = _row_bytes(column)
     with naming(path), open(path, "wb") as f:
         f.write(fmt.npy_header(column.dtype, (slots, *column.shape)))
         f.truncate(fmt.NPY_HEADER_BYTES + slots * row)
@@ -159,8 +163,7 @@ class SlotWriter:
     """One process's handle on a slots file: put(slot, row)."""
 
     def __init__(self, path: Path, column: fmt.Column):
-        self.path, self.column = path, column
-        self.row = np.dtype(column.dtype).itemsize * math.prod(column.shape)
+        self.path, self.column, self.row = path, column, _row_bytes(column)
         with naming(path):
             self.fd = os.open(path, os.O_WRONLY)
 
@@ -191,8 +194,7 @@ class _SlotColumn:
         pass
 
     def close(self) -> None:
-        path, col = self.paths[0], self.column
-        row = np.dtype(col.dtype).itemsize * math.prod(col.shape)
+        path, col, row = self.paths[0], self.column, _row_bytes(self.column)
         kept = [slot for slot, k in enumerate(self.keep) if k]
         with naming(path), open(path, "r+b") as f:
             for new, slot in enumerate(kept):
@@ -208,8 +210,13 @@ class _SlotColumn:
         pass
 
 
-def partial_dir(staging: Path, index: int) -> Path:
-    return staging / (fmt.shard_dir_name(index) + ".partial")
+def partial_dir(staging: Path, index: int, *, fresh: bool = False) -> Path:
+    """Where shard `index` is written until it is whole; `fresh`: emptied and made first."""
+    path = staging / (fmt.shard_dir_name(index) + ".partial")
+    if fresh:
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+    return path
 
 
 class ShardWriter:
@@ -225,10 +232,7 @@ class ShardWriter:
                  slots: dict[str, list[bool]] | None = None):
         self.index = index
         self.final_dir = staging / fmt.shard_dir_name(index)
-        self.dir = partial_dir(staging, index)
-        if not slots:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir.mkdir(parents=True)
+        self.dir = partial_dir(staging, index, fresh=not slots)
         slots = slots or {}
         self._columns = [_SlotColumn(self.dir, c, slots[c.name]) if c.name in slots else _ColumnWriter(self.dir, c)
                          for c in columns]
