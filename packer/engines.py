@@ -114,14 +114,16 @@ def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
 
 def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
     """Shards opened here one after another, their pieces run by any worker (at most `window`
-    queued), each shard finished by a worker once all its pieces are back."""
+    queued). Once all pieces of a shard are back, a thread of this process of its own finishes it:
+    a finish mostly waits for its fsync, and no decoding lane should wait with it."""
     results: list[ShardResult] = []
     calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
     shards: dict[int, list] = {}  # index -> [task, records, pieces left, skips by slot]
     pending: dict = {}  # future -> shard index, or None for a finish
+    finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
 
     def refill() -> None:
-        while len(pending) < window:
+        while sum(index is not None for index in pending.values()) < window:  # pieces in flight
             if not calls and not _open_next():
                 return
             index, first = calls.popleft()
@@ -157,13 +159,15 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
                 shard[3].update(value)
                 if shard[2] == 0:
                     task, records, _, skips = shards.pop(index)
-                    pending[pool.submit(finish_pieces, ctx, task, records, skips)] = None
+                    pending[finisher.submit(finish_pieces, ctx, task, records, skips)] = None
             refill()
     except BaseException:  # a piece failed (a full disk): no half-filled shard stays behind
         pool.shutdown(wait=True, cancel_futures=True)
+        finisher.shutdown(wait=True, cancel_futures=True)
         for index in shards:
             shutil.rmtree(partial_dir(ctx.staging, index), ignore_errors=True)
         raise
+    finisher.shutdown(wait=True)
     drain()
     return results
 
