@@ -1,8 +1,8 @@
 """zstd archives of a dataset dir, for storage and transfer (FORMAT.md, "Archive form").
 
 `pack` compresses every column file (zstd, files in parallel threads, `level`) into ARCHIVE/
-beside `archive.json`, which holds the dataset's manifest (raw sizes and sha256) plus each
-compressed file's size and sha256. `unpack` restores a dataset dir through the same staging and
+beside `archive.json`, which holds the dataset's manifest (raw sizes and checksums) plus each
+compressed file's size and checksum. `unpack` restores a dataset dir through the same staging and
 publish steps as a build, checking both checksums of every file; a damaged byte is an
 IntegrityError naming the file. `materialize` does that once into a cache dir, under a file
 lock, so many processes opening the same archive at once unpack it exactly once.
@@ -48,7 +48,7 @@ class _Hashing:
     """A file wrapper that hashes every byte read or written through it."""
 
     def __init__(self, f):
-        self.f, self.digest, self.count = f, hashlib.sha256(), 0
+        self.f, self.digest, self.count = f, fmt.new_checksum(), 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
@@ -92,8 +92,8 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
             zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
             fout.flush()
             os.fsync(fout.fileno())
-        if reader.digest.hexdigest() != entry.sha256:
-            raise IntegrityError(f"{src}: sha256 differs from the manifest; run 'packer verify {root}'")
+        if reader.digest.hexdigest() != entry.xxh3_128:
+            raise IntegrityError(f"{src}: checksum differs from the manifest; run 'packer verify {root}'")
         return fmt.ArchiveFile(entry.path + fmt.ARCHIVE_SUFFIX, entry.path, out.count, out.digest.hexdigest())
 
     with ThreadPoolExecutor(_threads(threads)) as pool:
@@ -131,11 +131,11 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
             raise IntegrityError(f"{src}: damaged archive file (zstd: {exc})") from None
         except FileNotFoundError:
             raise IntegrityError(f"{src}: missing from the archive") from None
-        if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.sha256:
-            raise IntegrityError(f"{src}: damaged archive file (size or sha256 differs from {fmt.ARCHIVE_NAME})")
+        if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.xxh3_128:
+            raise IntegrityError(f"{src}: damaged archive file (size or checksum differs from {fmt.ARCHIVE_NAME})")
         want = raw[entry.of]
-        if result.count != want.size_bytes or result.digest.hexdigest() != want.sha256:
-            raise IntegrityError(f"{src}: unpacks to data whose sha256 differs from the manifest")
+        if result.count != want.size_bytes or result.digest.hexdigest() != want.xxh3_128:
+            raise IntegrityError(f"{src}: unpacks to data whose checksum differs from the manifest")
 
     try:
         with ThreadPoolExecutor(_threads(threads)) as pool:

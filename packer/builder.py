@@ -4,7 +4,7 @@ OUT/.staging --commit--> manifest, published last.
 The shard is the unit of work (`packer.shards.run_shard`): run in this process, in a pool of
 spawned worker processes, or as Ray tasks, the bytes are the same. Each finished shard leaves a
 sidecar in staging, so a killed build started again with the same arguments reuses what is whole
-(sizes and sha256 checked) and redoes the rest; a build with other arguments or changed inputs
+(sizes and checksums checked) and redoes the rest; a build with other arguments or changed inputs
 is refused unless --overwrite. `--part i/N` runs a share of the shards into a shared OUT and
 `commit` publishes once all are there. A dir without a manifest never opens as a dataset.
 Memory: one sample (or one tokenizer batch) per worker, and at most two queued tasks per worker.
@@ -32,7 +32,6 @@ from .shards import PIECE_ROWS, ShardContext, ShardResult, in_pieces, read_sidec
 from .sources import Scan, scan
 from .system import available_cores
 from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
-from .writer import sha256_file
 
 DEFAULT_SHARD_BYTES = 256 * 1024**2
 PLAN_FILE = "plan.json"
@@ -248,6 +247,12 @@ def _difference(old: dict, new: dict) -> str:
     return "another plan (another mmpack version or a changed dataset to append to)"
 
 
+def _sha256_file(path: Path) -> str:
+    """The tokenizer file's identity (the manifest's `tokenizer.sha256`, compared by merge)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _inputs_digest(found: Scan) -> str:
     """Every record's key, size and mtime, and the scan's skips: a changed input changes it."""
     digest = hashlib.sha256()
@@ -289,7 +294,7 @@ def _tokenizer_for(config: BuildConfig, kind: str):
     eos_id = resolve_eos(tok, config.append_eos)
     spec = TokenizerSpec(
         path=str(Path(config.tokenizer).resolve()),
-        sha256=sha256_file(Path(config.tokenizer)),
+        sha256=_sha256_file(Path(config.tokenizer)),
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
         dtype=token_dtype(tok, eos_id),
         eos_id=eos_id,

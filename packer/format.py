@@ -13,12 +13,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from .errors import ManifestError
 
 # -- 1. Identity and versioning ------------------------------------------------------------
 FORMAT_NAME = "mmpack"
-FORMAT_VERSION = (1, 0)  # (major, minor): minor bumps are additive, a new major is refused.
+FORMAT_VERSION = (2, 0)  # (major, minor): minor bumps are additive, a new major is refused.
 
 # -- 2. Directory layout and the file-name rule ---------------------------------------------
 MANIFEST_NAME = "manifest.json"
@@ -40,6 +41,15 @@ def column_file_names(column: Column) -> dict[str, str]:
         if len(column.shape) > 1:
             names["shapes"] = f"{column.name}.shapes.npy"
     return names
+
+
+# -- Checksums: of every column file (manifest) and compressed file (archive) -----------------
+CHECKSUM = "xxh3_128"  # XXH3 128-bit, lowercase hex: finds torn writes and flipped bits, not forgers
+
+
+def new_checksum():
+    """A fresh hashlib-style hasher (update / hexdigest) of CHECKSUM."""
+    return xxhash.xxh3_128()
 
 
 # -- 3. Column files: NPY v1.0 with a fixed-length header -----------------------------------
@@ -121,7 +131,7 @@ def columns_text(columns) -> str:
 class FileEntry:
     path: str  # relative to the dataset dir, "/"-separated
     size_bytes: int
-    sha256: str
+    xxh3_128: str  # CHECKSUM of the file's bytes, hex
 
 
 @dataclass(frozen=True)
@@ -226,7 +236,7 @@ class ArchiveFile:
     path: str  # the compressed file, relative to the archive dir: "<of>.zst"
     of: str  # the column file it restores, relative to the dataset dir
     size_bytes: int  # compressed
-    sha256: str  # of the compressed bytes (the raw checksum is the manifest's)
+    xxh3_128: str  # CHECKSUM of the compressed bytes (the raw checksum is the manifest's)
 
 
 def archive_to_json(manifest: Manifest, files: list[ArchiveFile], level: int) -> str:

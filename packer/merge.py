@@ -74,11 +74,11 @@ def _place(src_root: Path, shard: fmt.Shard, index: int, staging: Path, relabel)
         if relabel is not None and base == "label.npy":
             labels = map_npy(src, "<i8", (shard.num_samples,))
             writer.write_npy(dst, relabel[np.asarray(labels)])
-            files.append(fmt.FileEntry(f"{name}/{base}", dst.stat().st_size, writer.sha256_file(dst)))
+            files.append(fmt.FileEntry(f"{name}/{base}", dst.stat().st_size, writer.checksum_file(dst)))
             continue
         try:
             os.link(src, dst)
         except OSError:  # another file system, or links not allowed: copy
             shutil.copyfile(src, dst)
-        files.append(fmt.FileEntry(f"{name}/{base}", entry.size_bytes, entry.sha256))
+        files.append(fmt.FileEntry(f"{name}/{base}", entry.size_bytes, entry.xxh3_128))
     return fmt.Shard(index, shard.num_samples, tuple(files))

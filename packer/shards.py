@@ -136,14 +136,14 @@ def read_sidecar(staging: Path, index: int, fingerprint: str) -> ShardResult | N
 
 
 def reusable(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
-    """A finished shard of this very build, whole on disk: sidecar, sizes and sha256 all match."""
+    """A finished shard of this very build, whole on disk: sidecar, sizes and checksums all match."""
     result = read_sidecar(staging, index, fingerprint)
     if result is None:
         return None
     for entry in result.shard.files:
         path = staging / entry.path
         try:
-            if path.stat().st_size != entry.size_bytes or writer.sha256_file(path) != entry.sha256:
+            if path.stat().st_size != entry.size_bytes or writer.checksum_file(path) != entry.xxh3_128:
                 return None
         except OSError:
             return None

@@ -13,7 +13,7 @@ import numpy as np
 from . import format as fmt
 from .errors import IntegrityError
 from .reader import check_file_sizes, load_manifest, map_column
-from .writer import sha256_file
+from .writer import checksum_file
 
 
 def verify(root: str | Path, *, on_progress=None) -> dict:
@@ -40,9 +40,10 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
 
 def _check_hash(root: Path, entry: fmt.FileEntry) -> None:
     path = root / entry.path
-    digest = sha256_file(path)
-    if digest != entry.sha256:
-        raise IntegrityError(f"{path}: sha256 {digest[:16]}..., manifest says {entry.sha256[:16]}...")
+    digest = checksum_file(path)
+    if digest != entry.xxh3_128:
+        raise IntegrityError(f"{path}: checksum {digest[:16]}..., manifest says {entry.xxh3_128[:16]}... "
+                             f"({fmt.CHECKSUM})")
 
 
 def _check_offsets(path: Path, arrays) -> None:

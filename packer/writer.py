@@ -22,15 +22,12 @@ import numpy as np
 from . import errors
 from . import format as fmt
 
-_CHUNK = 1 << 20
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
+def checksum_file(path: Path) -> str:
+    """The format's checksum (fmt.CHECKSUM) of a whole file, hex."""
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, fmt.new_checksum).hexdigest()
 
 
 @contextlib.contextmanager
@@ -250,7 +247,7 @@ class ShardWriter:
         for writer in self._columns:
             for path in writer.paths:
                 rel = f"{fmt.shard_dir_name(self.index)}/{path.name}"
-                files.append(fmt.FileEntry(rel, path.stat().st_size, sha256_file(path)))
+                files.append(fmt.FileEntry(rel, path.stat().st_size, checksum_file(path)))
         shutil.rmtree(self.final_dir, ignore_errors=True)
         os.rename(self.dir, self.final_dir)
         return fmt.Shard(self.index, self.num_samples, tuple(files))

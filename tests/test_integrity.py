@@ -38,7 +38,7 @@ def test_verify_catches_a_flipped_byte(dataset, capsys):
     MMapDataset(dataset)  # same size: opening is cheap and does not hash
     assert main(["verify", str(dataset)]) == 1
     err = capsys.readouterr().err
-    assert str(target) in err and "sha256" in err
+    assert str(target) in err and "checksum" in err
 
 
 def test_verify_catches_a_flipped_header_byte(dataset, capsys):
@@ -72,23 +72,39 @@ def test_missing_file_is_refused_on_open(dataset):
 def test_unknown_major_version_is_refused(dataset):
     path = dataset / fmt.MANIFEST_NAME
     doc = json.loads(path.read_text())
-    doc["version"] = "2.0"
+    major = fmt.FORMAT_VERSION[0]
+    doc["version"] = f"{major + 1}.0"
     path.write_text(json.dumps(doc))
-    with pytest.raises(ManifestError, match=r"format version 2.0 is not supported.*reads 1.x"):
+    with pytest.raises(ManifestError, match=rf"format version {major + 1}.0 is not supported.*reads {major}.x"):
         MMapDataset(dataset)
+
+
+def test_a_version_1_dataset_is_refused_in_one_line(dataset, capsys):
+    """1.x listed sha256 per file; 2.0 lists xxh3_128: a 1.x dataset is named, not misread."""
+    path = dataset / fmt.MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    doc["version"] = "1.0"
+    for shard in doc["shards"]:
+        for f in shard["files"]:
+            f["sha256"] = "0" * 64
+            del f["xxh3_128"]
+    path.write_text(json.dumps(doc))
+    assert main(["info", str(dataset)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "format version 1.0 is not supported" in err and str(path) in err
 
 
 def test_newer_minor_version_with_unknown_keys_opens(dataset):
     path = dataset / fmt.MANIFEST_NAME
     doc = json.loads(path.read_text())
-    doc["version"] = "1.7"
+    doc["version"] = f"{fmt.FORMAT_VERSION[0]}.7"
     doc["future_key"] = {"anything": 1}
     path.write_text(json.dumps(doc))
     assert len(MMapDataset(dataset)) > 0
 
 
 def test_garbled_manifest_is_one_line_error(dataset, capsys):
-    (dataset / fmt.MANIFEST_NAME).write_text('{"format": "mmpack", "version": "1.0", "kind": ')
+    (dataset / fmt.MANIFEST_NAME).write_text('{"format": "mmpack", "version": "2.0", "kind": ')
     assert main(["info", str(dataset)]) == 2
     err = capsys.readouterr().err
     assert "not valid JSON" in err and err.count("\n") == 1
