@@ -21,8 +21,8 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExe
 
 from .errors import ConfigError
 from .writer import partial_dir
-from .shards import (PIECE_ROWS, ShardContext, ShardResult, finish_pieces, in_pieces, init_worker, open_pieces,
-                     run_piece, run_shard, set_progress_sink)
+from .shards import (PIECE_ROWS, ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
+                     open_pieces, run_piece, run_shard, set_progress_sink)
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
@@ -30,9 +30,25 @@ POLL_S = 0.1
 
 
 def run_here(ctx: ShardContext, jobs: Jobs, advance: Advance) -> list[ShardResult]:
+    """Shard after shard in this process; each shard is closed (its fsync waited for) on a
+    thread while the next one fills, at most one close in flight."""
     set_progress_sink(advance)
+    results: list[ShardResult] = []
+    closing: Future | None = None
     try:
-        return [run_shard(ctx, task, records) for task, records in jobs]
+        with ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish") as finisher:
+            for task, records in jobs:
+                filled = fill_shard(ctx, task, records)
+                if closing is not None:
+                    try:
+                        results.append(closing.result())  # re-raises its error (a full disk) here
+                    except BaseException:
+                        filled.abort()
+                        raise
+                closing = finisher.submit(filled.close)
+            if closing is not None:
+                results.append(closing.result())
+        return results
     finally:
         set_progress_sink(None)
 

@@ -177,15 +177,48 @@ def shard_lock(staging: Path, index: int) -> Iterator[None]:
 def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> ShardResult:
     """Pack one planned shard into staging; deterministic: same inputs, same bytes. A shard that
     another run finished while this one waited for its lock is reused as it is."""
-    with shard_lock(ctx.staging, task.index):
+    return fill_shard(ctx, task, records).close()
+
+
+class FilledShard:
+    """A shard whose samples are all written (or one found whole): close() finishes it (fsync,
+    checksums, sidecar), abort() drops it; either releases its lock. One process can close it on
+    a thread while it fills the next shard, instead of waiting for the fsync."""
+
+    def __init__(self, ctx: ShardContext, index: int, lock: contextlib.ExitStack, *, done: ShardResult | None = None,
+                 shard: writer.ShardWriter | None = None, skipped: list | None = None, items: int = 0):
+        self.ctx, self.index, self.lock, self.done = ctx, index, lock, done
+        self.shard, self.skipped, self.items = shard, skipped, items
+
+    def close(self) -> ShardResult:
+        with self.lock:
+            if self.done is None:
+                self.done = _finish(self.ctx, self.index, self.shard, self.skipped, self.items)
+            return self.done
+
+    def abort(self) -> None:
+        with self.lock:
+            if self.done is None:
+                self.shard.abort()
+
+
+def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> FilledShard:
+    """The first step of run_shard: every sample of shard `task` written, under its lock."""
+    lock = contextlib.ExitStack()
+    lock.enter_context(shard_lock(ctx.staging, task.index))
+    try:
         done = reusable(ctx.staging, task.index, ctx.fingerprint)
         if done is not None:
             _Ticker().tick(done.items, flush=True)
-            return done
-        return _pack_shard(ctx, task, records)
+            return FilledShard(ctx, task.index, lock, done=done)
+        shard, skipped, items = _fill(ctx, task, records)
+    except BaseException:
+        lock.close()
+        raise
+    return FilledShard(ctx, task.index, lock, shard=shard, skipped=skipped, items=items)
 
 
-def _pack_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> ShardResult:
+def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]):
     skipped: list[fmt.Skip] = []
     ticker = _Ticker()
     items = 0
@@ -202,7 +235,7 @@ def _pack_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Re
     except BaseException:
         shard.abort()
         raise
-    return _finish(ctx, task.index, shard, skipped, items)
+    return shard, skipped, items
 
 
 def _finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:

@@ -279,6 +279,34 @@ def test_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, image_raw):
         assert state["files"] == want  # the resumed build is the whole dataset
 
 
+def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, image_raw, capsys, monkeypatch):
+    """One process closes shard k on a thread while it fills shard k+1: when that close fails
+    (a full disk at its fsync), the filled shard k+1 is dropped too and its lock released."""
+    import errno
+    import fcntl
+
+    from packer import writer
+
+    close = writer.ShardWriter.close
+
+    def failing(self):
+        if self.index == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.dir / "image.npy"))
+        return close(self)
+
+    monkeypatch.setattr(writer.ShardWriter, "close", failing)
+    out = tmp_path / "out"
+    assert main(["build", str(image_raw), str(out), *IMG, "--workers", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "shard-00001" in err, err
+    staging = out / fmt.STAGING_DIR
+    assert not list(staging.glob("*.partial")) and not (out / fmt.MANIFEST_NAME).exists()
+    assert (staging / "shard-00000").is_dir() and not (staging / "shard-00002").exists()  # 2 was filled, dropped
+    for lock in staging.glob("*.lock"):
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a lock is held
+
+
 def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
     from packer import cli
 
@@ -338,7 +366,7 @@ def test_a_shard_being_written_elsewhere_is_waited_for_then_reused(tmp_path, ima
         runner.join(timeout=1.0)
         assert runner.is_alive(), "run_shard did not wait for the shard's lock"
         assert not (staging / "shard-00000.partial").exists() and not shards.sidecar_path(staging, 0).exists()
-        old = shards._pack_shard(prep.ctx, task, records)  # the old run finishes the shard
+        old = shards._finish(prep.ctx, task.index, *shards._fill(prep.ctx, task, records))  # the old run finishes it
     runner.join(timeout=60)
     assert not runner.is_alive()
     assert got["first"].reused and got["first"].shard == old.shard
