@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     stall_args(sw, 20.0)
 
     pk = sub.add_parser("packer", help="build throughput vs raw per-core decode / tokenize rates; zstd")
-    common(pk, 1500, 8)
+    common(pk, 6000, 8)
     pk.add_argument("--workers-list", type=_ints, default=sorted({1, cores}))
     pk.add_argument("--shard-size", default="64MB", help="shard size for the builds (default 64MB)")
     pk.add_argument("--text-shard-size", default=None,

@@ -58,24 +58,25 @@ def tree_pids(root: int | None = None) -> list[int]:
     return pids
 
 
-def tree_memory() -> dict[str, float]:
-    rows = [rollup(p) for p in tree_pids()]
+def tree_memory(root: int | None = None) -> dict[str, float]:
+    rows = [rollup(p) for p in tree_pids(root)]
     return {"rss_mb": sum(r.get("rss_mb", 0) for r in rows), "pss_mb": sum(r.get("pss_mb", 0) for r in rows),
             "processes": len(rows)}
 
 
 class PeakMemory:
-    """Samples the tree's RSS and PSS every `every_s` in a thread; keeps the peaks. PSS counts a
-    shared page-cache page once across processes, RSS once per process that maps it."""
+    """Samples the RSS and PSS of a process tree (this process's, or `root`'s) every `every_s` in
+    a thread; keeps the peaks. PSS counts a shared page-cache page once across processes, RSS
+    once per process that maps it."""
 
-    def __init__(self, every_s: float = 0.05):
-        self.every_s, self.peak_rss_mb, self.peak_pss_mb = every_s, 0.0, 0.0
+    def __init__(self, every_s: float = 0.05, root: int | None = None):
+        self.every_s, self.root, self.peak_rss_mb, self.peak_pss_mb = every_s, root, 0.0, 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            m = tree_memory()
+            m = tree_memory(self.root)
             self.peak_rss_mb = max(self.peak_rss_mb, m["rss_mb"])
             self.peak_pss_mb = max(self.peak_pss_mb, m["pss_mb"])
             self._stop.wait(self.every_s)

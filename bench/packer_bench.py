@@ -4,7 +4,6 @@ count; peak memory of the build's process tree; zstd pack/unpack ratio and MB/s.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -60,17 +59,20 @@ def raw_token_rate(texts: list[Path]) -> float:
 def _build(raw: Path, out: Path, workers: int, extra: list[str]) -> dict:
     """`packer build` as a user runs it, in a fresh process: the rate comes from the build's own
     clock (manifest build.seconds: scan to published manifest, no interpreter start-up) in a
-    run with nothing else on the cores; peak memory from a second run sampled every 50 ms (the
-    sampling takes CPU from a 2-core build, so it never shares a run with the timing)."""
+    run with nothing else on the cores; peak memory of the build's process tree (not this
+    one's) from a second run sampled every 50 ms (the sampling takes CPU from a 2-core build, so
+    it never shares a run with the timing)."""
     from packer import load_manifest
 
     cmd = [sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
-    for sampled in (False, True):
-        shutil.rmtree(out, ignore_errors=True)
-        with PeakMemory(every_s=0.05) if sampled else contextlib.nullcontext() as mem:
-            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        if not sampled:
-            seconds = load_manifest(out).build["seconds"]
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    seconds = load_manifest(out).build["seconds"]
+    shutil.rmtree(out, ignore_errors=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    with PeakMemory(every_s=0.05, root=proc.pid) as mem:
+        if proc.wait():
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
     m = load_manifest(out)
     return {"seconds": seconds, "samples": m.num_samples, "shards": len(m.shards), "size_bytes": m.size_bytes,
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
