@@ -28,7 +28,7 @@ from . import writer
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import PIECE_ROWS, ShardContext, ShardResult, in_pieces, read_sidecar, reusable
+from .shards import PIECE_ROWS, ShardContext, ShardResult, in_pieces, read_sidecar, reusable, wait_for_writers
 from .sources import Scan, scan
 from .system import available_cores
 from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
@@ -220,6 +220,7 @@ def _claim_staging(config: BuildConfig, doc: dict) -> None:
         if not config.overwrite:
             raise ConfigError(f"{out}: holds an unfinished build with {_difference(old, doc)}; run it again "
                               "with its own arguments to resume it, or pass --overwrite to start over")
+        wait_for_writers(staging)
         shutil.rmtree(staging)
     if config.overwrite:
         writer.unpublish(out)

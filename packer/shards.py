@@ -156,12 +156,25 @@ def shard_lock(staging: Path, index: int) -> Iterator[None]:
     started again right after a `kill -9` waits for the old build's worker, which may still be
     finishing that shard for a few ms; two runs of the same part take turns. The kernel drops the
     lock when its holder dies. File systems without flock (some shared ones) go unlocked."""
+    with _flock(staging / f"{fmt.shard_dir_name(index)}.lock"):
+        yield
+
+
+def wait_for_writers(staging: Path) -> None:
+    """Return once no process holds a shard lock in `staging`: before --overwrite deletes an
+    unfinished build, the killed build's last workers finish the shards they were writing."""
+    for path in sorted(staging.glob("*.lock")):
+        with _flock(path):
+            pass
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
     if sys.platform == "win32":
         yield
         return
     import fcntl
 
-    path = staging / f"{fmt.shard_dir_name(index)}.lock"
     with writer.naming(path):
         f = open(path, "a")
     with f:

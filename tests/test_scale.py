@@ -279,6 +279,29 @@ def test_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, image_raw):
         assert state["files"] == want  # the resumed build is the whole dataset
 
 
+def test_overwrite_waits_for_a_killed_builds_last_writer(tmp_path, image_raw):
+    """--overwrite deletes an unfinished build of other arguments, but not under a worker of the
+    killed build that is still finishing its shard: it waits for that shard's lock first."""
+    import threading
+
+    from packer import builder, shards
+
+    out = tmp_path / "out"
+    old = builder._prepare(builder.BuildConfig(image_raw, out, image_size=32, shard_rows=8, shard_bytes=None,
+                                               workers=1))
+    rc = {}
+    with shards.shard_lock(old.ctx.staging, 1):  # "the killed build's worker", still writing shard 1
+        runner = threading.Thread(target=lambda: rc.update(rc=main(["build", str(image_raw), str(out), "-q",
+                                                                     "--image-size", "16", "--shard-size", "8",
+                                                                     "--workers", "1", "--overwrite"])))
+        runner.start()
+        runner.join(timeout=1.0)
+        assert runner.is_alive(), "--overwrite did not wait for the shard's lock"
+        assert (old.ctx.staging / builder.PLAN_FILE).exists()  # the old build's staging is still there
+    runner.join(timeout=60)
+    assert rc == {"rc": 0} and MMapDataset(out)[0]["image"].shape == (16, 16, 3)
+
+
 def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, image_raw, capsys, monkeypatch):
     """One process closes shard k on a thread while it fills shard k+1: when that close fails
     (a full disk at its fsync), the filled shard k+1 is dropped too and its lock released."""
