@@ -13,9 +13,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from packer.builder import parallelism
-from packer.shards import PIECE_ROWS
-
 from . import data
 from .loaders_bench import machine, prepare_images, prepare_text
 from .measure import PeakMemory
@@ -74,7 +71,8 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str]) -> dict:
         if proc.wait():
             raise subprocess.CalledProcessError(proc.returncode, cmd)
     m = load_manifest(out)
-    return {"seconds": seconds, "samples": m.num_samples, "shards": len(m.shards), "size_bytes": m.size_bytes,
+    return {"seconds": seconds, "cores_used": m.build["cores_used"], "samples": m.num_samples,
+            "shards": len(m.shards), "size_bytes": m.size_bytes,
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
 
@@ -92,15 +90,15 @@ def bench_packer(args) -> dict:
     for w in args.workers_list:  # each raw rate just before its build: this VM's speed drifts
         per_core = raw_image_rate(img_files, 224)
         r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard])
-        rate, cores = r["samples"] / r["seconds"], cores_used("images", w, r["samples"])
-        rows.append({"what": "images", "workers": w, "cores_used": cores, "rate": rate, "unit": "images/s",
-                     "raw_per_core": per_core, "efficiency": rate / (per_core * cores), **r})
+        rate = r["samples"] / r["seconds"]
+        rows.append({"what": "images", "workers": w, "rate": rate, "unit": "images/s",
+                     "raw_per_core": per_core, "efficiency": rate / (per_core * r["cores_used"]), **r})
         per_core = raw_token_rate(txt_files)
         r = _build(raw_txt, work / f"pk-text-{w}", w, ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
                                                       "--shard-size", text_shard])
-        rate, cores = _token_count(work / f"pk-text-{w}") / r["seconds"], cores_used("text", w, r["shards"])
-        rows.append({"what": "tokens", "workers": w, "cores_used": cores, "rate": rate, "unit": "tokens/s",
-                     "raw_per_core": per_core, "efficiency": rate / (per_core * cores), **r})
+        rate = _token_count(work / f"pk-text-{w}") / r["seconds"]
+        rows.append({"what": "tokens", "workers": w, "rate": rate, "unit": "tokens/s",
+                     "raw_per_core": per_core, "efficiency": rate / (per_core * r["cores_used"]), **r})
     archives = []
     last = args.workers_list[-1]
     for what in ("images", "text"):
@@ -113,15 +111,6 @@ def bench_packer(args) -> dict:
     return {"command": "bench packer", "machine": machine(), "shard_size": shard, "text_shard_size": text_shard,
             "builds": rows,
             "archives": archives, "images": len(img_files), "text_files": len(txt_files)}
-
-
-def cores_used(kind: str, workers: int, units: int) -> int:
-    """Cores a build keeps busy: one per worker for images (`units`: images, in pieces), the
-    processes' tokenizer threads for text (`units`: shards)."""
-    if kind == "images":
-        return parallelism(workers, -(-units // PIECE_ROWS))[0]
-    procs, threads = parallelism(workers, units)
-    return procs * threads
 
 
 def _token_count(out: Path) -> int:

@@ -139,8 +139,8 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
     started = time.time()
     prep = _prepare(config)
     try:
-        _run(prep, prep.plan.tasks, on_progress)
-        return commit(config.out, seconds=time.time() - started, workers=_workers_used(config))
+        _, cores = _run(prep, prep.plan.tasks, on_progress)
+        return commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores)
     except MmpackError:
         _discard(config)
         raise
@@ -152,7 +152,7 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
     i, n = config.part or (0, 1)
     tasks = prep.plan.tasks
     mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
-    results = _run(prep, mine, on_progress)
+    results, _ = _run(prep, mine, on_progress)
     return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
                       sum(r.items for r in results), len(tasks))
 
@@ -386,7 +386,10 @@ def pool_tasks(ctx: ShardContext, items: list[int]) -> int:
     return sum(-(-n // PIECE_ROWS) for n in items) if in_pieces(ctx) else len(items)
 
 
-def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResult]:
+def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[ShardResult], int | None]:
+    """The shard results of `tasks` in order (reused or built), and the cores the build kept busy:
+    one per process decoding images, every tokenizer thread for text, at most the cores there are
+    (None on Ray)."""
     total = sum(t.items for t in tasks)
     done = 0
 
@@ -407,10 +410,11 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResul
             todo.append(task)
     jobs = ((task, list(records_of(prep.found, task))) for task in todo)
     workers, threads = parallelism(prep.config.num_workers, pool_tasks(prep.ctx, [t.items for t in todo]))
+    cores = min(workers * (threads if prep.ctx.tokenizer is not None else 1), available_cores())
     if prep.config.engine == "ray":
         from .engines import run_ray
 
-        ran = run_ray(prep.ctx, jobs, advance, prep.config.ray_address)
+        ran, cores = run_ray(prep.ctx, jobs, advance, prep.config.ray_address), None
     elif workers <= 1:
         from .engines import run_here
 
@@ -420,11 +424,12 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> list[ShardResul
 
         ran = run_pool(prep.ctx, jobs, advance, workers, threads)
     results.update((r.shard.index, r) for r in ran)
-    return [results[t.index] for t in tasks]
+    return [results[t.index] for t in tasks], cores
 
 
 # -- commit: every shard there -> manifest, published last ------------------------------------
-def commit(out: str | Path, *, seconds: float | None = None, workers: int | str | None = None) -> fmt.Manifest:
+def commit(out: str | Path, *, seconds: float | None = None, workers: int | str | None = None,
+           cores: int | None = None) -> fmt.Manifest:
     """Publish the build staged in OUT once every planned shard is whole there."""
     out = Path(out)
     doc = _read_plan(out)
@@ -455,7 +460,7 @@ def commit(out: str | Path, *, seconds: float | None = None, workers: int | str 
     counts = {"found": packed + len(skipped), "packed": packed, "skipped": len(skipped)}
     build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
                   "seconds": round(seconds, 3) if seconds is not None else None,
-                  "workers": workers, "created_unix": round(time.time(), 3), "mmpack_version": _version()}
+                  "workers": workers, "cores_used": cores, "created_unix": round(time.time(), 3), "mmpack_version": _version()}
     if base is not None:
         counts = {k: base.counts[k] + counts[k] for k in counts}
         build_info["appended"] = [*base.build.get("appended", []), {k: build_info[k] for k in ("raw", "created_unix")}]

@@ -20,6 +20,7 @@ from packer.archive import materialize
 from packer.cli import main
 from packer.errors import ManifestError
 from packer.reader import load_manifest
+from packer.system import available_cores
 
 from .procs import kill_mid_build
 
@@ -57,10 +58,14 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     for n in (1, 2, 3):
         build(image_raw, tmp_path / f"img{n}", *IMG, "--workers", n)
     assert tree(tmp_path / "img1") == tree(tmp_path / "img2") == tree(tmp_path / "img3")
+    # cores kept busy (informational, for bench packer): one per image-decoding process, at most all
+    assert [load_manifest(tmp_path / f"img{n}").build["cores_used"] for n in (1, 2, 3)] == [
+        min(n, available_cores()) for n in (1, 2, 3)]
     text = ("--tokenizer", minilm, "--append-eos", "--shard-size", "16KB")
     for n in (1, 2):
         build(text_raw, tmp_path / f"txt{n}", *text, "--workers", n)
     assert tree(tmp_path / "txt1") == tree(tmp_path / "txt2")
+    assert load_manifest(tmp_path / "txt1").build["cores_used"] == available_cores()  # tokenizer threads
     # big JSONL files were cut into line ranges: some shard starts inside a file
     ds = MMapDataset(tmp_path / "txt2")
     firsts = [ds[end]["key"] for end in [0, *ds.reader.shard_ends[:-1]]]
