@@ -90,6 +90,13 @@ class _NpyStream:
             self._file.close()
 
 
+def _check_shape(col: fmt.Column, value: np.ndarray) -> None:
+    """A sample's shape fits its column (None in the column's shape: any length there)."""
+    if value.shape != col.shape and (len(value.shape) != len(col.shape) or any(
+            want is not None and got != want for got, want in zip(value.shape, col.shape))):
+        raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
+
+
 class _ColumnWriter:
     """Values of one column, plus offsets (and shapes) when it is ragged."""
 
@@ -106,16 +113,10 @@ class _ColumnWriter:
 
     def add(self, value: np.ndarray) -> None:
         """Append one sample."""
-        col = self.column
-        if not col.ragged:
-            if value.shape != col.shape:
-                raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
+        _check_shape(self.column, value)
+        if not self.column.ragged:
             self.values.write(value, 1)
             return
-        if len(value.shape) != len(col.shape) or any(
-            want is not None and got != want for got, want in zip(value.shape, col.shape)
-        ):
-            raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
         self.values.write(value, value.size)
         self.offsets.append(self.offsets[-1] + value.size)
         if self.shapes is not None:
@@ -165,8 +166,7 @@ class SlotWriter:
             self.fd = os.open(path, os.O_WRONLY)
 
     def put(self, slot: int, value: np.ndarray) -> None:
-        if value.shape != self.column.shape:
-            raise ValueError(f"column {self.column.name}: sample shape {value.shape}, expected {self.column.shape}")
+        _check_shape(self.column, value)
         data = memoryview(np.ascontiguousarray(value, dtype=self.column.dtype)).cast("B")
         offset = fmt.NPY_HEADER_BYTES + slot * self.row
         with naming(self.path):
