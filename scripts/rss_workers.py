@@ -11,6 +11,7 @@ would grow with the worker count; with maps it stays flat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
@@ -44,7 +45,8 @@ def main() -> int:
         with open(raw / "docs.jsonl", "w") as f:
             for _ in range(args.docs):
                 f.write(json.dumps({"text": rng.choice(lines)}) + "\n")
-        packer(["build", str(raw), str(out), "--tokenizer", str(data.minilm_tokenizer()), "-q", "--overwrite"])
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON report alone
+            packer(["build", str(raw), str(out), "--tokenizer", str(data.minilm_tokenizer()), "-q", "--overwrite"])
     ds = MMapDataset(out, columns=["tokens"])
     loader = torch.utils.data.DataLoader(ds, batch_size=512, shuffle=True, num_workers=args.workers,
                                          collate_fn=lambda b: len(b), persistent_workers=True)
