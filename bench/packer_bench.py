@@ -19,9 +19,10 @@ from .measure import PeakMemory
 
 _TOKENIZE_ONE_CORE = """
 import json, sys, time
-from packer.text import load_tokenizer, encode_batch
+from packer.sources import scan
+from packer.text import Document, encode_batch, iter_documents, load_tokenizer
 tok = load_tokenizer(sys.argv[1])
-texts = [open(p, encoding="utf-8").read() for p in sys.argv[2:]]
+texts = [d.text for r in scan(sys.argv[2]).records for d in iter_documents(r) if isinstance(d, Document)]
 start = time.perf_counter(); n = 0
 for i in range(0, len(texts), 512):
     n += sum(a.size for a in encode_batch(tok, texts[i:i + 512], dtype="<u4", eos_id=None, add_special_tokens=False))
@@ -44,10 +45,11 @@ def raw_image_rate(files: list[Path], size: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def raw_token_rate(texts: list[Path]) -> float:
-    """Tokens/s of `tokenizers` batch encode on one core (RAYON_NUM_THREADS=1, a fresh process)."""
+def raw_token_rate(raw: Path) -> float:
+    """Tokens/s of `tokenizers` batch encode on one core (RAYON_NUM_THREADS=1, a fresh process) of
+    every document of RAW (.txt, JSONL, Parquet), read into memory before the clock starts."""
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
-    res = subprocess.run([sys.executable, "-c", _TOKENIZE_ONE_CORE, str(data.minilm_tokenizer()), *map(str, texts)],
+    res = subprocess.run([sys.executable, "-c", _TOKENIZE_ONE_CORE, str(data.minilm_tokenizer()), str(raw)],
                          capture_output=True, text=True, env=env, check=True)
     r = json.loads(res.stdout)
     return r["tokens"] / r["seconds"]
@@ -84,7 +86,7 @@ def bench_packer(args) -> dict:
     raw_img, _, _ = prepare_images(work, args.images)
     raw_txt, _, _ = prepare_text(work, args.text_mb)
     img_files = sorted(p for p in raw_img.rglob("*") if p.is_file())
-    txt_files = sorted(raw_txt.rglob("*.txt"))
+    txt_files = sorted(p for p in raw_txt.rglob("*") if p.is_file())
     rows = []
     shard, text_shard = args.shard_size, args.text_shard_size or args.shard_size
     for w in args.workers_list:  # each raw rate just before its build: this VM's speed drifts
@@ -93,7 +95,7 @@ def bench_packer(args) -> dict:
         rate = r["samples"] / r["seconds"]
         rows.append({"what": "images", "workers": w, "rate": rate, "unit": "images/s",
                      "raw_per_core": per_core, "efficiency": rate / (per_core * r["cores_used"]), **r})
-        per_core = raw_token_rate(txt_files)
+        per_core = raw_token_rate(raw_txt)
         r = _build(raw_txt, work / f"pk-text-{w}", w, ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
                                                       "--shard-size", text_shard])
         rate = _token_count(work / f"pk-text-{w}") / r["seconds"]
