@@ -130,8 +130,8 @@ def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
 
 def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
     """Shards opened here one after another, their pieces run by any worker (at most `window`
-    queued). Once all pieces of a shard are back, a thread of this process of its own finishes it:
-    a finish mostly waits for its fsync, and no decoding lane should wait with it."""
+    queued). Once all pieces of a shard are back, a thread of its own in this process finishes
+    the shard: a finish mostly waits for its fsync, and no decoding lane should wait with it."""
     results: list[ShardResult] = []
     calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
     shards: dict[int, list] = {}  # index -> [task, records, pieces left, skips by slot]
