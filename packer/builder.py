@@ -28,10 +28,11 @@ from . import writer
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import PIECE_ROWS, ShardContext, ShardResult, in_pieces, read_sidecar, reusable, wait_for_writers
+from .shards import (PIECE_ROWS, ShardContext, ShardResult, in_pieces, keep_tokenizer, read_sidecar, reusable,
+                     wait_for_writers)
 from .sources import Scan, scan
 from .system import available_cores
-from .text import TokenizerSpec, load_tokenizer, resolve_eos, token_dtype
+from .text import TokenizerSpec, file_sha256, load_tokenizer, resolve_eos, token_dtype
 
 DEFAULT_SHARD_BYTES = 256 * 1024**2
 PLAN_FILE = "plan.json"
@@ -248,12 +249,6 @@ def _difference(old: dict, new: dict) -> str:
     return "another plan (another mmpack version or a changed dataset to append to)"
 
 
-def _sha256_file(path: Path) -> str:
-    """The tokenizer file's identity (the manifest's `tokenizer.sha256`, compared by merge)."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _inputs_digest(found: Scan) -> str:
     """Every record's key, size and mtime, and the scan's skips: a changed input changes it."""
     digest = hashlib.sha256()
@@ -292,15 +287,17 @@ def _tokenizer_for(config: BuildConfig, kind: str):
     if config.tokenizer is None:
         raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind} (RAW {config.raw})")
     tok = load_tokenizer(config.tokenizer)
+    sha256 = file_sha256(config.tokenizer)
     eos_id = resolve_eos(tok, config.append_eos)
     spec = TokenizerSpec(
         path=str(Path(config.tokenizer).resolve()),
-        sha256=_sha256_file(Path(config.tokenizer)),
+        sha256=sha256,
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
         dtype=token_dtype(tok, eos_id),
         eos_id=eos_id,
         add_special_tokens=config.special_tokens,
     )
+    keep_tokenizer(spec, tok)
     return tok, spec
 
 

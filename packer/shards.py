@@ -23,11 +23,12 @@ import numpy as np
 
 from . import format as fmt
 from . import writer
-from .errors import SourceError
+from .errors import ConfigError, SourceError
 from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record
-from .text import Document, TokenizerSpec, encode_batch, iter_documents, load_tokenizer, read_caption
+from .text import (Document, TokenizerSpec, encode_batch, file_sha256, iter_documents, load_tokenizer,
+                   read_caption)
 
 TOKENIZE_BATCH_DOCS = 512
 PROGRESS_EVERY_S = 0.2
@@ -77,13 +78,23 @@ class _Ticker:
             self.pending, self.last = 0, now
 
 
-_tokenizers: dict[str, object] = {}
+_tokenizers: dict[tuple[str, str], object] = {}  # (path, sha256) -> tokenizer, per process
+
+
+def keep_tokenizer(spec: TokenizerSpec, tok) -> None:
+    """The build process has loaded the tokenizer already: shards built here use that one."""
+    _tokenizers[spec.path, spec.sha256] = tok
 
 
 def _tokenizer(spec: TokenizerSpec):
-    tok = _tokenizers.get(spec.path)
+    """The build's tokenizer, loaded once per process; keyed by the file's sha256 as well as its
+    path, so a file rewritten between two builds in one process is loaded again, and one
+    changed during a build is refused rather than used for some shards."""
+    tok = _tokenizers.get((spec.path, spec.sha256))
     if tok is None:
-        tok = _tokenizers[spec.path] = load_tokenizer(spec.path)
+        if file_sha256(spec.path) != spec.sha256:
+            raise ConfigError(f"{spec.path}: the tokenizer file changed during the build; build again")
+        tok = _tokenizers[spec.path, spec.sha256] = load_tokenizer(spec.path)
     return tok
 
 

@@ -8,6 +8,7 @@ either yielded as a document or as a Skip with its reason. Tokenizers are Huggin
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,6 +164,15 @@ class TokenizerSpec:
     dtype: str
     eos_id: int | None
     add_special_tokens: bool
+
+
+def file_sha256(path: str | Path) -> str:
+    """A tokenizer file's identity (the manifest's `tokenizer.sha256`, compared by merge)."""
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the tokenizer ({exc.strerror or exc})") from None
 
 
 def load_tokenizer(path: str | Path):

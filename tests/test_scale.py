@@ -159,6 +159,27 @@ def test_merge_and_append_equal_a_build_of_the_union(tmp_path, image_raw):
     assert by_key(appended) == want and load_manifest(appended).counts == whole.counts
 
 
+def test_a_changed_tokenizer_file_at_the_same_path_is_used(tmp_path, text_raw, minilm):
+    """Two builds in one process, the tokenizer file rewritten in between at the same path: the
+    second build tokenizes with the new file (a cache by path alone served the old one)."""
+    tok_path = tmp_path / "tokenizer.json"
+    doc = json.loads(Path(minilm).read_text())
+    tok_path.write_text(json.dumps(doc))
+    args = ("--tokenizer", tok_path, "--shard-size", "16KB", "--workers", "1")
+    build(text_raw, tmp_path / "a", *args)
+    old = np.concatenate([s["tokens"].numpy() for s in MMapDataset(tmp_path / "a")])
+    x, y = (int(t) for t in np.bincount(old).argsort()[-2:])  # the two commonest tokens: swap their ids
+    vocab = doc["model"]["vocab"]
+    by_id = {i: t for t, i in vocab.items()}
+    vocab[by_id[x]], vocab[by_id[y]] = y, x
+    tok_path.write_text(json.dumps(doc))
+    build(text_raw, tmp_path / "b", *args)
+    new = np.concatenate([s["tokens"].numpy() for s in MMapDataset(tmp_path / "b")])
+    want = old.copy()
+    want[old == x], want[old == y] = y, x
+    assert new.tolist() == want.tolist()
+
+
 def test_append_text_and_refusals(tmp_path, text_raw, minilm, big_tokenizer, capsys):
     half = tmp_path / "half"
     half.mkdir()
