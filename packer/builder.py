@@ -457,7 +457,8 @@ def commit(out: str | Path, *, seconds: float | None = None, workers: int | str 
     counts = {"found": packed + len(skipped), "packed": packed, "skipped": len(skipped)}
     build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
                   "seconds": round(seconds, 3) if seconds is not None else None,
-                  "workers": workers, "cores_used": cores, "created_unix": round(time.time(), 3), "mmpack_version": _version()}
+                  "workers": workers, "cores_used": cores, "created_unix": round(time.time(), 3),
+                  "mmpack_version": _version()}
     if base is not None:
         counts = {k: base.counts[k] + counts[k] for k in counts}
         build_info["appended"] = [*base.build.get("appended", []), {k: build_info[k] for k in ("raw", "created_unix")}]

@@ -43,15 +43,6 @@ def column_file_names(column: Column) -> dict[str, str]:
     return names
 
 
-# -- Checksums: of every column file (manifest) and compressed file (archive) -----------------
-CHECKSUM = "xxh3_128"  # XXH3 128-bit, lowercase hex: finds torn writes and flipped bits, not forgers
-
-
-def new_checksum():
-    """A fresh hashlib-style hasher (update / hexdigest) of CHECKSUM."""
-    return xxhash.xxh3_128()
-
-
 # -- 3. Column files: NPY v1.0 with a fixed-length header -----------------------------------
 NPY_HEADER_BYTES = 128  # magic(6) + version(2) + header_len(2) + dict padded with spaces + "\n"
 NPY_MAGIC = b"\x93NUMPY\x01\x00"
@@ -223,6 +214,15 @@ class Manifest:
             raise ManifestError(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+# -- 6. Integrity: the checksum of every column file (manifest) and compressed file (archive) -
+CHECKSUM = "xxh3_128"  # XXH3 128-bit, lowercase hex: finds torn writes and flipped bits, not forgers
+
+
+def new_checksum():
+    """A fresh hashlib-style hasher (update / hexdigest) of CHECKSUM."""
+    return xxhash.xxh3_128()
 
 
 # -- 9. Archive form --------------------------------------------------------------------------

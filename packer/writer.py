@@ -23,7 +23,6 @@ from . import errors
 from . import format as fmt
 
 
-
 def checksum_file(path: Path) -> str:
     """The format's checksum (fmt.CHECKSUM) of a whole file, hex."""
     with open(path, "rb") as f:
