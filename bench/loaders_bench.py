@@ -4,6 +4,7 @@ machine's memcpy bandwidth measured in the same run."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import platform
 import sys
@@ -62,29 +63,40 @@ def machine() -> dict:
             "platform": platform.platform()}
 
 
-def _prepared(work: Path, name: str, make_raw, build_args: list[str]) -> tuple[Path, Path, float]:
-    """RAW made by `make_raw(raw)` and its mmpack build with its time (reused from `work`)."""
+def _prepared(work: Path, name: str, size, make_raw, build_args: list[str]) -> tuple[Path, Path, float]:
+    """RAW made by `make_raw(raw)` and its mmpack build with its time, reused from `work` when
+    they were made there for this `size` and build arguments and the dataset still opens (a work
+    dir from an older mmpack, or for another --images, is made again)."""
     from packer.cli import main as packer
+    from packer.errors import MmpackError
+    from packer.reader import load_manifest
 
     raw, out = work / f"raw-{name}", work / f"out-{name}"
-    seconds_file = work / f"build-{name}.seconds"
-    if not (out / "manifest.json").exists() or not seconds_file.exists():
-        shutil.rmtree(raw, ignore_errors=True)
-        make_raw(raw)
-        start = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
-            packer(["build", str(raw), str(out), "-q", "--overwrite", *build_args])
-        seconds_file.write_text(str(time.perf_counter() - start))
-    return raw, out, float(seconds_file.read_text())
+    stamp, made_for = work / f"build-{name}.json", {"size": size, "build_args": build_args}
+    try:
+        done = json.loads(stamp.read_text())
+        load_manifest(out)
+        if done["for"] == made_for:
+            return raw, out, float(done["seconds"])
+    except (OSError, ValueError, KeyError, TypeError, MmpackError):
+        pass
+    shutil.rmtree(raw, ignore_errors=True)
+    make_raw(raw)
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
+        packer(["build", str(raw), str(out), "-q", "--overwrite", *build_args])
+    seconds = time.perf_counter() - start
+    stamp.write_text(json.dumps({"for": made_for, "seconds": seconds}))
+    return raw, out, seconds
 
 
 def prepare_images(work: Path, count: int) -> tuple[Path, Path, float]:
     """Raw photo crops and their mmpack build (reused from `work` when present)."""
-    return _prepared(work, "images", lambda raw: data.make_image_folders(raw, count, seed=0), [])
+    return _prepared(work, "images", count, lambda raw: data.make_image_folders(raw, count, seed=0), [])
 
 
 def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
-    return _prepared(work, "text", lambda raw: data.make_text(raw, int(mb * 1024**2)),
+    return _prepared(work, "text", mb, lambda raw: data.make_text(raw, int(mb * 1024**2)),
                      ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos"])
 
 
