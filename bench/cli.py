@@ -67,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="shard size for the text builds (default: --shard-size; the sample text is then one shard, "
                          "built by one process whose tokenizer threads use every core)")
     pk.add_argument("--level", type=int, default=3, help="zstd level for pack/unpack")
+    pk.add_argument("--rounds", type=int, default=2,
+                    help="timed builds per row, each followed by a raw rate pass (default 2)")
     return ap
 
 

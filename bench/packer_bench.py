@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from . import data
@@ -55,27 +57,42 @@ def raw_token_rate(raw: Path) -> float:
     return r["tokens"] / r["seconds"]
 
 
-def _build(raw: Path, out: Path, workers: int, extra: list[str]) -> dict:
-    """`packer build` as a user runs it, in a fresh process: the rate comes from the build's own
-    clock (manifest build.seconds: scan to published manifest, no interpreter start-up) in a
-    run with nothing else on the cores; peak memory of the build's process tree (not this
-    one's) from a second run sampled every 50 ms (the sampling takes CPU from a 2-core build, so
-    it never shares a run with the timing)."""
+def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Callable[[], float],
+           rounds: int) -> dict:
+    """`packer build` as a user runs it, in a fresh process, `rounds` times, with the raw
+    per-core rate measured before the first and after every build (this VM's speed drifts by
+    10% within minutes; raw and build alternate so that both see the same drift). Each build's
+    time is its own clock (manifest build.seconds: scan to published manifest, no interpreter
+    start-up) in a run with nothing else on the cores; peak memory of the build's process tree
+    (not this one's) comes from one more run, sampled every 50 ms (the sampling takes CPU from
+    a 2-core build, so it never shares a run with the timing)."""
     from packer import load_manifest
 
     cmd = [sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
-    shutil.rmtree(out, ignore_errors=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    seconds = load_manifest(out).build["seconds"]
+    raws, seconds = [raw_rate()], []
+    for _ in range(rounds):
+        shutil.rmtree(out, ignore_errors=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        seconds.append(load_manifest(out).build["seconds"])
+        raws.append(raw_rate())
     shutil.rmtree(out, ignore_errors=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     with PeakMemory(every_s=0.05, root=proc.pid) as mem:
         if proc.wait():
             raise subprocess.CalledProcessError(proc.returncode, cmd)
     m = load_manifest(out)
-    return {"seconds": seconds, "cores_used": m.build["cores_used"], "samples": m.num_samples,
+    return {"seconds": statistics.mean(seconds), "seconds_runs": seconds, "raw_per_core": statistics.mean(raws),
+            "raw_per_core_runs": raws, "cores_used": m.build["cores_used"], "samples": m.num_samples,
             "shards": len(m.shards), "size_bytes": m.size_bytes,
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
+
+
+def _row(what: str, workers: int, unit: str, units: int, r: dict) -> dict:
+    """Efficiency = mean build rate / (mean raw per-core rate x cores used)."""
+    rate = statistics.mean(units / s for s in r["seconds_runs"])
+    return {"what": what, "workers": workers, "rate": rate, "unit": unit,
+            "efficiency": rate / (r["raw_per_core"] * r["cores_used"]),
+            "efficiency_runs": [units / s / (r["raw_per_core"] * r["cores_used"]) for s in r["seconds_runs"]], **r}
 
 
 def bench_packer(args) -> dict:
@@ -89,18 +106,13 @@ def bench_packer(args) -> dict:
     txt_files = sorted(p for p in raw_txt.rglob("*") if p.is_file())
     rows = []
     shard, text_shard = args.shard_size, args.text_shard_size or args.shard_size
-    for w in args.workers_list:  # each raw rate just before its build: this VM's speed drifts
-        per_core = raw_image_rate(img_files, 224)
-        r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard])
-        rate = r["samples"] / r["seconds"]
-        rows.append({"what": "images", "workers": w, "rate": rate, "unit": "images/s",
-                     "raw_per_core": per_core, "efficiency": rate / (per_core * r["cores_used"]), **r})
-        per_core = raw_token_rate(raw_txt)
-        r = _build(raw_txt, work / f"pk-text-{w}", w, ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos",
-                                                      "--shard-size", text_shard])
-        rate = _token_count(work / f"pk-text-{w}") / r["seconds"]
-        rows.append({"what": "tokens", "workers": w, "rate": rate, "unit": "tokens/s",
-                     "raw_per_core": per_core, "efficiency": rate / (per_core * r["cores_used"]), **r})
+    tokenizer = ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos", "--shard-size", text_shard]
+    for w in args.workers_list:
+        r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard],
+                   lambda: raw_image_rate(img_files, 224), args.rounds)
+        rows.append(_row("images", w, "images/s", r["samples"], r))
+        r = _build(raw_txt, work / f"pk-text-{w}", w, tokenizer, lambda: raw_token_rate(raw_txt), args.rounds)
+        rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r))
     archives = []
     last = args.workers_list[-1]
     for what in ("images", "text"):
