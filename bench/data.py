@@ -233,13 +233,14 @@ def make_pairs(raw: Path, count: int, *, seed: int = 0, **crop_args) -> Path:
 
 
 def make_text(raw: Path, size_bytes: int) -> Path:
-    """Python library sources as text: a third as .txt files, a third as JSONL, a third as
-    Parquet (one document per source file), about `size_bytes` in all."""
+    """Python library sources (its test suite included: about 30 MB of distinct text) as text: a
+    third as .txt files, a third as JSONL, a third as Parquet (one document per source file),
+    about `size_bytes` in all."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     raw.mkdir(parents=True, exist_ok=True)
-    sources = stdlib_sources(size_bytes)
+    sources = stdlib_sources(size_bytes, with_tests=True)  # up to ~30 MB of distinct real text
     docs = [(p, p.read_text(encoding="utf-8", errors="replace")) for p in sources]
     third = max(1, len(docs) // 3)
     for p, text in docs[:third]:
