@@ -27,8 +27,7 @@ def kill_mid_build(raw: Path, out: Path, args: list[str], *, settle: bool = True
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     # its pool workers get SIGKILL (PR_SET_PDEATHSIG) once the forkserver notices its parent is
-    # gone, a few ms later. A build resumed at once waits for them on the shard locks
-    # (settle=False tests that); --overwrite deletes staging without waiting: a person is never
-    # that quick, a test is
+    # gone, a few ms later. A build resumed at once, or an --overwrite, waits for them on the
+    # shard locks (settle=False tests the resume); `settle` keeps other tests clear of that
     if settle:
         time.sleep(0.3)

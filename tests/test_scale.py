@@ -72,8 +72,9 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     assert any(k.endswith(".jsonl:" + k.rsplit(":", 1)[1]) and not k.endswith(":1") for k in firsts if ".jsonl:" in k)
 
 
-def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw):
-    args = ["--image-size", "96", "--shard-size", "4", "--workers", "2"]
+@pytest.mark.parametrize("workers", [1, 2])  # shards closed on a thread / image pieces in a pool
+def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw, workers):
+    args = ["--image-size", "96", "--shard-size", "4", "--workers", str(workers)]
     build(image_raw, tmp_path / "clean", *args)
     out = tmp_path / "resumed"
     kill_mid_build(image_raw, out, args, settle=False)  # resumed while the old workers may still run
