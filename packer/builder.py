@@ -138,6 +138,7 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
     if config.part is not None:
         raise ConfigError("build(): a config with part= runs through build_part() and commit()")
     started = time.time()
+    _start_pool_server(config)
     prep = _prepare(config)
     try:
         _, cores = _run(prep, prep.plan.tasks, on_progress)
@@ -149,6 +150,7 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
 
 def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> PartReport:
     """Build share i of N of the planned shards into a shared OUT/.staging; publishes nothing."""
+    _start_pool_server(config)
     prep = _prepare(config)
     i, n = config.part or (0, 1)
     tasks = prep.plan.tasks
@@ -156,6 +158,15 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
     results, _ = _run(prep, mine, on_progress)
     return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
                       sum(r.items for r in results), len(tasks))
+
+
+def _start_pool_server(config: BuildConfig) -> None:
+    """A local build with several workers will most likely want a pool: its server starts
+    while this process scans RAW."""
+    if config.engine == "local" and config.num_workers > 1:
+        from .engines import start_server
+
+        start_server()
 
 
 def _workers_used(config: BuildConfig) -> int | str:
