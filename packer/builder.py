@@ -266,11 +266,16 @@ def _inputs_digest(found: Scan) -> str:
     for r in found.records:
         for path in (r.path, r.caption):
             if path is not None:
-                st = path.stat()
-                digest.update(f"{r.key}\0{path.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+                size, mtime = found.stats.get(str(path)) or _stat(path)
+                digest.update(f"{r.key}\0{path.name}\0{size}\0{mtime}\n".encode())
     for s in found.skipped:
         digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())
     return digest.hexdigest()
+
+
+def _stat(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
 
 
 def _check_out(config: BuildConfig) -> None:

@@ -10,7 +10,8 @@ later by `packer.text`.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .errors import SourceError
@@ -37,26 +38,58 @@ class Scan:
     records: tuple[Record, ...]
     skipped: tuple[Skip, ...]
     classes: tuple[str, ...] | None = None
+    stats: Mapping[str, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
+    """(size, mtime_ns) of each file listed, by str(path): taken once, by the scan's stat."""
 
 
-def list_files(raw: Path) -> tuple[list[tuple[str, Path]], list[Skip]]:
-    """All files under RAW as sorted (relative posix path, path); dangling links are skips.
-    Symlinked files are followed; symlinked folders are not (no cycles)."""
-    files, skipped = [], []
-    for dirpath, dirnames, filenames in os.walk(raw):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        for name in filenames:
-            path = Path(dirpath, name)
-            rel = path.relative_to(raw).as_posix()
-            if name.startswith("."):
+def list_files(raw: Path) -> tuple[list[tuple[str, Path]], list[Skip], dict[str, tuple[int, int]]]:
+    """All files under RAW as sorted (relative posix path, path), the skips (hidden files,
+    dangling links, unreadable folders) and each file's (size, mtime_ns), from one stat per file.
+    Symlinked files are followed; a symlinked folder is not (no cycles) and is a skip. Hidden
+    folders are left out, as version-control and editor folders should be."""
+    files, skipped, stats = [], [], {}
+    root = os.fspath(raw)
+    cut = len(os.path.join(root, ""))
+    todo = [root]
+    while todo:
+        folder = todo.pop()
+        try:
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            if folder == root:
+                raise SourceError(f"{raw}: cannot read the folder ({exc.strerror or exc})") from None
+            rel = folder[cut:].replace(os.sep, "/")
+            skipped.append(Skip(rel, "scan", f"unreadable folder ({exc.strerror or exc})"))
+            continue
+        for entry in entries:
+            rel = entry.path[cut:].replace(os.sep, "/")
+            if _is_dir(entry):
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_symlink():
+                    skipped.append(Skip(rel, "scan", "symlinked folder (not followed)"))
+                else:
+                    todo.append(entry.path)
+            elif entry.name.startswith("."):
                 skipped.append(Skip(rel, "scan", "hidden file"))
-            elif not path.exists():
-                skipped.append(Skip(rel, "scan", "dangling symlink"))
             else:
-                files.append((rel, path))
+                try:
+                    st = entry.stat()
+                except OSError:
+                    skipped.append(Skip(rel, "scan", "dangling symlink"))
+                    continue
+                files.append((rel, Path(entry.path)))
+                stats[entry.path] = (st.st_size, st.st_mtime_ns)
     files.sort()
     skipped.sort(key=lambda s: s.key)
-    return files, skipped
+    return files, skipped, stats
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _ext(rel: str) -> str:
@@ -68,14 +101,14 @@ def _stem(rel: str) -> str:
 
 
 def detect_kind(files: list[tuple[str, Path]]) -> str:
-    rels = [rel for rel, _ in files]
-    stems_with_caption = {_stem(r) for r in rels if _ext(r) in CAPTION_EXTS}
-    images = [r for r in rels if _ext(r) in IMAGE_EXTS]
+    exts = [(rel, _ext(rel)) for rel, _ in files]
+    stems_with_caption = {_stem(r) for r, ext in exts if ext in CAPTION_EXTS}
+    images = [r for r, ext in exts if ext in IMAGE_EXTS]
     if any(_stem(r) in stems_with_caption for r in images):
         return "pairs"
     if any("/" in r for r in images):
         return "images"
-    if any(_ext(r) in TEXT_EXTS for r in rels):
+    if any(ext in TEXT_EXTS for _, ext in exts):
         return "text"
     return ""
 
@@ -86,7 +119,7 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
     raw = Path(raw)
     if not raw.is_dir():
         raise SourceError(f"{raw}: not a directory")
-    files, skipped = list_files(raw)
+    files, skipped, stats = list_files(raw)
     if not files:
         raise SourceError(f"{raw}: no input files found (empty RAW)")
     kind = kind or detect_kind(files)
@@ -98,22 +131,25 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
             "*.jsonl/*.txt/*.parquet; use --kind to force one"
         )
     if kind == "images":
-        return _scan_images(files, skipped, classes or ())
-    return {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
+        found = _scan_images(files, skipped, classes or ())
+    else:
+        found = {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
+    return replace(found, stats=stats)
 
 
 def _scan_images(files, skipped, known: tuple[str, ...]) -> Scan:
-    found = {rel.split("/", 1)[0] for rel, _ in files if "/" in rel and _ext(rel) in IMAGE_EXTS}
-    classes = [*known, *sorted(found - set(known))]
-    index = {name: i for i, name in enumerate(classes)}
-    records = []
+    images = []  # (rel, path, class name)
     for rel, path in files:
-        if _ext(rel) not in IMAGE_EXTS:
-            skipped.append(Skip(rel, "scan", f"not an image extension ({_ext(rel) or 'none'})"))
+        ext = _ext(rel)
+        if ext not in IMAGE_EXTS:
+            skipped.append(Skip(rel, "scan", f"not an image extension ({ext or 'none'})"))
         elif "/" not in rel:
             skipped.append(Skip(rel, "scan", "image outside a class folder"))
         else:
-            records.append(Record(rel, path, label=index[rel.split("/", 1)[0]]))
+            images.append((rel, path, rel.split("/", 1)[0]))
+    classes = [*known, *sorted({name for _, _, name in images} - set(known))]
+    index = {name: i for i, name in enumerate(classes)}
+    records = [Record(rel, path, label=index[name]) for rel, path, name in images]
     return Scan("images", tuple(records), tuple(skipped), tuple(classes))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -15,6 +16,7 @@ from tokenizers import Tokenizer
 
 from loaders import MMapDataset
 from packer import format as fmt
+from packer import sources
 from packer.cli import main
 from packer.reader import load_manifest
 
@@ -277,3 +279,30 @@ def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypa
     m = build(BuildConfig(raw, tmp_path / "out", image_size=32))
     assert [(s.key, s.stage) for s in m.skipped] == [("a/big.jpg", "decode")]
     assert "decompression bomb" in m.skipped[0].reason and m.counts["packed"] == 1
+
+
+def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, monkeypatch):
+    """Hidden files, dangling links and unreadable folders are skips; a symlinked folder is not
+    followed; each file listed carries the size and mtime of its one stat (the inputs digest)."""
+
+    raw = tmp_path / "raw"
+    for rel in ("a/1.jpg", "a/.hidden.jpg", "b/2.png", "locked/3.jpg"):
+        (raw / rel).parent.mkdir(parents=True, exist_ok=True)
+        (raw / rel).write_bytes(b"x" * len(rel))
+    os.symlink(raw / "gone.jpg", raw / "a" / "dangling.jpg")
+    os.symlink(raw / "b", raw / "c")  # a symlinked folder: not walked (no cycles)
+    real_scandir = os.scandir
+
+    def scandir(path):
+        if os.path.basename(path) == "locked":  # root reads a chmod-000 folder, so fail it here
+            raise PermissionError(13, "Permission denied")
+        return real_scandir(path)
+
+    monkeypatch.setattr(sources.os, "scandir", scandir)
+    files, skipped, stats = sources.list_files(raw)
+    assert [rel for rel, _ in files] == ["a/1.jpg", "b/2.png"]
+    assert [(s.key, s.reason) for s in skipped] == [
+        ("a/.hidden.jpg", "hidden file"), ("a/dangling.jpg", "dangling symlink"),
+        ("c", "symlinked folder (not followed)"), ("locked", "unreadable folder (Permission denied)")]
+    st = (raw / "b/2.png").stat()
+    assert stats[str(raw / "b/2.png")] == (st.st_size, st.st_mtime_ns) and len(stats) == 2
