@@ -78,21 +78,22 @@ def start_server() -> None:
 
 def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayon_threads: int) -> list[ShardResult]:
     mp = _context()
-    progress = mp.Queue()
+    progress, here = mp.Queue(), queue_mod.SimpleQueue()  # from the workers, from this process
 
     def drain() -> None:
-        while True:
-            try:
-                advance(progress.get_nowait())
-            except queue_mod.Empty:
-                return
+        for q in (progress, here):
+            while True:
+                try:
+                    advance(q.get_nowait())
+                except queue_mod.Empty:
+                    break
 
     pieces = in_pieces(ctx)
     procs = workers - 1 if pieces else workers
     pool = ProcessPoolExecutor(procs, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
     if pieces:  # this process is the last worker: it decodes from the start, while the pool starts
         pool = _Spread([(pool, procs), (ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1)])
-        set_progress_sink(progress.put)
+        set_progress_sink(here.put)  # no pickling, no feeder thread
     try:
         results = (_run_pieces if pieces else _run_shards)(pool, ctx, iter(jobs), 2 * workers, drain, advance)
     except BaseException:
