@@ -161,9 +161,10 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
 
 
 def _start_pool_server(config: BuildConfig) -> None:
-    """A local build with several workers will most likely want a pool: its server starts
-    while this process scans RAW."""
-    if config.engine == "local" and config.num_workers > 1:
+    """A local image build (no tokenizer) with several workers uses a pool: its server starts
+    while this process scans RAW. A text build may well run in this process alone (one
+    shard), where a server importing on the side would take a core from the tokenizer."""
+    if config.engine == "local" and config.num_workers > 1 and config.tokenizer is None:
         from .engines import start_server
 
         start_server()
