@@ -10,6 +10,7 @@ later by `packer.text`.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ class Scan:
 
 def list_files(raw: Path) -> tuple[list[tuple[str, Path]], list[Skip], dict[str, tuple[int, int]]]:
     """All files under RAW as sorted (relative posix path, path), the skips (hidden files,
-    dangling links, unreadable folders) and each file's (size, mtime_ns), from one stat per file.
+    dangling links, FIFOs and other non-regular files, unreadable folders) and each file's (size, mtime_ns), from one stat per file.
     Symlinked files are followed; a symlinked folder is not (no cycles) and is a skip. Hidden
     folders are left out, as version-control and editor folders should be."""
     files, skipped, stats = [], [], {}
@@ -77,6 +78,9 @@ def list_files(raw: Path) -> tuple[list[tuple[str, Path]], list[Skip], dict[str,
                     st = entry.stat()
                 except OSError:
                     skipped.append(Skip(rel, "scan", "dangling symlink"))
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build that reads it
+                    skipped.append(Skip(rel, "scan", "not a regular file"))
                     continue
                 files.append((rel, Path(entry.path)))
                 stats[entry.path] = (st.st_size, st.st_mtime_ns)

@@ -282,8 +282,8 @@ def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypa
 
 
 def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, monkeypatch):
-    """Hidden files, dangling links and unreadable folders are skips; a symlinked folder is not
-    followed; each file listed carries the size and mtime of its one stat (the inputs digest)."""
+    """Hidden files, dangling links, FIFOs and unreadable folders are skips; a symlinked folder
+    is not followed; each file listed carries the size and mtime of its one stat (the inputs digest)."""
 
     raw = tmp_path / "raw"
     for rel in ("a/1.jpg", "a/.hidden.jpg", "b/2.png", "locked/3.jpg"):
@@ -291,6 +291,7 @@ def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, mo
         (raw / rel).write_bytes(b"x" * len(rel))
     os.symlink(raw / "gone.jpg", raw / "a" / "dangling.jpg")
     os.symlink(raw / "b", raw / "c")  # a symlinked folder: not walked (no cycles)
+    os.mkfifo(raw / "b" / "pipe.jpg")  # reading it would block the build
     real_scandir = os.scandir
 
     def scandir(path):
@@ -303,6 +304,6 @@ def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, mo
     assert [rel for rel, _ in files] == ["a/1.jpg", "b/2.png"]
     assert [(s.key, s.reason) for s in skipped] == [
         ("a/.hidden.jpg", "hidden file"), ("a/dangling.jpg", "dangling symlink"),
-        ("c", "symlinked folder (not followed)"), ("locked", "unreadable folder (Permission denied)")]
+        ("b/pipe.jpg", "not a regular file"), ("c", "symlinked folder (not followed)"), ("locked", "unreadable folder (Permission denied)")]
     st = (raw / "b/2.png").stat()
     assert stats[str(raw / "b/2.png")] == (st.st_size, st.st_mtime_ns) and len(stats) == 2
