@@ -138,7 +138,6 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
     if config.part is not None:
         raise ConfigError("build(): a config with part= runs through build_part() and commit()")
     started = time.time()
-    _start_pool_server(config)
     prep = _prepare(config)
     try:
         _, cores = _run(prep, prep.plan.tasks, on_progress)
@@ -150,7 +149,6 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
 
 def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> PartReport:
     """Build share i of N of the planned shards into a shared OUT/.staging; publishes nothing."""
-    _start_pool_server(config)
     prep = _prepare(config)
     i, n = config.part or (0, 1)
     tasks = prep.plan.tasks
@@ -184,6 +182,7 @@ def _discard(config: BuildConfig) -> None:
 # -- prepare: scan, plan, fingerprint, claim the staging --------------------------------------
 def _prepare(config: BuildConfig) -> Prepared:
     _check_out(config)
+    _start_pool_server(config)
     existing = DatasetReader(config.out) if config.append else None
     base = existing.manifest if existing else None
     found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None)
@@ -267,16 +266,11 @@ def _inputs_digest(found: Scan) -> str:
     for r in found.records:
         for path in (r.path, r.caption):
             if path is not None:
-                size, mtime = found.stats.get(str(path)) or _stat(path)
+                size, mtime = found.stats[str(path)]
                 digest.update(f"{r.key}\0{path.name}\0{size}\0{mtime}\n".encode())
     for s in found.skipped:
         digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())
     return digest.hexdigest()
-
-
-def _stat(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
 
 
 def _check_out(config: BuildConfig) -> None:
