@@ -82,8 +82,9 @@ def list_files(raw: Path) -> tuple[list[tuple[str, Path]], list[Skip], dict[str,
                 if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build that reads it
                     skipped.append(Skip(rel, "scan", "not a regular file"))
                     continue
-                files.append((rel, Path(entry.path)))
-                stats[entry.path] = (st.st_size, st.st_mtime_ns)
+                path = Path(entry.path)
+                files.append((rel, path))
+                stats[str(path)] = (st.st_size, st.st_mtime_ns)  # "./x" is "x" as a Path
     files.sort()
     skipped.sort(key=lambda s: s.key)
     return files, skipped, stats

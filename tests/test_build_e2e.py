@@ -307,3 +307,6 @@ def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, mo
         ("b/pipe.jpg", "not a regular file"), ("c", "symlinked folder (not followed)"), ("locked", "unreadable folder (Permission denied)")]
     st = (raw / "b/2.png").stat()
     assert stats[str(raw / "b/2.png")] == (st.st_size, st.st_mtime_ns) and len(stats) == 2
+    monkeypatch.chdir(raw / "b")  # RAW given as "."
+    files, _, stats = sources.list_files(Path("."))
+    assert [rel for rel, _ in files] == ["2.png"] and all(str(path) in stats for _, path in files)
