@@ -45,9 +45,10 @@ class Scan:
 
 def list_files(raw: Path) -> tuple[list[tuple[str, Path]], list[Skip], dict[str, tuple[int, int]]]:
     """All files under RAW as sorted (relative posix path, path), the skips (hidden files,
-    dangling links, FIFOs and other non-regular files, unreadable folders) and each file's (size, mtime_ns), from one stat per file.
-    Symlinked files are followed; a symlinked folder is not (no cycles) and is a skip. Hidden
-    folders are left out, as version-control and editor folders should be."""
+    dangling links, FIFOs and other non-regular files, unreadable folders) and each file's
+    (size, mtime_ns), from one stat per file. Symlinked files are followed; a symlinked folder
+    is not (no cycles) and is a skip. Hidden folders are left out, as version-control and
+    editor folders should be."""
     files, skipped, stats = [], [], {}
     root = os.fspath(raw)
     cut = len(os.path.join(root, ""))
