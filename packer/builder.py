@@ -7,7 +7,8 @@ sidecar in staging, so a killed build started again with the same arguments reus
 (sizes and checksums checked) and redoes the rest; a build with other arguments or changed inputs
 is refused unless --overwrite. `--part i/N` runs a share of the shards into a shared OUT and
 `commit` publishes once all are there. A dir without a manifest never opens as a dataset.
-Memory: one sample (or one tokenizer batch) per worker, and at most two queued tasks per worker.
+Memory: one sample (or three tokenizer batches of 64 documents) per worker, and at most two queued
+tasks per worker.
 """
 
 from __future__ import annotations

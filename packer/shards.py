@@ -15,7 +15,9 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,7 +32,8 @@ from .sources import Record
 from .text import (Document, TokenizerSpec, encode_batch, file_sha256, iter_documents, load_tokenizer,
                    read_caption)
 
-TOKENIZE_BATCH_DOCS = 512
+TOKENIZE_BATCH_DOCS = 64
+ENCODE_AHEAD = 2  # batches being encoded while this thread reads and writes
 PROGRESS_EVERY_S = 0.2
 
 
@@ -401,16 +404,23 @@ def _pair_item(ctx: ShardContext, record: Record):
 
 
 def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterator:
-    """Tokenize documents in batches, keeping record order (skips pass through in place)."""
-    tok = _tokenizer(spec)
-    pending: list = []
+    """Tokenize documents in batches, keeping record order (skips pass through in place).
 
-    def flush():
-        docs = [p for p in pending if not isinstance(p, fmt.Skip)]
-        texts = [(p if isinstance(p, Document) else p[0]).text for p in docs]
-        encoded = iter(encode_batch(tok, texts, dtype=spec.dtype, eos_id=spec.eos_id,
-                                    add_special_tokens=spec.add_special_tokens))
-        for p in pending:
+    Batches are encoded on threads (`tokenizers` releases the GIL and runs its own Rust
+    threads), ENCODE_AHEAD at a time, while this thread reads the next documents and writes the
+    samples of the oldest batch: the tokenizer's threads always have a second batch to work on
+    while one batch's longest document finishes, and reading and writing no longer leave the
+    cores idle between batches."""
+    tok = _tokenizer(spec)
+
+    def encode(batch: list) -> list[np.ndarray]:
+        texts = [(p if isinstance(p, Document) else p[0]).text for p in batch if not isinstance(p, fmt.Skip)]
+        return encode_batch(tok, texts, dtype=spec.dtype, eos_id=spec.eos_id,
+                            add_special_tokens=spec.add_special_tokens)
+
+    def samples(batch: list, encoding: Future) -> Iterator:
+        encoded = iter(encoding.result())
+        for p in batch:
             if isinstance(p, fmt.Skip):
                 yield p
                 continue
@@ -420,11 +430,27 @@ def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterato
                 yield fmt.Skip(doc.key, "tokenize", "no tokens")
             else:
                 yield {**extra, "tokens": tokens, "key": _key_bytes(doc.key)}
-        ticker.tick(len(pending))
-        pending.clear()
+        ticker.tick(len(batch))
 
+    encoder = ThreadPoolExecutor(ENCODE_AHEAD, thread_name_prefix="mmpack-encode")
+    inflight: deque = deque()
+    try:
+        for batch in _batches(items, TOKENIZE_BATCH_DOCS):
+            inflight.append((batch, encoder.submit(encode, batch)))
+            if len(inflight) > ENCODE_AHEAD:
+                yield from samples(*inflight.popleft())
+        while inflight:
+            yield from samples(*inflight.popleft())
+    finally:  # also when the shard is dropped half-way (a full disk): no batch is started after
+        encoder.shutdown(wait=True, cancel_futures=True)
+
+
+def _batches(items: Iterator, size: int) -> Iterator[list]:
+    batch: list = []
     for item in items:
-        pending.append(item)
-        if len(pending) >= TOKENIZE_BATCH_DOCS:
-            yield from flush()
-    yield from flush()
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -54,7 +54,9 @@ def build(raw, out, *extra) -> None:
 IMG = ("--image-size", "32", "--shard-size", "8")
 
 
-def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, minilm):
+def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, minilm, monkeypatch):
+    from packer import shards
+
     for n in (1, 2, 3):
         build(image_raw, tmp_path / f"img{n}", *IMG, "--workers", n)
     assert tree(tmp_path / "img1") == tree(tmp_path / "img2") == tree(tmp_path / "img3")
@@ -65,6 +67,9 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     for n in (1, 2):
         build(text_raw, tmp_path / f"txt{n}", *text, "--workers", n)
     assert tree(tmp_path / "txt1") == tree(tmp_path / "txt2")
+    monkeypatch.setattr(shards, "TOKENIZE_BATCH_DOCS", 2)  # many batches in flight, written in order
+    build(text_raw, tmp_path / "txt-batches-of-2", *text, "--workers", 1)
+    assert tree(tmp_path / "txt1") == tree(tmp_path / "txt-batches-of-2")
     assert load_manifest(tmp_path / "txt1").build["cores_used"] == available_cores()  # tokenizer threads
     # big JSONL files were cut into line ranges: some shard starts inside a file
     ds = MMapDataset(tmp_path / "txt2")
@@ -355,6 +360,39 @@ def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, imag
     for lock in staging.glob("*.lock"):
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a lock is held
+
+
+def test_a_text_shard_that_fails_mid_way_leaves_no_encoder_running(tmp_path, text_raw, minilm, capsys, monkeypatch):
+    """Text batches are encoded on threads ahead of the writer: a write that fails (a full disk)
+    part-way through a shard ends the build with one line, drops the shard, and returns only once
+    no encoder thread is left and no further batch was started."""
+    import errno
+    import threading
+
+    from packer import shards, writer
+
+    add, encode, calls, at_failure = writer.ShardWriter.add, shards.encode_batch, [], []
+
+    def failing(self, sample):
+        if self.num_samples == 5:  # a few batches in, with the next ones encoding
+            at_failure.append(len(calls))
+            raise OSError(errno.ENOSPC, "No space left on device", str(self.dir / "tokens.npy"))
+        return add(self, sample)
+
+    def counted(*args, **kwargs):
+        calls.append(len(calls))
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(writer.ShardWriter, "add", failing)
+    monkeypatch.setattr(shards, "encode_batch", counted)
+    monkeypatch.setattr(shards, "TOKENIZE_BATCH_DOCS", 2)
+    out = tmp_path / "out"
+    assert main(["build", str(text_raw), str(out), "--tokenizer", str(minilm), "--workers", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "tokens.npy" in err, err
+    assert not [t for t in threading.enumerate() if t.name.startswith("mmpack-encode")]
+    assert len(calls) - at_failure[0] <= shards.ENCODE_AHEAD  # only batches already submitted ran after it
+    assert not (out / fmt.MANIFEST_NAME).exists() and not list((out / fmt.STAGING_DIR).glob("*.partial"))
 
 
 def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
