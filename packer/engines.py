@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
 from .errors import ConfigError
+from .sources import prefetch
 from .writer import partial_dir
 from .shards import (PIECE_ROWS, ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
                      open_pieces, run_piece, run_shard, set_progress_sink)
@@ -160,6 +161,7 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
                 return
             index, first = calls.popleft()
             records = shards[index][1][first:first + PIECE_ROWS]
+            prefetch(r for _, r in records)  # read while the pieces before it decode
             pending[pool.submit(run_piece, ctx, index, first, records)] = index
 
     def _open_next() -> bool:

@@ -28,7 +28,7 @@ from . import writer
 from .errors import ConfigError, SourceError
 from .images import decode_image
 from .plan import ShardTask, Span
-from .sources import Record
+from .sources import Record, read_ahead
 from .text import (Document, TokenizerSpec, encode_batch, file_sha256, iter_documents, load_tokenizer,
                    read_caption)
 
@@ -363,6 +363,7 @@ def _key_bytes(key: str) -> np.ndarray:
 
 def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
     """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
+    records = read_ahead(records, lambda item: item[1])
     if ctx.kind == "images":
         for _, record in records:
             yield _image_sample(ctx, record)

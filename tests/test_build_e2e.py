@@ -6,11 +6,15 @@ import json
 import math
 import os
 import subprocess
+import threading
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from PIL import Image, ImageOps
 from tokenizers import Tokenizer
 
@@ -310,3 +314,31 @@ def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, mo
     monkeypatch.chdir(raw / "b")  # RAW given as "."
     files, _, stats = sources.list_files(Path("."))
     assert [rel for rel, _ in files] == ["2.png"] and all(str(path) in stats for _, path in files)
+
+
+@given(n=st.integers(0, 60), ahead=st.integers(0, 10))
+def test_read_ahead_keeps_order_and_prefetches_each_record_ahead_of_its_turn(n, ahead):
+    records = [sources.Record(f"r{i}", Path(f"/nowhere/r{i}.jpg")) for i in range(n)]
+    items = [(i, r) for i, r in enumerate(records)]
+    prefetched = []
+    with mock.patch.object(sources, "prefetch", lambda rs: prefetched.extend(r.key for r in rs)):
+        out = []
+        for item in sources.read_ahead(items, lambda it: it[1], ahead):
+            i = item[0]
+            assert prefetched == [r.key for r in records[:min(n, i + ahead + 1)]]  # its own and `ahead` more
+            out.append(item)
+    assert out == items
+
+
+def test_prefetch_leaves_unreadable_inputs_to_the_reader(tmp_path):
+    """Missing files, folders, FIFOs (opening one for reading must not block) and big JSONL
+    or Parquet files are passed over without an error; the reader reports what it must."""
+    (tmp_path / "ok.jpg").write_bytes(b"\xff\xd8" * 100)
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo.png")
+    paths = ["ok.jpg", "missing.jpg", "folder", "fifo.png", "big.jsonl", "big.parquet"]
+    records = [sources.Record(p, tmp_path / p, caption=tmp_path / "missing.txt") for p in paths]
+    done = threading.Thread(target=sources.prefetch, args=(records,), daemon=True)
+    done.start()
+    done.join(timeout=10)
+    assert not done.is_alive(), "prefetch blocked (on the FIFO)"
