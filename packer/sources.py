@@ -4,7 +4,8 @@ Three layouts: image class folders (`RAW/<class>/.../<file>`), image + caption p
 (`<stem>.<image ext>` beside `<stem>.txt` / `<stem>.json`), and text (`*.jsonl`, `*.txt`,
 `*.parquet`). Every file under RAW is either a record or a recorded skip, so found = packed +
 skipped holds from the first step on. Documents inside JSONL and Parquet files are streamed
-later by `packer.text`.
+later by `packer.text`. `prefetch` / `read_ahead` ask the kernel to read records' files before
+the decoders reach them.
 """
 
 from __future__ import annotations
