@@ -69,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--level", type=int, default=3, help="zstd level for pack/unpack")
     pk.add_argument("--rounds", type=int, default=2,
                     help="timed builds per row, each followed by a raw rate pass (default 2)")
+    pk.add_argument("--cold", action="store_true",
+                    help="also time image builds with the photos evicted from the page cache before each "
+                         "(posix_fadvise DONTNEED), against the same cached raw rate")
     return ap
 
 

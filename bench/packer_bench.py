@@ -1,6 +1,7 @@
 """`bench packer`: build throughput against the raw per-core rates of the work it wraps
 (Pillow decode + resize, `tokenizers` batch encode), measured in the same run, for each worker
-count; peak memory of the build's process tree; zstd pack/unpack ratio and MB/s."""
+count (with `--cold`, image builds from inputs evicted from the page cache too); peak memory of
+the build's process tree; zstd pack/unpack ratio and MB/s."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from . import data
 from .loaders_bench import machine, prepare_images, prepare_text
-from .measure import PeakMemory
+from .measure import PeakMemory, evict
 
 _TOKENIZE_ONE_CORE = """
 import json, sys, time
@@ -58,24 +59,27 @@ def raw_token_rate(raw: Path) -> float:
 
 
 def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Callable[[], float],
-           rounds: int) -> dict:
+           rounds: int, before: Callable[[], object] = lambda: None) -> dict:
     """`packer build` as a user runs it, in a fresh process, `rounds` times, with the raw
     per-core rate measured before the first and after every build (this VM's speed drifts by
     10% within minutes; raw and build alternate so that both see the same drift). Each build's
     time is its own clock (manifest build.seconds: scan to published manifest, no interpreter
     start-up) in a run with nothing else on the cores; peak memory of the build's process tree
     (not this one's) comes from one more run, sampled every 50 ms (the sampling takes CPU from
-    a 2-core build, so it never shares a run with the timing)."""
+    a 2-core build, so it never shares a run with the timing). `before()` runs before every build
+    (evicting the inputs from the page cache, for cold builds)."""
     from packer import load_manifest
 
     cmd = [sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
     raws, seconds = [raw_rate()], []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)
+        before()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         seconds.append(load_manifest(out).build["seconds"])
         raws.append(raw_rate())
     shutil.rmtree(out, ignore_errors=True)
+    before()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     with PeakMemory(every_s=0.05, root=proc.pid) as mem:
         if proc.wait():
@@ -87,10 +91,10 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Calla
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
 
-def _row(what: str, workers: int, unit: str, units: int, r: dict) -> dict:
+def _row(what: str, workers: int, unit: str, units: int, r: dict, inputs: str = "cached") -> dict:
     """Efficiency = mean build rate / (mean raw per-core rate x cores used)."""
     rate = statistics.mean(units / s for s in r["seconds_runs"])
-    return {"what": what, "workers": workers, "rate": rate, "unit": unit,
+    return {"what": what, "workers": workers, "inputs": inputs, "rate": rate, "unit": unit,
             "efficiency": rate / (r["raw_per_core"] * r["cores_used"]),
             "efficiency_runs": [units / s / (r["raw_per_core"] * r["cores_used"]) for s in r["seconds_runs"]], **r}
 
@@ -111,6 +115,10 @@ def bench_packer(args) -> dict:
         r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard],
                    lambda: raw_image_rate(img_files, 224), args.rounds)
         rows.append(_row("images", w, "images/s", r["samples"], r))
+        if args.cold:  # the photos evicted from the page cache before each build; raw as above (cached)
+            r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard],
+                       lambda: raw_image_rate(img_files, 224), args.rounds, before=lambda: evict(img_files))
+            rows.append(_row("images", w, "images/s", r["samples"], r, inputs="cold"))
         r = _build(raw_txt, work / f"pk-text-{w}", w, tokenizer, lambda: raw_token_rate(raw_txt), args.rounds)
         rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r))
     archives = []

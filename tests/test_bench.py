@@ -70,10 +70,11 @@ def test_bench_sweep_smallest_writes_a_plot_and_a_recommendation(work, tmp_path,
 
 def test_bench_packer_smallest(work, tmp_path, capsys):
     out = tmp_path / "packer.json"
-    assert main(["packer", *TINY, "--work", str(work), "--workers-list", "1,2", "--json", str(out)]) == 0
+    assert main(["packer", *TINY, "--work", str(work), "--workers-list", "1,2", "--cold", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert {(b["what"], b["workers"]) for b in report["builds"]} == {("images", 1), ("images", 2),
-                                                                     ("tokens", 1), ("tokens", 2)}
+    assert sorted((b["what"], b["workers"], b["inputs"]) for b in report["builds"]) == [
+        ("images", 1, "cached"), ("images", 1, "cold"), ("images", 2, "cached"), ("images", 2, "cold"),
+        ("tokens", 1, "cached"), ("tokens", 2, "cached")]
     for b in report["builds"]:
         assert b["rate"] > 0 and b["raw_per_core"] > 0 and 0 < b["efficiency"] and b["peak_rss_mb"] > 0
         # two timed builds (default --rounds), each followed by a raw pass, one raw pass before them
