@@ -112,13 +112,11 @@ def bench_packer(args) -> dict:
     shard, text_shard = args.shard_size, args.text_shard_size or args.shard_size
     tokenizer = ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos", "--shard-size", text_shard]
     for w in args.workers_list:
-        r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard],
-                   lambda: raw_image_rate(img_files, 224), args.rounds)
-        rows.append(_row("images", w, "images/s", r["samples"], r))
-        if args.cold:  # the photos evicted from the page cache before each build; raw as above (cached)
+        for inputs in ("cached", "cold") if args.cold else ("cached",):  # cold: evicted before each build
+            before = (lambda: evict(img_files)) if inputs == "cold" else (lambda: None)
             r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard],
-                       lambda: raw_image_rate(img_files, 224), args.rounds, before=lambda: evict(img_files))
-            rows.append(_row("images", w, "images/s", r["samples"], r, inputs="cold"))
+                       lambda: raw_image_rate(img_files, 224), args.rounds, before)
+            rows.append(_row("images", w, "images/s", r["samples"], r, inputs))
         r = _build(raw_txt, work / f"pk-text-{w}", w, tokenizer, lambda: raw_token_rate(raw_txt), args.rounds)
         rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r))
     archives = []
