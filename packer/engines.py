@@ -18,6 +18,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from itertools import islice
 
 from .errors import ConfigError
 from .sources import prefetch
@@ -134,13 +135,13 @@ class _Spread:
 def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
     """One task per shard, at most `window` queued."""
     results: list[ShardResult] = []
-    pending = {pool.submit(run_shard, ctx, *job) for job in _take(jobs, window)}
+    pending = {pool.submit(run_shard, ctx, *job) for job in islice(jobs, window)}
     while pending:
         done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
         drain()
         for future in done:
             results.append(future.result())  # re-raises a worker's error here
-            pending |= {pool.submit(run_shard, ctx, *job) for job in _take(jobs, 1)}
+            pending |= {pool.submit(run_shard, ctx, *job) for job in islice(jobs, 1)}
     drain()
     return results
 
@@ -206,15 +207,6 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     return results
 
 
-def _take(it: Iterator, n: int) -> list:
-    out = []
-    for item in it:
-        out.append(item)
-        if len(out) == n:
-            break
-    return out
-
-
 def run_ray(ctx: ShardContext, jobs: Jobs, advance: Advance, address: str | None) -> list[ShardResult]:
     """The same shard function as Ray tasks, on the cluster at `address` (None: a local one).
     Inputs and OUT must be reachable at the same paths from every Ray node (a shared FS)."""
@@ -229,7 +221,7 @@ def run_ray(ctx: ShardContext, jobs: Jobs, advance: Advance, address: str | None
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     jobs = iter(jobs)
     results: list[ShardResult] = []
-    pending = [remote.remote(ctx, *job) for job in _take(jobs, 2 * cpus)]
+    pending = [remote.remote(ctx, *job) for job in islice(jobs, 2 * cpus)]
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
         for ref in ready:
@@ -239,5 +231,5 @@ def run_ray(ctx: ShardContext, jobs: Jobs, advance: Advance, address: str | None
                 raise (exc.cause or exc) from None
             results.append(result)
             advance(result.items)
-            pending += [remote.remote(ctx, *job) for job in _take(jobs, 1)]
+            pending += [remote.remote(ctx, *job) for job in islice(jobs, 1)]
     return results

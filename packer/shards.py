@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -447,11 +448,5 @@ def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterato
 
 
 def _batches(items: Iterator, size: int) -> Iterator[list]:
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    while batch := list(islice(items, size)):
         yield batch
