@@ -479,3 +479,23 @@ def test_every_input_is_prefetched_once_before_it_is_decoded(tmp_path, image_raw
     monkeypatch.setattr(engines, "prefetch", recording)
     build(image_raw, tmp_path / "out", *IMG, "--workers", workers)
     assert sorted(seen) == sorted(r.key for r in sources.scan(image_raw).records)
+
+
+def _blas_threads_setting() -> str | None:
+    import os
+
+    return os.environ.get("OPENBLAS_NUM_THREADS")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forkserver is Linux's start method here")
+def test_pool_workers_and_their_server_run_openblas_on_one_thread():
+    """The forkserver imports numpy for its workers: with OpenBLAS's default (a thread per core)
+    the server would be a multi-threaded process that forks every worker, and its spinning
+    threads take a core from the build's first lane while it starts. A user's own setting stays."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    from packer import engines
+
+    with ProcessPoolExecutor(1, mp_context=engines._context()) as pool:
+        assert pool.submit(_blas_threads_setting).result() == os.environ.get("OPENBLAS_NUM_THREADS", "1")
