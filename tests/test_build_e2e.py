@@ -176,6 +176,7 @@ def test_pairs_captions_and_images(built, pairs_raw, minilm):
         assert s["image"].shape == (32, 32, 3)
 
 
+@pytest.mark.filterwarnings("ignore:Corrupt EXIF data")  # the reference decode below, of a hostile file
 def test_keep_size_stores_each_image_at_its_own_size(tmp_path, image_raw):
     out = tmp_path / "keep"
     assert main(["build", str(image_raw), str(out), "--image-size", "keep", "-q"]) == 0
