@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import subprocess
 import sys
@@ -482,17 +483,14 @@ def test_every_input_is_prefetched_once_before_it_is_decoded(tmp_path, image_raw
 
 
 def _blas_threads_setting() -> str | None:
-    import os
-
     return os.environ.get("OPENBLAS_NUM_THREADS")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forkserver is Linux's start method here")
 def test_pool_workers_and_their_server_run_openblas_on_one_thread():
     """The forkserver imports numpy for its workers: with OpenBLAS's default (a thread per core)
-    the server would be a multi-threaded process that forks every worker, and its spinning
-    threads take a core from the build's first lane while it starts. A user's own setting stays."""
-    import os
+    the server's threads spin until its first fork, on a core the build's first lane needs while
+    the pool starts. A user's own setting stays."""
     from concurrent.futures import ProcessPoolExecutor
 
     from packer import engines
