@@ -113,7 +113,8 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
                 elif ext == ".parquet":
                     _plan_parquet(cutter, i, record, token_itemsize)
                 else:
-                    cutter.add(Span(i), 1, _text_bytes(record.path.stat().st_size, token_itemsize))
+                    size = found.stats[str(record.path)][0]  # the scan's stat, as the fingerprint's
+                    cutter.add(Span(i), 1, _text_bytes(size, token_itemsize))
             except _Unusable as exc:
                 skipped.append(Skip(record.key, "read", str(exc)))
             except OSError as exc:
