@@ -94,9 +94,9 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Calla
 def _row(what: str, workers: int, unit: str, units: int, r: dict, inputs: str = "cached") -> dict:
     """Efficiency = mean build rate / (mean raw per-core rate x cores used)."""
     rate = statistics.mean(units / s for s in r["seconds_runs"])
+    ideal = r["raw_per_core"] * r["cores_used"]
     return {"what": what, "workers": workers, "inputs": inputs, "rate": rate, "unit": unit,
-            "efficiency": rate / (r["raw_per_core"] * r["cores_used"]),
-            "efficiency_runs": [units / s / (r["raw_per_core"] * r["cores_used"]) for s in r["seconds_runs"]], **r}
+            "efficiency": rate / ideal, "efficiency_runs": [units / s / ideal for s in r["seconds_runs"]], **r}
 
 
 def bench_packer(args) -> dict:
