@@ -3,9 +3,14 @@ batch augmentation on CPU tensors (the same code runs on the GPU)."""
 
 from __future__ import annotations
 
+import argparse
+import json
+from pathlib import Path
+
 import numpy as np
+import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loaders import Loader, MMapDataset, PackedDocuments, pack_documents
@@ -34,7 +39,7 @@ def test_packed_rows_match_the_token_column(built):
     got_docs = []
     for batch in Loader(packed, 4, shuffle=False):
         cu = batch["cu_seqlens"].long().tolist()
-        flat = batch["tokens"].reshape(-1)
+        flat = batch["tokens"].reshape(-1).clone()  # the batch's buffer is refilled two batches on
         pos = batch["position_ids"].reshape(-1)
         for a, b in zip(cu[:-1], cu[1:]):
             if pos[a] == 0 and flat[a:b].any():
@@ -45,6 +50,70 @@ def test_packed_rows_match_the_token_column(built):
     for got, want in zip(got_docs, docs):
         assert torch.equal(got, want[:seq_len])
     assert packed.num_truncated_tokens == sum(max(len(d) - seq_len, 0) for d in docs)
+
+
+def _reference_rows(docs: list[torch.Tensor], rows: list[int], seq_len: int) -> dict:
+    """The packed rows, document by document, from per-sample reads: the oracle for gather."""
+    bounds = pack_documents(np.array([len(d) for d in docs]), seq_len).tolist()
+    tokens = torch.zeros(len(rows), seq_len, dtype=torch.int64)
+    positions = torch.zeros_like(tokens)
+    lengths, cu = [], [0]
+    for i, r in enumerate(rows):
+        used = 0
+        for d in docs[bounds[r]:bounds[r + 1]]:
+            d = d[:seq_len]
+            tokens[i, used:used + len(d)] = d
+            positions[i, used:used + len(d)] = torch.arange(len(d))
+            used += len(d)
+            cu.append(i * seq_len + used)
+        if used < seq_len:
+            cu.append((i + 1) * seq_len)
+        lengths.append(used)
+    return {"tokens": tokens, "position_ids": positions, "lengths": torch.tensor(lengths),
+            "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
+
+
+@pytest.fixture(scope="module")
+def short_docs(tmp_path_factory, minilm):
+    """A text dataset of many short documents (the lines of a stdlib module) in small shards,
+    so that packed rows hold many documents and often take them from two or more shards."""
+    from packer.cli import main
+
+    root = tmp_path_factory.mktemp("short-docs")
+    (root / "raw").mkdir()
+    lines = [x for x in Path(argparse.__file__).read_text(encoding="utf-8").splitlines() if x.strip()][:800]
+    with open(root / "raw" / "lines.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": x}) + "\n" for x in lines)
+    out = root / "out"
+    assert main(["build", str(root / "raw"), str(out), "--tokenizer", str(minilm), "--shard-size", "1KB",
+                 "-q"]) == 0
+    ds = MMapDataset(out)
+    return out, [ds[i]["tokens"].long() for i in range(len(ds))]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq_len=st.sampled_from([1, 5, 16, 64, 300]), data=st.data())
+def test_packed_gather_into_reused_buffers_matches_document_by_document_packing(short_docs, seq_len, data):
+    root, docs = short_docs
+    packed = PackedDocuments(root, seq_len)
+    buffers = packed.alloc(5, "ring")  # filled batch after batch: nothing of an earlier batch may stay
+    for _ in range(3):
+        rows = data.draw(st.lists(st.integers(0, len(packed) - 1), min_size=1, max_size=5))
+        got = packed.gather(np.array(rows), buffers)
+        want = _reference_rows(docs, rows, seq_len)
+        for name, value in want.items():
+            assert torch.equal(got[name], value), name
+            assert got[name].data_ptr() == buffers[name].data_ptr(), name  # in the buffer, not a copy
+
+
+def test_packed_rows_take_documents_from_several_shards(short_docs):
+    """The property test above covers rows whose documents come from two or more shards."""
+    root, docs = short_docs
+    shard_ends = np.cumsum([s.num_samples for s in MMapDataset(root).manifest.shards])
+    bounds = pack_documents(np.array([len(d) for d in docs]), 300)
+    first = np.searchsorted(shard_ends, bounds[:-1], side="right")
+    last = np.searchsorted(shard_ends, bounds[1:] - 1, side="right")
+    assert len(shard_ends) > 20 and np.sum(first != last) > 10 and np.any(last - first >= 2)
 
 
 def test_normalize_flip_and_crop_on_whole_batches():
