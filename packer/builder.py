@@ -31,7 +31,7 @@ from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
 from .shards import (PIECE_ROWS, ShardContext, ShardResult, in_pieces, keep_tokenizer, read_sidecar, reusable,
                      wait_for_writers)
-from .sources import Scan, scan
+from .sources import MULTI_DOC_EXTS, Scan, scan
 from .system import available_cores
 from .text import TokenizerSpec, file_sha256, load_tokenizer, resolve_eos, token_dtype
 
@@ -344,7 +344,7 @@ def record_key(key: str, kind: str) -> str:
     """The record (file) a sample or skip key belongs to: text keys carry ':line' / ':row'."""
     if kind == "text":
         head, _, tail = key.rpartition(":")
-        if head and tail.isdigit() and head.lower().endswith((".jsonl", ".parquet")):
+        if head and tail.isdigit() and head.lower().endswith(tuple(MULTI_DOC_EXTS)):
             return head
     return key
 

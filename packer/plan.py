@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .format import Skip
-from .sources import Record, Scan
+from .sources import JSONL, PARQUET, Record, Scan
 
 TEXT_BYTES_PER_TOKEN = 4  # UTF-8 bytes per token for English BPE/WordPiece, to size text shards
 _SAMPLE_OVERHEAD = 64  # label, key and offsets of one sample, roughly
@@ -108,9 +108,9 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
         for i, record in enumerate(found.records):
             ext = record.path.suffix.lower()
             try:
-                if ext == ".jsonl":
+                if ext == JSONL:
                     _plan_jsonl(cutter, i, record.path, token_itemsize)
-                elif ext == ".parquet":
+                elif ext == PARQUET:
                     _plan_parquet(cutter, i, record, token_itemsize)
                 else:
                     size = found.stats[str(record.path)][0]  # the scan's stat, as the fingerprint's

@@ -22,8 +22,10 @@ from .errors import SourceError
 from .format import Skip
 
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
-CAPTION_EXTS = (".txt", ".json")  # preference order when both exist
-TEXT_EXTS = frozenset({".jsonl", ".txt", ".parquet"})
+TXT, JSONL, PARQUET = ".txt", ".jsonl", ".parquet"  # the text formats, by extension
+CAPTION_EXTS = (TXT, ".json")  # preference order when both exist
+TEXT_EXTS = frozenset({TXT, JSONL, PARQUET})
+MULTI_DOC_EXTS = frozenset({JSONL, PARQUET})  # a document per line / row: sample keys carry ":line" / ":row"
 T = TypeVar("T")
 
 
@@ -215,7 +217,7 @@ def prefetch(records: Iterable[Record]) -> None:
         return
     for record in records:
         for path in (record.path, record.caption):
-            if path is None or path.suffix.lower() in (".jsonl", ".parquet"):
+            if path is None or path.suffix.lower() in MULTI_DOC_EXTS:
                 continue
             try:
                 fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block

@@ -18,7 +18,7 @@ import numpy as np
 
 from .errors import ConfigError, SourceError
 from .format import Skip, choose_token_dtype
-from .sources import Record
+from .sources import JSONL, PARQUET, TXT, Record
 
 PARQUET_BATCH_ROWS = 1024
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
@@ -65,11 +65,11 @@ def iter_documents(record: Record, text_key: str = "text", start: int = 0, stop:
     rows [start, stop)."""
     ext = record.path.suffix.lower()
     try:
-        if ext == ".txt":
+        if ext == TXT:
             yield _check(Document(record.key, _utf8(record.path.read_bytes())))
-        elif ext == ".jsonl":
+        elif ext == JSONL:
             yield from _iter_jsonl(record, text_key, start, stop, first_line)
-        elif ext == ".parquet":
+        elif ext == PARQUET:
             yield from _iter_parquet(record, text_key, start, stop)
         else:
             yield Skip(record.key, "read", f"not a text file ({ext})")
