@@ -16,7 +16,7 @@ import torch
 
 from packer.reader import DatasetReader
 
-from .gather import Memory, empty
+from .gather import Memory, _ranges, empty
 
 
 def pack_documents(lengths: np.ndarray, seq_len: int) -> np.ndarray:
@@ -98,22 +98,22 @@ class PackedDocuments:
         per_row = last - first
         row_of = np.repeat(np.arange(B, dtype=np.int64), per_row)  # the batch row of each document
         row_first = np.cumsum(per_row) - per_row  # index (in `docs`) of each row's first document
-        docs = first[row_of] + np.arange(len(row_of)) - row_first[row_of]  # the rows' documents, in order
-        n = self._clipped[docs]
+        n = self._clipped[_ranges(first, per_row)]  # of the rows' documents, in order
         ends = np.cumsum(n)
         starts = ends - n  # each document's start in the batch's concatenated tokens
-        within = starts - starts[row_first][row_of]  # ... and in its row
-        used = ends[row_first + per_row - 1] - starts[row_first] if B else np.zeros(0, np.int64)
+        row_start = starts[row_first]
+        within = starts - row_start[row_of]  # ... and in its row
+        used = ends[row_first + per_row - 1] - row_start
 
         tokens, positions = buffers["tokens"][:B], buffers["position_ids"][:B]
         t, p = tokens.numpy(), positions.numpy()
         # position ids of the batch's documents, concatenated, for rows of several (a row of one
         # document takes a slice of _arange)
-        in_doc = np.arange(int(ends[-1])) - np.repeat(starts, n) if np.any(per_row > 1) else None
+        in_doc = _ranges(np.zeros_like(n), n) if np.any(per_row > 1) else None
         values, shard_first, doc_start, lengths = self._values, self._shard_first, self._doc_start, self._lengths
         for i, (d0, d1, u, k0, k1, s0, c0) in enumerate(zip(
                 first.tolist(), last.tolist(), used.tolist(), self._doc_shard[first].tolist(),
-                self._doc_shard[last - 1].tolist(), doc_start[first].tolist(), starts[row_first].tolist())):
+                self._doc_shard[last - 1].tolist(), doc_start[first].tolist(), row_start.tolist())):
             if k0 == k1:  # one slice: the row's documents, or the first seq_len tokens of its only one
                 t[i, :u] = values[k0][s0:s0 + u]  # casts to int64 while copying
             else:  # whole documents across shards: a slice of each shard
