@@ -1,5 +1,6 @@
 """`bench packer`: build throughput against the raw per-core rates of the work it wraps
-(Pillow decode + resize, `tokenizers` batch encode), measured in the same run, for each worker
+(Pillow decode + resize, `tokenizers` batch encode; a core alone and a core among as many busy
+ones as the build used), measured in the same run, for each worker
 count (with `--cold`, image builds from inputs evicted from the page cache too); peak memory of
 the build's process tree; zstd pack/unpack ratio and MB/s."""
 
@@ -12,7 +13,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,48 +20,71 @@ from . import data
 from .loaders_bench import machine, prepare_images, prepare_text
 from .measure import PeakMemory, evict
 
-_TOKENIZE_ONE_CORE = """
+_RAW_ONE_CORE = """
 import json, sys, time
-from packer.sources import scan
-from packer.text import Document, encode_batch, iter_documents, load_tokenizer
-tok = load_tokenizer(sys.argv[1])
-texts = [d.text for r in scan(sys.argv[2]).records for d in iter_documents(r) if isinstance(d, Document)]
-start = time.perf_counter(); n = 0
-for i in range(0, len(texts), 512):
-    n += sum(a.size for a in encode_batch(tok, texts[i:i + 512], dtype="<u4", eos_id=None, add_special_tokens=False))
-print(json.dumps({"tokens": n, "seconds": time.perf_counter() - start}))
+what, raw, part, parts, tokenizer = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+if what == "images":
+    from pathlib import Path
+    from packer.errors import SourceError
+    from packer.images import decode_image
+    files = sorted(p for p in Path(raw).rglob("*") if p.is_file())[part::parts]
+
+    def run():
+        n = 0
+        for f in files:
+            try:
+                decode_image(f, 224)
+                n += 1
+            except SourceError:
+                pass
+        return n
+else:
+    from packer.sources import scan
+    from packer.text import Document, encode_batch, iter_documents, load_tokenizer
+    tok = load_tokenizer(tokenizer)
+    texts = [d.text for r in scan(raw).records for d in iter_documents(r) if isinstance(d, Document)][part::parts]
+
+    def run():
+        return sum(a.size for i in range(0, len(texts), 512) for a in encode_batch(
+            tok, texts[i:i + 512], dtype="<u4", eos_id=None, add_special_tokens=False))
+print("ready", flush=True)
+sys.stdin.readline()
+start = time.perf_counter()
+n = run()
+print(json.dumps({"units": n, "seconds": time.perf_counter() - start}))
 """
 
 
-def raw_image_rate(files: list[Path], size: int) -> float:
-    """Images/s of decode_image (Pillow, the packer's exact policy) on one core, in this process."""
-    from packer.errors import SourceError
-    from packer.images import decode_image
-
-    start, n = time.perf_counter(), 0
-    for f in files:
-        try:
-            decode_image(f, size)
-            n += 1
-        except SourceError:
-            pass
-    return n / (time.perf_counter() - start)
-
-
-def raw_token_rate(raw: Path) -> float:
-    """Tokens/s of `tokenizers` batch encode on one core (RAYON_NUM_THREADS=1, a fresh process) of
-    every document of RAW (.txt, JSONL, Parquet), read into memory before the clock starts."""
+def raw_rate(what: str, raw: Path, processes: int = 1) -> float:
+    """Per-core rate of the raw work alone: Pillow decode + resize to 224 (the packer's exact
+    policy), images/s, or `tokenizers` batch encode, tokens/s, of every input of RAW, read into
+    memory before the clock starts. `processes` fresh processes with one core each (one Rust
+    thread) share the inputs and start together once all are loaded: 1 gives the rate of a core
+    alone; N gives a core's rate while N cores do the same work, i.e. how the raw work itself
+    scales on this machine (shared caches, memory, clock), which no build can beat."""
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
-    res = subprocess.run([sys.executable, "-c", _TOKENIZE_ONE_CORE, str(data.minilm_tokenizer()), str(raw)],
-                         capture_output=True, text=True, env=env, check=True)
-    r = json.loads(res.stdout)
-    return r["tokens"] / r["seconds"]
+    procs = [subprocess.Popen([sys.executable, "-c", _RAW_ONE_CORE, what, str(raw), str(part), str(processes),
+                               str(data.minilm_tokenizer())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, env=env) for part in range(processes)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"raw {what} rate: a measuring process failed (exit {p.wait()})")
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        runs = [json.loads(p.communicate()[0]) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return statistics.mean(r["units"] / r["seconds"] for r in runs)
 
 
-def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Callable[[], float],
-           rounds: int, before: Callable[[], object] = lambda: None) -> dict:
-    """`packer build` as a user runs it, in a fresh process, `rounds` times, with the raw
-    per-core rate measured before the first and after every build (this VM's speed drifts by
+def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], rounds: int,
+           before: Callable[[], object] = lambda: None) -> dict:
+    """`packer build` as a user runs it, in a fresh process, `rounds` times, with the raw rate
+    of a core alone measured before the first build and after every build, and the raw rate of
+    a core among the build's cores used all busy after every build (this VM's speed drifts by
     10% within minutes; raw and build alternate so that both see the same drift). Each build's
     time is its own clock (manifest build.seconds: scan to published manifest, no interpreter
     start-up) in a run with nothing else on the cores; peak memory of the build's process tree
@@ -71,13 +94,16 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Calla
     from packer import load_manifest
 
     cmd = [sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
-    raws, seconds = [raw_rate()], []
+    alone, busy, seconds = [raw_rate(what, raw)], [], []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)
         before()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        seconds.append(load_manifest(out).build["seconds"])
-        raws.append(raw_rate())
+        m = load_manifest(out)
+        seconds.append(m.build["seconds"])
+        alone.append(raw_rate(what, raw))
+        cores = m.build["cores_used"]
+        busy.append(raw_rate(what, raw, cores) if cores > 1 else alone[-1])
     shutil.rmtree(out, ignore_errors=True)
     before()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -85,18 +111,24 @@ def _build(raw: Path, out: Path, workers: int, extra: list[str], raw_rate: Calla
         if proc.wait():
             raise subprocess.CalledProcessError(proc.returncode, cmd)
     m = load_manifest(out)
-    return {"seconds": statistics.mean(seconds), "seconds_runs": seconds, "raw_per_core": statistics.mean(raws),
-            "raw_per_core_runs": raws, "cores_used": m.build["cores_used"], "samples": m.num_samples,
+    return {"seconds": statistics.mean(seconds), "seconds_runs": seconds, "raw_per_core": statistics.mean(alone),
+            "raw_per_core_runs": alone, "raw_per_core_busy": statistics.mean(busy), "raw_per_core_busy_runs": busy,
+            "cores_used": m.build["cores_used"], "samples": m.num_samples,
             "shards": len(m.shards), "size_bytes": m.size_bytes,
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
 
 def _row(what: str, workers: int, unit: str, units: int, r: dict, inputs: str = "cached") -> dict:
-    """Efficiency = mean build rate / (mean raw per-core rate x cores used)."""
-    rate = statistics.mean(units / s for s in r["seconds_runs"])
-    ideal = r["raw_per_core"] * r["cores_used"]
-    return {"what": what, "workers": workers, "inputs": inputs, "rate": rate, "unit": unit,
-            "efficiency": rate / ideal, "efficiency_runs": [units / s / ideal for s in r["seconds_runs"]], **r}
+    """efficiency = mean build rate / (mean raw rate of a core alone x cores used): the issue's
+    target; efficiency_busy = the same against a core's raw rate with all cores used doing the
+    raw work (what the machine's cores can give, without anything of the build); raw_scaling =
+    busy / alone, how much of the linear ideal the raw work itself reaches on these cores."""
+    rates = [units / s for s in r["seconds_runs"]]
+    ideal, ideal_busy = r["raw_per_core"] * r["cores_used"], r["raw_per_core_busy"] * r["cores_used"]
+    return {"what": what, "workers": workers, "inputs": inputs, "rate": statistics.mean(rates), "unit": unit,
+            "efficiency": statistics.mean(rates) / ideal, "efficiency_runs": [x / ideal for x in rates],
+            "efficiency_busy": statistics.mean(rates) / ideal_busy,
+            "raw_scaling": r["raw_per_core_busy"] / r["raw_per_core"], **r}
 
 
 def bench_packer(args) -> dict:
@@ -114,10 +146,9 @@ def bench_packer(args) -> dict:
     for w in args.workers_list:
         for inputs in ("cached", "cold") if args.cold else ("cached",):  # cold: evicted before each build
             before = (lambda: evict(img_files)) if inputs == "cold" else (lambda: None)
-            r = _build(raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard],
-                       lambda: raw_image_rate(img_files, 224), args.rounds, before)
+            r = _build("images", raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard], args.rounds, before)
             rows.append(_row("images", w, "images/s", r["samples"], r, inputs))
-        r = _build(raw_txt, work / f"pk-text-{w}", w, tokenizer, lambda: raw_token_rate(raw_txt), args.rounds)
+        r = _build("tokens", raw_txt, work / f"pk-text-{w}", w, tokenizer, args.rounds)
         rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r))
     archives = []
     last = args.workers_list[-1]

@@ -79,6 +79,11 @@ def test_bench_packer_smallest(work, tmp_path, capsys):
         assert b["rate"] > 0 and b["raw_per_core"] > 0 and 0 < b["efficiency"] and b["peak_rss_mb"] > 0
         # two timed builds (default --rounds), each followed by a raw pass, one raw pass before them
         assert len(b["efficiency_runs"]) == len(b["seconds_runs"]) == 2 and len(b["raw_per_core_runs"]) == 3
+        # a core's raw rate among the build's cores used, all busy, after each build: alone when it used one
+        assert len(b["raw_per_core_busy_runs"]) == 2 and b["raw_scaling"] > 0
+        assert b["efficiency_busy"] == pytest.approx(b["efficiency"] / b["raw_scaling"])
+        if b["cores_used"] == 1:
+            assert b["raw_per_core_busy_runs"] == b["raw_per_core_runs"][1:]
     assert {a["what"] for a in report["archives"]} == {"images", "text"}
     assert all(a["ratio"] > 1 and a["pack_mb_per_s"] > 0 and a["unpack_mb_per_s"] > 0 for a in report["archives"])
     assert "efficiency" in capsys.readouterr().out
