@@ -3,6 +3,7 @@ beyond the pinned package downloads that bench.data caches."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -114,3 +115,22 @@ def built(tmp_path_factory, image_raw, text_raw, pairs_raw, minilm):
     assert main(["build", str(pairs_raw), str(outs["pairs"]), "--tokenizer", str(minilm), "--image-size", "32",
                  "--shard-size", "10", "-q"]) == 0
     return outs
+
+
+@pytest.fixture(scope="session")
+def short_docs(tmp_path_factory, minilm):
+    """A text dataset of many short documents (the lines of a stdlib module) in small shards,
+    so that packed rows hold many documents and often take them from two or more shards."""
+    from loaders import MMapDataset
+    from packer.cli import main
+
+    root = tmp_path_factory.mktemp("short-docs")
+    (root / "raw").mkdir()
+    lines = [x for x in Path(argparse.__file__).read_text(encoding="utf-8").splitlines() if x.strip()][:800]
+    with open(root / "raw" / "lines.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"text": x}) + "\n" for x in lines)
+    out = root / "out"
+    assert main(["build", str(root / "raw"), str(out), "--tokenizer", str(minilm), "--shard-size", "1KB",
+                 "-q"]) == 0
+    ds = MMapDataset(out)
+    return out, [ds[i]["tokens"].long() for i in range(len(ds))]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, TokenWindows, to_device
+from loaders.gather import SHORT_PIECES
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -30,13 +31,41 @@ def test_batches_equal_per_sample_reads(built, threads):
     assert pos == len(ds)
 
 
-def test_padded_tokens_and_lengths(built):
+@pytest.mark.parametrize("docs", ["long", "short"])
+def test_padded_tokens_land_in_the_ring_and_equal_per_sample_reads(built, short_docs, docs):
+    """Ragged tokens come back padded to the batch's longest sample, zeros after each, with
+    their lengths, in the Loader's reused buffers: long documents copied one by one, short ones
+    (in 1 KB shards, so batches span many shards) by one fancy-index copy per shard."""
+    ds = MMapDataset(built["text"] if docs == "long" else short_docs[0])
+    mean = np.mean([len(ds[i]["tokens"]) for i in range(len(ds))])
+    assert (mean > SHORT_PIECES) == (docs == "long")
+    loader = Loader(ds, 3 if docs == "long" else 7, seed=5, columns=["tokens", "key"])  # several batches per buffer
+    ids = loader._plan.share()
+    pos = 0
+    for batch in loader:
+        tokens, lengths = batch["tokens"], batch["tokens_lengths"]
+        assert any(tokens.data_ptr() == ring["tokens"].data_ptr() and lengths.data_ptr() == ring["tokens_lengths"].data_ptr()
+                   for ring in loader._ring)
+        assert tokens.is_contiguous() and tokens.shape == (len(batch["key"]), int(lengths.max()))
+        for j in range(len(batch["key"])):
+            ref = ds[int(ids[pos])]["tokens"]
+            n = int(lengths[j])
+            assert n == len(ref) and torch.equal(tokens[j, :n], ref) and not tokens[j, n:].any()
+            pos += 1
+    assert pos == len(ds)
+
+
+def test_a_batch_wider_than_its_buffer_gets_a_fresh_one(built):
     ds = MMapDataset(built["text"])
-    loader = Loader(ds, 5, shuffle=False, columns=["tokens", "key"])
-    batch = next(iter(loader))
-    for j in range(5):
-        n = int(batch["tokens_lengths"][j])
-        assert torch.equal(batch["tokens"][j, :n], ds[j]["tokens"]) and not batch["tokens"][j, n:].any()
+    source = ds.batch_source(["tokens"])
+    buffers = source.alloc(4, "ring")
+    buffers["tokens"] = buffers["tokens"][:3]  # room for less than this batch
+    got = source.gather(np.arange(4), buffers)
+    assert got["tokens"].data_ptr() != buffers["tokens"].data_ptr()
+    for j in range(4):
+        n = int(got["tokens_lengths"][j])
+        assert torch.equal(got["tokens"][j, :n], ds[j]["tokens"]) and not got["tokens"][j, n:].any()
+    assert "tokens" not in source.alloc(4, "shared")  # per-batch buffers: sized by the gather
 
 
 def test_resume_mid_epoch_is_exact(built):

@@ -3,12 +3,7 @@ batch augmentation on CPU tensors (the same code runs on the GPU)."""
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
-
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -71,24 +66,6 @@ def _reference_rows(docs: list[torch.Tensor], rows: list[int], seq_len: int) -> 
         lengths.append(used)
     return {"tokens": tokens, "position_ids": positions, "lengths": torch.tensor(lengths),
             "cu_seqlens": torch.tensor(cu, dtype=torch.int32)}
-
-
-@pytest.fixture(scope="module")
-def short_docs(tmp_path_factory, minilm):
-    """A text dataset of many short documents (the lines of a stdlib module) in small shards,
-    so that packed rows hold many documents and often take them from two or more shards."""
-    from packer.cli import main
-
-    root = tmp_path_factory.mktemp("short-docs")
-    (root / "raw").mkdir()
-    lines = [x for x in Path(argparse.__file__).read_text(encoding="utf-8").splitlines() if x.strip()][:800]
-    with open(root / "raw" / "lines.jsonl", "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"text": x}) + "\n" for x in lines)
-    out = root / "out"
-    assert main(["build", str(root / "raw"), str(out), "--tokenizer", str(minilm), "--shard-size", "1KB",
-                 "-q"]) == 0
-    ds = MMapDataset(out)
-    return out, [ds[i]["tokens"].long() for i in range(len(ds))]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
