@@ -77,6 +77,7 @@ class ColumnGather:
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._by_column: dict[str, list[ColumnArrays]] = {}
+        self._longest_of: dict[str, int] = {}
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -104,8 +105,10 @@ class ColumnGather:
         return out
 
     def _longest(self, name: str) -> int:
-        """The longest sample of a ragged column, from its offsets."""
-        return max((int(np.diff(a.offsets).max(initial=0)) for a in self._arrays(name)), default=0)
+        """The longest sample of a ragged column, from its offsets: once, not per ring buffer."""
+        if name not in self._longest_of:
+            self._longest_of[name] = max((int(np.diff(a.offsets).max(initial=0)) for a in self._arrays(name)), default=0)
+        return self._longest_of[name]
 
     def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor], pool: ThreadPoolExecutor | None = None,
                num_threads: int = 1) -> dict:
