@@ -1,9 +1,11 @@
-"""Imported by the pool's forkserver before anything else it preloads (numpy among them).
+"""Imported before numpy by the `packer` command and by the pool's forkserver (first of what
+it preloads).
 
-OpenBLAS starts a thread per core when numpy is imported and keeps them spinning until its
-fork handler stops them at the server's first fork: some 75 ms of a core, taken from the
-build's first decoding lane while the pool starts. No pool worker calls BLAS: one thread is
-enough. A value the user has set is kept.
+OpenBLAS starts a thread per core when numpy is imported and keeps them spinning for about
+0.1 s of a core each (in the server, until its fork handler stops them at its first fork):
+taken from the build's decoding lanes or tokenizer threads while the build starts, 4% of the
+sample text build's CPU. The packer never calls BLAS: one thread is enough. A value the user
+has set is kept.
 """
 
 import os
