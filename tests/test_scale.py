@@ -497,3 +497,21 @@ def test_pool_workers_and_their_server_run_openblas_on_one_thread():
 
     with ProcessPoolExecutor(1, mp_context=engines._context()) as pool:
         assert pool.submit(_blas_threads_setting).result() == os.environ.get("OPENBLAS_NUM_THREADS", "1")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="threads counted in /proc/self/task")
+@pytest.mark.parametrize("setting", [None, "2"])
+def test_the_packer_command_runs_openblas_on_one_thread_unless_told(setting):
+    """The build process never calls BLAS, but numpy's import starts OpenBLAS threads that spin
+    for about 0.1 s of a core each, beside the first lane or the tokenizer threads. The command
+    sets one thread before numpy is imported (a thread count, so an import moved above it fails
+    here on any machine with 2+ cores); a user's own setting stays."""
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if setting:
+        env["OPENBLAS_NUM_THREADS"] = setting
+    code = "import os, packer.cli; print(len(os.listdir('/proc/self/task')), os.environ['OPENBLAS_NUM_THREADS'])"
+    threads, value = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                    check=True).stdout.split()
+    assert value == (setting or "1")
+    if setting is None:
+        assert threads == "1"
