@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import _server_env  # noqa: F401  first: one OpenBLAS thread, set before numpy is imported
+from . import _one_blas_thread  # noqa: F401  first: before numpy is imported
 from . import format as fmt
 from .builder import BuildConfig, build, build_part, commit, parse_part, parse_shard_size
 from .errors import ConfigError, IntegrityError, MmpackError

@@ -64,8 +64,8 @@ def _context():
     if _start_method() == "forkserver":
         # the server imports numpy, Pillow and tokenizers' module once (never runs a tokenizer,
         # so forking from it is safe); each worker then starts in milliseconds, not a second.
-        # _server_env first: it keeps OpenBLAS's threads out of the server (one thread)
-        mp.set_forkserver_preload(["packer._server_env", "packer.shards"])
+        # _one_blas_thread first: it keeps OpenBLAS's spinning threads out of the server
+        mp.set_forkserver_preload(["packer._one_blas_thread", "packer.shards"])
     return mp
 
 
