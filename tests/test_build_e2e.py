@@ -43,6 +43,11 @@ def reference_pixels(path: Path, size: int) -> np.ndarray:
         return np.asarray(img.crop((left, top, left + size, top + size)))
 
 
+def _mode(path: Path) -> str:
+    with Image.open(path) as img:
+        return img.mode
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
     return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
@@ -74,7 +79,7 @@ def test_image_pixels_labels_and_keys(built, image_raw):
         if path.suffix.lower() in (".jpg", ".jpeg"):
             assert psnr(got, reference_pixels(path, 64)) >= JPEG_DRAFT_MIN_PSNR, path
             checked_jpeg += 1
-        elif Image.open(path).mode not in ("I;16", "I;16B", "I", "F") and "16bit" not in path.name:
+        elif _mode(path) not in ("I;16", "I;16B", "I", "F") and "16bit" not in path.name:
             np.testing.assert_array_equal(got, reference_pixels(path, 64), err_msg=str(path))
             checked_exact += 1
     assert checked_exact > 20 and checked_jpeg > 5
@@ -137,7 +142,9 @@ def test_text_counts_and_skips(built, text_raw):
     import pyarrow.parquet as pq
 
     docs = len(list((text_raw / "txt").iterdir())) + pq.ParquetFile(text_raw / "docs.parquet").metadata.num_rows
-    docs += sum(1 for _ in open(text_raw / "docs.jsonl", "rb")) + sum(1 for _ in open(text_raw / "bad.jsonl", "rb"))
+    for name in ("docs.jsonl", "bad.jsonl"):
+        with open(text_raw / name, "rb") as f:
+            docs += sum(1 for _ in f)
     assert m.counts["found"] == docs + 1  # + README.md
     assert len(m.shards) > 1
 
@@ -187,7 +194,8 @@ def test_keep_size_stores_each_image_at_its_own_size(tmp_path, image_raw):
         s = ds[i]
         path = image_raw / s["key"]
         if path.suffix.lower() in (".png", ".webp", ".gif") and "16" not in path.name:
-            ref = np.asarray(ImageOps.exif_transpose(Image.open(path)).convert("RGB"))
+            with Image.open(path) as img:
+                ref = np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
             np.testing.assert_array_equal(s["image"].numpy(), ref)
         shapes.add(tuple(s["image"].shape))
     assert len(shapes) > 5
