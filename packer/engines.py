@@ -95,7 +95,9 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
     procs = workers - 1 if pieces else workers
     pool = ProcessPoolExecutor(procs, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
     if pieces:  # this process is the last worker: it decodes from the start, while the pool starts
-        pool = _Spread([(pool, procs), (ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1)])
+        # (first in the list: ties go to it, so the first piece starts here at once; the pool's
+        # first submit then starts its processes, which takes tens of ms)
+        pool = _Spread([(ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1), (pool, procs)])
         set_progress_sink(here.put)  # no pickling, no feeder thread
     try:
         results = (_run_pieces if pieces else _run_shards)(pool, ctx, iter(jobs), 2 * workers, drain, advance)
