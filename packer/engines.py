@@ -118,11 +118,11 @@ class _Spread:
         self._outstanding = dict.fromkeys(self._workers, 0)
         self._lock = threading.Lock()
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn, *args, **kwargs) -> Future:
         with self._lock:
             ex = min(self._workers, key=lambda e: self._outstanding[e] / self._workers[e])
             self._outstanding[ex] += 1
-        future = ex.submit(fn, *args)
+        future = ex.submit(fn, *args, **kwargs)
         future.add_done_callback(lambda _: self._done(ex))
         return future
 
@@ -155,7 +155,8 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     the shard: a finish mostly waits for its fsync, and no decoding lane should wait with it."""
     results: list[ShardResult] = []
     calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
-    shards: dict[int, list] = {}  # index -> [task, records, pieces left, skips by slot]
+    shards: dict[int, list] = {}  # index -> [task, records, pieces left, skips by slot, last shard?]
+    jobs = _with_last(jobs)
     pending: dict = {}  # future -> shard index, or None for a finish
     finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
 
@@ -166,17 +167,17 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
             index, first = calls.popleft()
             records = shards[index][1][first:first + PIECE_ROWS]
             prefetch(r for _, r in records)  # read while the pieces before it decode
-            pending[pool.submit(run_piece, ctx, index, first, records)] = index
+            pending[pool.submit(run_piece, ctx, index, first, records, writeback=shards[index][4])] = index
 
     def _open_next() -> bool:
-        for task, records in jobs:
+        for (task, records), last in jobs:
             done = open_pieces(ctx, task)
             if done is not None:  # finished by another run of this build meanwhile
                 results.append(done)
                 advance(done.items)
                 continue
             starts = range(0, len(records), PIECE_ROWS)
-            shards[task.index] = [task, records, len(starts), {}]
+            shards[task.index] = [task, records, len(starts), {}, last]
             calls.extend((task.index, first) for first in starts)
             return True
         return False
@@ -196,7 +197,7 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
                 shard[2] -= 1
                 shard[3].update(value)
                 if shard[2] == 0:
-                    task, records, _, skips = shards.pop(index)
+                    task, records, _, skips, _ = shards.pop(index)
                     pending[finisher.submit(finish_pieces, ctx, task, records, skips)] = None
             refill()
     except BaseException:  # a piece failed (a full disk): no half-filled shard stays behind
@@ -208,6 +209,17 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     finisher.shutdown(wait=True)
     drain()
     return results
+
+
+_END = object()
+
+
+def _with_last(items: Iterator) -> Iterator[tuple]:
+    """(item, is it the last one) for each item."""
+    ahead = next(items, _END)
+    while ahead is not _END:
+        item, ahead = ahead, next(items, _END)
+        yield item, ahead is _END
 
 
 def run_ray(ctx: ShardContext, jobs: Jobs, advance: Advance, address: str | None) -> list[ShardResult]:

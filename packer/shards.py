@@ -309,8 +309,11 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
     return None
 
 
-def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Span, Record]]) -> dict[int, fmt.Skip]:
-    """Decode records into slots first, first + 1, ... of shard `index`; returns the skips by slot."""
+def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Span, Record]], *,
+              writeback: bool = False) -> dict[int, fmt.Skip]:
+    """Decode records into slots first, first + 1, ... of shard `index`; returns the skips by
+    slot. `writeback`: start writing the rows to disk at once (the build's last shard, whose
+    fsync no decoding overlaps; the other shards' rows are written by their fsync, on the side)."""
     ticker = _Ticker()
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
     skips = {}
@@ -323,6 +326,8 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Spa
                 _check_strict(ctx, skip)
                 skips[slot] = skip
             ticker.tick()
+        if writeback:
+            slots.start_writeback(first, len(records))
     finally:
         slots.close()
     ticker.tick(0, flush=True)

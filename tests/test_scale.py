@@ -434,6 +434,60 @@ def test_image_shards_in_pieces_give_the_bytes_of_one_worker(tmp_path, image_raw
     assert m.counts["skipped"] > 0 and len(m.shards) > 1 and max(s.num_samples for s in m.shards) > piece_rows
 
 
+def test_only_the_last_shards_pieces_start_their_writeback_early(tmp_path, image_raw):
+    """The build's last fsync is time in which no core decodes, so the last shard's pieces have
+    the kernel start writing their rows at once; the other shards' rows are left to their fsync,
+    which runs beside decoding. Pieces still give the bytes of a one-worker build."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from packer import builder, engines
+
+    config = builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, shard_rows=8, shard_bytes=None,
+                                 workers=1)
+    prep = builder._prepare(config)
+    jobs = [(task, list(builder.records_of(prep.found, task))) for task in prep.plan.tasks]
+    calls = []
+
+    class Recording(ThreadPoolExecutor):
+        def submit(self, fn, *args, **kwargs):
+            if fn is engines.run_piece:
+                calls.append((args[1], kwargs["writeback"]))  # (shard index, writeback)
+            return super().submit(fn, *args, **kwargs)
+
+    with Recording(2) as pool:
+        results = engines._run_pieces(pool, prep.ctx, iter(jobs), 4, lambda: None, lambda n: None)
+    last = prep.plan.tasks[-1].index
+    assert len(prep.plan.tasks) > 2 and {i for i, _ in calls} == {t.index for t in prep.plan.tasks}
+    assert all(early == (index == last) for index, early in calls)
+    builder.commit(config.out)
+    build(image_raw, tmp_path / "one", "--image-size", "32", "--shard-size", "8", "--workers", 1)
+    assert tree(config.out) == tree(tmp_path / "one") and len(results) == len(jobs)
+
+
+def test_start_writeback_keeps_the_bytes_and_is_found_on_linux(tmp_path):
+    from packer import writer
+
+    if sys.platform.startswith("linux"):
+        assert writer._sync_file_range() is not None  # else the last shard's early writeback is silently gone
+    path = tmp_path / "f"
+    data = os.urandom(1 << 20)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        writer.start_writeback(fd, 4096, len(data))  # past the end too: no error
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == data
+
+
+def test_with_last_marks_only_the_last_item():
+    from packer.engines import _with_last
+
+    assert list(_with_last(iter([]))) == []
+    assert list(_with_last(iter("a"))) == [("a", True)]
+    assert list(_with_last(iter("abc"))) == [("a", False), ("b", False), ("c", True)]
+
+
 def test_a_shard_being_written_elsewhere_is_waited_for_then_reused(tmp_path, image_raw):
     """A killed build's worker may still be finishing a shard when the build is started again:
     the new run waits on the shard's lock instead of writing the same files at the same time,
