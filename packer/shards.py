@@ -30,6 +30,7 @@ from .errors import ConfigError, SourceError
 from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record, read_ahead
+from .system import linux_libc
 from .text import (Document, TokenizerSpec, encode_batch, file_sha256, iter_documents, load_tokenizer,
                    read_caption)
 
@@ -115,15 +116,11 @@ def init_worker(queue, rayon_threads: int | None) -> None:
 def _die_with_parent() -> None:
     """Linux: SIGKILL this worker when its parent goes (a `kill -9` of the build), so no orphan
     keeps writing into a staging dir that a restarted build is using."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
     import signal
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    prctl = linux_libc("prctl")
+    if prctl is not None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 # -- sidecars ------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ import hashlib
 import math
 import os
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -23,6 +22,7 @@ import numpy as np
 
 from . import errors
 from . import format as fmt
+from .system import linux_libc
 
 
 def checksum_file(path: Path) -> str:
@@ -194,15 +194,11 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 @functools.cache
 def _sync_file_range():
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
+    call = linux_libc("sync_file_range")
+    if call is not None:
+        import ctypes
 
-    try:
-        call = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+        call.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     return call
 
 

@@ -480,6 +480,16 @@ def test_start_writeback_keeps_the_bytes_and_is_found_on_linux(tmp_path):
     assert path.read_bytes() == data
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_pool_worker_asks_to_be_killed_with_its_parent():
+    """So that a `kill -9` of the build leaves no worker writing into its staging dir."""
+    code = ("import ctypes, signal; from packer.shards import _die_with_parent; _die_with_parent(); "
+            "sig = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(sig)); "  # PR_GET_PDEATHSIG
+            "print(sig.value == signal.SIGKILL)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True"
+
+
 def test_with_last_marks_only_the_last_item():
     from packer.engines import _with_last
 
