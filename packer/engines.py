@@ -18,9 +18,11 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from itertools import islice
 
 from .errors import ConfigError
+from .plan import ShardTask
 from .sources import prefetch
 from .writer import partial_dir
 from .shards import (PIECE_ROWS, ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
@@ -155,7 +157,7 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     the shard: a finish mostly waits for its fsync, and no decoding lane should wait with it."""
     results: list[ShardResult] = []
     calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
-    shards: dict[int, list] = {}  # index -> [task, records, pieces left, skips by slot, last shard?]
+    shards: dict[int, _Opened] = {}  # by index
     jobs = _with_last(jobs)
     pending: dict = {}  # future -> shard index, or None for a finish
     finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
@@ -165,9 +167,10 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
             if not calls and not _open_next():
                 return
             index, first = calls.popleft()
-            records = shards[index][1][first:first + PIECE_ROWS]
+            shard = shards[index]
+            records = shard.records[first:first + PIECE_ROWS]
             prefetch(r for _, r in records)  # read while the pieces before it decode
-            pending[pool.submit(run_piece, ctx, index, first, records, writeback=shards[index][4])] = index
+            pending[pool.submit(run_piece, ctx, index, first, records, writeback=shard.last)] = index
 
     def _open_next() -> bool:
         for (task, records), last in jobs:
@@ -177,7 +180,7 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
                 advance(done.items)
                 continue
             starts = range(0, len(records), PIECE_ROWS)
-            shards[task.index] = [task, records, len(starts), {}, last]
+            shards[task.index] = _Opened(task, records, len(starts), last)
             calls.extend((task.index, first) for first in starts)
             return True
         return False
@@ -194,11 +197,11 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
                     results.append(value)
                     continue
                 shard = shards[index]
-                shard[2] -= 1
-                shard[3].update(value)
-                if shard[2] == 0:
-                    task, records, _, skips, _ = shards.pop(index)
-                    pending[finisher.submit(finish_pieces, ctx, task, records, skips)] = None
+                shard.pieces_left -= 1
+                shard.skips.update(value)
+                if shard.pieces_left == 0:
+                    del shards[index]
+                    pending[finisher.submit(finish_pieces, ctx, shard.task, shard.records, shard.skips)] = None
             refill()
     except BaseException:  # a piece failed (a full disk): no half-filled shard stays behind
         pool.shutdown(wait=True, cancel_futures=True)
@@ -209,6 +212,17 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     finisher.shutdown(wait=True)
     drain()
     return results
+
+
+@dataclass
+class _Opened:
+    """A shard whose pieces are out (or about to go)."""
+
+    task: ShardTask
+    records: list
+    pieces_left: int
+    last: bool  # the build's last shard: its pieces start their writeback as they finish
+    skips: dict = field(default_factory=dict)  # slot -> Skip, from the pieces back so far
 
 
 _END = object()
