@@ -10,6 +10,7 @@ decompression-bomb warning is an error for that file.
 
 from __future__ import annotations
 
+import math
 import struct
 import warnings
 
@@ -20,6 +21,7 @@ from .errors import SourceError
 
 RESAMPLE = Image.Resampling.BILINEAR
 DRAFT_GAP = 2  # draft to >= DRAFT_GAP * S; see the module docstring
+_ENCODER = getattr(Image, "_getencoder", None)  # Pillow's own (private) hook behind tobytes()
 
 
 def _to_rgb(img: Image.Image) -> Image.Image:
@@ -38,19 +40,40 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def resize_crop(img: Image.Image, size: int) -> Image.Image:
-    """Shorter side to `size` (rounded), then the centre size x size (left/top = floor)."""
+def resize_box(img: Image.Image, size: int) -> tuple[Image.Image, tuple[int, int, int, int]]:
+    """Shorter side to `size` (rounded); returns that image and its centre size x size box
+    (left/top = floor)."""
     w, h = img.size
     scale = size / min(w, h)
     new = (max(size, round(w * scale)), max(size, round(h * scale)))
     if new != (w, h):
         img = img.resize(new, RESAMPLE)
     left, top = (new[0] - size) // 2, (new[1] - size) // 2
-    return img.crop((left, top, left + size, top + size))
+    return img, (left, top, left + size, top + size)
 
 
-def decode_image(path, size: int | None) -> np.ndarray:
-    """HxWx3 uint8 pixels of one file (size x size when `size` is given).
+def rgb_pixels(img: Image.Image, box: tuple[int, int, int, int]) -> np.ndarray:
+    """The pixels of `box` of an RGB image as a read-only HxWx3 uint8 array, packed once from
+    Pillow's 4-byte-a-pixel storage by its raw encoder, which reads the box in place: crop()
+    then np.array() copies them three times (80 vs 33 us at 224 x 224). Pillow's public
+    crop + asarray where the encoder hook is missing: the same bytes."""
+    img.load()
+    shape = (box[3] - box[1], box[2] - box[0], 3)
+    if _ENCODER is not None:
+        e = _ENCODER("RGB", "raw", "RGB")
+        try:
+            e.setimage(img.im, box)
+            _, status, data = e.encode(max(1, math.prod(shape)))
+        finally:
+            e.cleanup()
+        if status == 1 and len(data) == math.prod(shape):  # 1: all of it, in one call
+            return np.frombuffer(data, dtype=np.uint8).reshape(shape)
+    return np.asarray(img.crop(box), dtype=np.uint8)
+
+
+def decode_image(path, size: int | None, *, writable: bool = True) -> np.ndarray:
+    """HxWx3 uint8 pixels of one file (size x size when `size` is given); `writable` False:
+    read-only, one copy fewer (a build writes them to a file and lets go).
 
     Raises SourceError with a short reason for anything Pillow cannot decode cleanly.
     """
@@ -65,9 +88,11 @@ def decode_image(path, size: int | None) -> np.ndarray:
                 if img.width == 0 or img.height == 0:
                     raise SourceError(f"empty image ({img.width}x{img.height})")
                 img = _to_rgb(img)
+                box = (0, 0, *img.size)
                 if size is not None:
-                    img = resize_crop(img, size)
-                return np.array(img, dtype=np.uint8)  # writable: callers may wrap it in a tensor
+                    img, box = resize_box(img, size)
+                pixels = rgb_pixels(img, box)
+                return pixels.copy() if writable else pixels  # writable: callers may wrap it in a tensor
     except SourceError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:

@@ -317,7 +317,7 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Spa
     try:
         for slot, (_, record) in enumerate(records, start=first):
             try:
-                slots.put(slot, decode_image(record.path, ctx.image_size))
+                slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
             except SourceError as exc:
                 skip = fmt.Skip(record.key, "decode", str(exc))
                 _check_strict(ctx, skip)
@@ -385,7 +385,7 @@ def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
 
 def _image_sample(ctx: ShardContext, record: Record):
     try:
-        pixels = decode_image(record.path, ctx.image_size)
+        pixels = decode_image(record.path, ctx.image_size, writable=False)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return {"image": pixels, **_image_fields(record)}
@@ -401,7 +401,7 @@ def _pair_item(ctx: ShardContext, record: Record):
     except SourceError as exc:
         return fmt.Skip(record.key, "caption", str(exc))
     try:
-        pixels = decode_image(record.path, ctx.image_size)
+        pixels = decode_image(record.path, ctx.image_size, writable=False)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return Document(record.key, caption), {"image": pixels}
