@@ -209,26 +209,52 @@ READ_AHEAD = 128  # records
 def prefetch(records: Iterable[Record]) -> None:
     """Ask the kernel to start reading these records' files into the page cache (WILLNEED) and
     return at once, so that a decoder reaching them later finds them there instead of waiting on
-    the disk for one small file after another. A few microseconds a file when it is cached
-    already. JSONL and Parquet files are left to the kernel's own readahead: they are big, read
-    in order, and a shard's range of one may start far into it. A file that cannot be opened is
-    left to the reader, which reports it."""
+    the disk for one small file after another. When the first and the last of them are cached
+    already (a warm page cache: the usual second build), nothing more is asked: an open and an
+    fadvise cost 12 us a file, 0.6% of a core decoding photos, for nothing. JSONL and Parquet
+    files are left to the kernel's own readahead: they are big, read in order, and a shard's
+    range of one may start far into it. A file that cannot be opened is left to the reader,
+    which reports it."""
     if not hasattr(os, "posix_fadvise"):
         return
-    for record in records:
-        for path in (record.path, record.caption):
-            if path is None or path.suffix.lower() in MULTI_DOC_EXTS:
-                continue
-            try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
+    paths = [path for record in records for path in (record.path, record.caption)
+             if path is not None and path.suffix.lower() not in MULTI_DOC_EXTS]
+    if not paths or (_cached(paths[0]) and _cached(paths[-1])):
+        return
+    for path in paths:
+        fd = _open_nonblocking(path)
+        if fd is None:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _open_nonblocking(path: Path) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
+    except OSError:
+        return None
+
+
+def _cached(path: Path) -> bool:
+    """Whether the first page of `path` is in the page cache: a one-byte read that may not
+    wait for the disk (Linux RWF_NOWAIT). False where that cannot be told."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
+    fd = _open_nonblocking(path)
+    if fd is None:
+        return False
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return True
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP, ESPIPE, EISDIR: cannot tell
+        return False
+    finally:
+        os.close(fd)
 
 
 def read_ahead(items: Iterable[T], record: Callable[[T], Record], ahead: int = READ_AHEAD) -> Iterator[T]:

@@ -339,6 +339,36 @@ def test_read_ahead_keeps_order_and_prefetches_each_record_ahead_of_its_turn(n, 
     assert out == items
 
 
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT: prefetch always asks")
+def test_prefetch_asks_only_when_the_inputs_are_not_cached(tmp_path, monkeypatch):
+    """Cached first and last files: no fadvise at all (it would cost more than it saves);
+    either one evicted: a WILLNEED for every file."""
+    records = []
+    for i in range(5):
+        (tmp_path / f"{i}.jpg").write_bytes(os.urandom(20000))
+        records.append(sources.Record(f"{i}.jpg", tmp_path / f"{i}.jpg"))
+    asked = []
+    monkeypatch.setattr(sources.os, "posix_fadvise", lambda fd, offset, n, advice: asked.append(advice))
+    sources.prefetch(records)
+    assert asked == []
+    monkeypatch.undo()
+    _evict(records[-1].path)
+    if sources._cached(records[-1].path):
+        pytest.skip(f"{tmp_path}: this file system keeps the page cache (tmpfs?)")
+    monkeypatch.setattr(sources.os, "posix_fadvise", lambda fd, offset, n, advice: asked.append(advice))
+    sources.prefetch(records)
+    assert asked == [os.POSIX_FADV_WILLNEED] * 5
+
+
 def test_prefetch_leaves_unreadable_inputs_to_the_reader(tmp_path):
     """Missing files, folders, FIFOs (opening one for reading must not block) and big JSONL
     or Parquet files are passed over without an error; the reader reports what it must."""
