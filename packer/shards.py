@@ -338,9 +338,8 @@ def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, 
         keep = [slot not in skips for slot in range(len(records))]
         shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns, slots={"image": keep})
         try:
-            for (_, record), kept in zip(records, keep):
-                if kept:
-                    shard.add(_image_fields(record))
+            fields = [_image_fields(record) for (_, record), kept in zip(records, keep) if kept]
+            shard.extend({c.name: [f[c.name] for f in fields] for c in ctx.columns if c.name != "image"}, len(fields))
         except BaseException:
             shard.abort()
             raise

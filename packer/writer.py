@@ -123,6 +123,21 @@ class _ColumnWriter:
         if self.shapes is not None:
             self.shapes.append(value.shape)
 
+    def extend(self, values: list[np.ndarray]) -> None:
+        """Append samples: the bytes of add() for each, in one write."""
+        for value in values:
+            _check_shape(self.column, value)
+        if not values:
+            return
+        if not self.column.ragged:
+            self.values.write(np.stack(values), len(values))
+            return
+        sizes = np.fromiter((v.size for v in values), dtype=np.int64, count=len(values))
+        self.values.write(np.concatenate([v.reshape(-1) for v in values]), int(sizes.sum()))
+        self.offsets.extend((self.offsets[-1] + np.cumsum(sizes)).tolist())
+        if self.shapes is not None:
+            self.shapes.extend(v.shape for v in values)
+
     def close(self) -> None:
         self.values.close()
         if self.column.ragged:
@@ -263,6 +278,17 @@ class ShardWriter:
         for writer in self._columns:
             writer.add(sample.get(writer.column.name))
         self.num_samples += 1
+
+    def extend(self, samples: dict[str, list[np.ndarray]], count: int) -> None:
+        """Append `count` samples given column by column: the bytes of `count` add() calls."""
+        for writer in self._columns:
+            if isinstance(writer, _SlotColumn):
+                continue
+            values = samples.get(writer.column.name, [])
+            if len(values) != count:
+                raise ValueError(f"column {writer.column.name}: {len(values)} values for {count} samples")
+            writer.extend(values)
+        self.num_samples += count
 
     def close(self) -> fmt.Shard:
         for writer in self._columns:

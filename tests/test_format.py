@@ -66,6 +66,31 @@ def test_read_of_write_is_identity(tmp_path_factory, docs, dtype, shapes):
     assert np.all(np.diff(tokens.offsets) >= 0) and tokens.offsets[-1] == len(tokens.values)
 
 
+@settings(max_examples=40, deadline=None)
+@given(docs=documents, dtype=token_dtypes, cuts=st.lists(st.integers(0, 30), max_size=5))
+def test_extend_writes_the_bytes_of_add(tmp_path_factory, docs, dtype, cuts):
+    """Samples given column by column, in any runs (empty ones too), make the same files as
+    one add() per sample."""
+    root = tmp_path_factory.mktemp("ext")
+    cols = (fmt.Column("tokens", dtype, (None,)), fmt.Column("image", "|u1", (None, 2, 3)),
+            fmt.Column("label", "<i8", ()))
+    samples = [{"tokens": np.asarray(d, dtype=dtype), "image": np.full((len(d) % 3, 2, 3), i, np.uint8),
+                "label": np.int64(i - 5)} for i, d in enumerate(docs)]
+    with ShardWriter(root, 0, cols) as w:
+        for sample in samples:
+            w.add(sample)
+        one = w.close()
+    with ShardWriter(root, 1, cols) as w:
+        bounds = [0, *sorted(min(c, len(samples)) for c in cuts), len(samples)]
+        for a, b in zip(bounds, bounds[1:]):
+            w.extend({c.name: [s[c.name] for s in samples[a:b]] for c in cols}, b - a)
+        runs = w.close()
+    assert runs.num_samples == one.num_samples == len(samples)
+    assert [(f.size_bytes, f.xxh3_128) for f in runs.files] == [(f.size_bytes, f.xxh3_128) for f in one.files]
+    with pytest.raises(ValueError, match="label: 0 values for 1"), ShardWriter(root, 2, cols) as w:
+        w.extend({"tokens": [samples[0]["tokens"]], "image": [samples[0]["image"]]}, 1)
+
+
 @settings(max_examples=60, deadline=None)
 @given(position=st.integers(0, fmt.NPY_HEADER_BYTES - 1), bit=st.integers(0, 7))
 def test_any_flipped_header_byte_is_our_error_or_harmless(tmp_path_factory, position, bit):
