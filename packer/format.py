@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import json
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,8 +72,10 @@ def parse_npy_header(raw: bytes) -> tuple[str, tuple[int, ...]]:
         raise ValueError(f"NPY header is {body_len + 10} bytes, expected {NPY_HEADER_BYTES}")
     try:
         header = ast.literal_eval(raw[10:NPY_HEADER_BYTES].decode("latin1").strip())
-        return np.dtype(header["descr"]).str, tuple(int(n) for n in header["shape"])
-    except (ValueError, SyntaxError, KeyError, TypeError) as exc:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", DeprecationWarning)  # e.g. a flipped bit: "<i8" -> "<a8"
+            return np.dtype(header["descr"]).str, tuple(int(n) for n in header["shape"])
+    except (ValueError, SyntaxError, KeyError, TypeError, DeprecationWarning) as exc:
         raise ValueError(f"unreadable NPY header ({exc})") from None
 
 

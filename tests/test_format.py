@@ -4,6 +4,7 @@ read(write(x)) == x through ShardWriter and the reader."""
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -64,6 +65,18 @@ def test_read_of_write_is_identity(tmp_path_factory, docs, dtype, shapes):
         np.testing.assert_array_equal(pixels.sample(i), images[i])
         assert int(labels.sample(i)) == i - 5
     assert np.all(np.diff(tokens.offsets) >= 0) and tokens.offsets[-1] == len(tokens.values)
+
+
+def test_a_deprecated_dtype_spelling_is_an_unreadable_header_not_a_warning():
+    """One flipped bit turns "<i8" into "<a8", which numpy still reads (as bytes), with a
+    DeprecationWarning; no header we write spells it so."""
+    raw = fmt.npy_header("<i8", (4,))
+    damaged = raw.replace(b"'<i8'", b"'<a8'")
+    assert damaged != raw and bytes(a ^ b for a, b in zip(raw, damaged)).count(0) == len(raw) - 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="unreadable NPY header"):
+            fmt.parse_npy_header(damaged)
 
 
 @settings(max_examples=40, deadline=None)
