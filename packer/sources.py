@@ -116,7 +116,7 @@ def detect_kind(files: list[tuple[str, Path]]) -> str:
     exts = [(rel, _ext(rel)) for rel, _ in files]
     stems_with_caption = {_stem(r) for r, ext in exts if ext in CAPTION_EXTS}
     images = [r for r, ext in exts if ext in IMAGE_EXTS]
-    if any(_stem(r) in stems_with_caption for r in images):
+    if stems_with_caption and any(_stem(r) in stems_with_caption for r in images):
         return "pairs"
     if any("/" in r for r in images):
         return "images"
