@@ -242,7 +242,8 @@ def _open_nonblocking(path: Path) -> int | None:
 
 def _cached(path: Path) -> bool:
     """Whether the first page of `path` is in the page cache: a one-byte read that may not
-    wait for the disk (Linux RWF_NOWAIT). False where that cannot be told."""
+    wait for the disk (Linux RWF_NOWAIT). False where that cannot be told. A miss may start the
+    kernel's readahead of the file, which is what a prefetch wants anyway."""
     if not hasattr(os, "RWF_NOWAIT"):
         return False
     fd = _open_nonblocking(path)
