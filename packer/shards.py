@@ -338,8 +338,7 @@ def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, 
         keep = [slot not in skips for slot in range(len(records))]
         shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns, slots={"image": keep})
         try:
-            fields = [_image_fields(record) for (_, record), kept in zip(records, keep) if kept]
-            shard.extend({c.name: [f[c.name] for f in fields] for c in ctx.columns if c.name != "image"}, len(fields))
+            shard.extend([_image_fields(record) for (_, record), kept in zip(records, keep) if kept])
         except BaseException:
             shard.abort()
             raise

@@ -279,16 +279,12 @@ class ShardWriter:
             writer.add(sample.get(writer.column.name))
         self.num_samples += 1
 
-    def extend(self, samples: dict[str, list[np.ndarray]], count: int) -> None:
-        """Append `count` samples given column by column: the bytes of `count` add() calls."""
+    def extend(self, samples: list[dict[str, np.ndarray]]) -> None:
+        """Append samples, each column's values in one write: the bytes of an add() per sample."""
         for writer in self._columns:
-            if isinstance(writer, _SlotColumn):
-                continue
-            values = samples.get(writer.column.name, [])
-            if len(values) != count:
-                raise ValueError(f"column {writer.column.name}: {len(values)} values for {count} samples")
-            writer.extend(values)
-        self.num_samples += count
+            if not isinstance(writer, _SlotColumn):
+                writer.extend([sample[writer.column.name] for sample in samples])
+        self.num_samples += len(samples)
 
     def close(self) -> fmt.Shard:
         for writer in self._columns:
