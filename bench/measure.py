@@ -99,7 +99,8 @@ def cpu_seconds() -> float:
 
 def evict(paths: Iterable[Path]) -> int:
     """Drop these files' pages from the page cache (posix_fadvise DONTNEED; no root needed, unlike
-    /proc/sys/vm/drop_caches). Returns the bytes evicted."""
+    /proc/sys/vm/drop_caches), written to disk first: dirty pages are not dropped. Returns the
+    bytes evicted."""
     total = 0
     for path in paths:
         try:
@@ -107,6 +108,7 @@ def evict(paths: Iterable[Path]) -> int:
         except OSError:
             continue
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             total += os.fstat(fd).st_size
         finally:

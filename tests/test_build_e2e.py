@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from PIL import Image, ImageOps
 from tokenizers import Tokenizer
 
+from bench.measure import evict
 from loaders import MMapDataset
 from packer import format as fmt
 from packer import sources
@@ -339,15 +340,6 @@ def test_read_ahead_keeps_order_and_prefetches_each_record_ahead_of_its_turn(n, 
     assert out == items
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="no RWF_NOWAIT: prefetch always asks")
 def test_prefetch_asks_only_when_the_inputs_are_not_cached(tmp_path, monkeypatch):
     """Cached first and last files: no fadvise at all (it would cost more than it saves);
@@ -363,10 +355,10 @@ def test_prefetch_asks_only_when_the_inputs_are_not_cached(tmp_path, monkeypatch
     monkeypatch.undo()
     canary = tmp_path / "canary.jpg"  # probed here instead of the input: a probe that misses may start readahead
     canary.write_bytes(os.urandom(20000))
-    _evict(canary)
+    evict([canary])
     if sources._cached(canary):
         pytest.skip(f"{tmp_path}: this file system keeps the page cache (tmpfs?)")
-    _evict(records[-1].path)
+    evict([records[-1].path])
     monkeypatch.setattr(sources.os, "posix_fadvise", lambda fd, offset, n, advice: asked.append(advice))
     sources.prefetch(records)
     assert asked == [os.POSIX_FADV_WILLNEED] * 5
