@@ -160,13 +160,15 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
 
 
 def _start_pool_server(config: BuildConfig) -> None:
-    """A local image build (no tokenizer) with several workers uses a pool: its server starts
-    while this process scans RAW. A text build may well run in this process alone (one
-    shard), where a server importing on the side would take a core from the tokenizer."""
+    """A local image build (no tokenizer) with several workers uses a pool: where its workers
+    come from a forkserver (this process runs other threads), the server starts while this
+    process scans RAW. A text build may well run in this process alone (one shard), where a
+    server importing on the side would take a core from the tokenizer."""
     if config.engine == "local" and config.num_workers > 1 and config.tokenizer is None:
-        from .engines import start_server
+        from .engines import start_method, start_server
 
-        start_server()
+        if start_method(tokenizer=False) == "forkserver":
+            start_server()
 
 
 def _workers_used(config: BuildConfig) -> int | str:

@@ -2,15 +2,18 @@
 
 Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s; the
 shard function is `packer.shards.run_shard`, except that a pool splits fixed-size image shards
-into pieces (`open_pieces` / `run_piece` / `finish_pieces`, the same bytes). Pool workers are started with
-forkserver (spawn off Linux), never fork: `tokenizers` used before a fork can deadlock the
-child (huggingface/tokenizers#187), and fork would also copy the parent's whole heap. At most
-two jobs per worker are queued, so memory stays bounded by the shard, not the corpus.
-"""
+into pieces (`open_pieces` / `run_piece` / `finish_pieces`, the same bytes). How pool workers
+start (`start_method`): a build without a tokenizer forks them from this process when it runs
+a single thread, before any thread of the pool starts; any other build uses forkserver (spawn
+off Linux), never fork: `tokenizers` used before a fork can deadlock the child
+(huggingface/tokenizers#187), as can any lock another thread holds. At most two jobs per worker
+are queued, so memory stays bounded by the shard, not the corpus."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+import os
 import queue as queue_mod
 import shutil
 import sys
@@ -57,13 +60,30 @@ def run_here(ctx: ShardContext, jobs: Jobs, advance: Advance) -> list[ShardResul
         set_progress_sink(None)
 
 
-def _start_method() -> str:
-    return "forkserver" if sys.platform.startswith("linux") else "spawn"
+def start_method(tokenizer: bool) -> str:
+    """How a pool started now would start its workers. "fork" on Linux for a build that uses
+    no tokenizer, from a process that runs one thread (/proc/self/task): no lock can be held
+    by a thread the child lacks, whatever libraries are loaded, and a worker starts in a
+    millisecond with this process's imports, where a forkserver first imports them again in a
+    process of its own (0.12 s of a core, taken from the decoding lanes on 2 cores). Otherwise
+    "forkserver" ("spawn" off Linux)."""
+    if not sys.platform.startswith("linux"):
+        return "spawn"
+    if not tokenizer and _single_threaded():
+        return "fork"
+    return "forkserver"
 
 
-def _context():
-    mp = multiprocessing.get_context(_start_method())
-    if _start_method() == "forkserver":
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _context(method: str):
+    mp = multiprocessing.get_context(method)
+    if method == "forkserver":
         # the server imports numpy, Pillow and tokenizers' module once (never runs a tokenizer,
         # so forking from it is safe); each worker then starts in milliseconds, not a second.
         # _one_blas_thread first: it keeps OpenBLAS's spinning threads out of the server
@@ -74,15 +94,15 @@ def _context():
 def start_server() -> None:
     """Start the forkserver now, so that its imports (a fifth of a second of one core) overlap
     the scan and plan rather than delay the pool's first worker. Returns at once."""
-    if _start_method() == "forkserver":
-        from multiprocessing import forkserver
+    _context("forkserver")
+    from multiprocessing import forkserver
 
-        _context()
-        forkserver.ensure_running()
+    forkserver.ensure_running()
 
 
 def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayon_threads: int) -> list[ShardResult]:
-    mp = _context()
+    method = start_method(ctx.tokenizer is not None)
+    mp = _context(method)
     progress, here = mp.Queue(), queue_mod.SimpleQueue()  # from the workers, from this process
 
     def drain() -> None:
@@ -96,6 +116,8 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
     pieces = in_pieces(ctx)
     procs = workers - 1 if pieces else workers
     pool = ProcessPoolExecutor(procs, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
+    if method == "fork":
+        _fork_now(pool)
     if pieces:  # this process is the last worker: it decodes from the start, while the pool starts
         # (first in the list: ties go to it, so the first piece starts here at once; the pool's
         # first submit then starts its processes, which takes tens of ms)
@@ -110,6 +132,18 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
         set_progress_sink(None)
     pool.shutdown(wait=True)
     return results
+
+
+def _fork_now(pool: ProcessPoolExecutor) -> None:
+    """Fork the pool's workers now, while this process still runs one thread: a fork pool
+    starts all of them at its first submit, before its own threads. The objects this process
+    holds (the scan of a million files) are frozen out of the workers' garbage collector, whose
+    passes would otherwise write to every one of them and copy their pages into each worker."""
+    gc.freeze()
+    try:
+        pool.submit(int)
+    finally:
+        gc.unfreeze()
 
 
 class _Spread:
