@@ -29,7 +29,7 @@ from . import writer
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import (PIECE_ROWS, ShardContext, ShardResult, in_pieces, keep_tokenizer, read_sidecar, reusable,
+from .shards import (ShardContext, ShardResult, in_pieces, keep_tokenizer, piece_bounds, read_sidecar, reusable,
                      wait_for_writers)
 from .sources import MULTI_DOC_EXTS, Scan, scan
 from .system import available_cores
@@ -392,9 +392,12 @@ def parallelism(workers: int, units: int) -> tuple[int, int]:
     return procs, cores if procs == 1 else max(1, cores // procs)
 
 
-def pool_tasks(ctx: ShardContext, items: list[int]) -> int:
-    """Tasks a pool gets for shards of these item counts: pieces of image shards, else shards."""
-    return sum(-(-n // PIECE_ROWS) for n in items) if in_pieces(ctx) else len(items)
+def pool_tasks(ctx: ShardContext, items: list[int], workers: int) -> int:
+    """Tasks a pool of `workers` gets for shards of these item counts: pieces of image shards,
+    else shards."""
+    if not in_pieces(ctx):
+        return len(items)
+    return sum(len(piece_bounds(n, last=k == len(items) - 1, lanes=workers)) for k, n in enumerate(items))
 
 
 def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[ShardResult], int | None]:
@@ -420,7 +423,8 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
         else:
             todo.append(task)
     jobs = ((task, list(records_of(prep.found, task))) for task in todo)
-    workers, threads = parallelism(prep.config.num_workers, pool_tasks(prep.ctx, [t.items for t in todo]))
+    workers = prep.config.num_workers
+    workers, threads = parallelism(workers, pool_tasks(prep.ctx, [t.items for t in todo], workers))
     cores = min(workers * (threads if prep.ctx.tokenizer is not None else 1), available_cores())
     if prep.config.engine == "ray":
         from .engines import run_ray

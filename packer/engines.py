@@ -28,8 +28,8 @@ from .errors import ConfigError
 from .plan import ShardTask
 from .sources import prefetch
 from .writer import partial_dir
-from .shards import (PIECE_ROWS, ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
-                     open_pieces, run_piece, run_shard, set_progress_sink)
+from .shards import (ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
+                     open_pieces, piece_bounds, run_piece, run_shard, set_progress_sink)
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
@@ -124,7 +124,7 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
         pool = _Spread([(ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1), (pool, procs)])
         set_progress_sink(here.put)  # no pickling, no feeder thread
     try:
-        results = (_run_pieces if pieces else _run_shards)(pool, ctx, iter(jobs), 2 * workers, drain, advance)
+        results = (_run_pieces if pieces else _run_shards)(pool, ctx, iter(jobs), workers, drain, advance)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
@@ -171,10 +171,10 @@ class _Spread:
             ex.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
-    """One task per shard, at most `window` queued."""
+def _run_shards(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
+    """One task per shard, at most two per worker queued."""
     results: list[ShardResult] = []
-    pending = {pool.submit(run_shard, ctx, *job) for job in islice(jobs, window)}
+    pending = {pool.submit(run_shard, ctx, *job) for job in islice(jobs, 2 * workers)}
     while pending:
         done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
         drain()
@@ -185,9 +185,9 @@ def _run_shards(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     return results
 
 
-def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, advance) -> list[ShardResult]:
-    """Shards opened here one after another, their pieces run by any worker (at most `window`
-    queued). Once all pieces of a shard are back, a thread of its own in this process finishes
+def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
+    """Shards opened here one after another, their pieces run by any of the `workers` lanes (at
+    most two per lane queued). Once all pieces of a shard are back, a thread of its own in this process finishes
     the shard: a finish mostly waits for its fsync, and no decoding lane should wait with it."""
     results: list[ShardResult] = []
     calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
@@ -197,12 +197,12 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
     finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
 
     def refill() -> None:
-        while sum(index is not None for index in pending.values()) < window:  # pieces in flight
+        while sum(index is not None for index in pending.values()) < 2 * workers:  # pieces in flight
             if not calls and not _open_next():
                 return
-            index, first = calls.popleft()
+            index, first, stop = calls.popleft()
             shard = shards[index]
-            records = shard.records[first:first + PIECE_ROWS]
+            records = shard.records[first:stop]
             prefetch(r for _, r in records)  # read while the pieces before it decode
             pending[pool.submit(run_piece, ctx, index, first, records, writeback=shard.last)] = index
 
@@ -213,9 +213,9 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, window: int, drain, adv
                 results.append(done)
                 advance(done.items)
                 continue
-            starts = range(0, len(records), PIECE_ROWS)
-            shards[task.index] = _Opened(task, records, len(starts), last)
-            calls.extend((task.index, first) for first in starts)
+            bounds = piece_bounds(len(records), last=last, lanes=workers)
+            shards[task.index] = _Opened(task, records, len(bounds), last)
+            calls.extend((task.index, first, stop) for first, stop in bounds)
             return True
         return False
 

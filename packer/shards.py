@@ -286,12 +286,28 @@ def _check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
 
 
 # -- image shards in pieces: several processes fill one shard's image column -----------------
-# A pool builds an image shard as pieces of PIECE_ROWS records, each run by whichever worker is
-# free: the build process opens the shard (a slot per record in image.npy), pieces decode into
-# their slots, and the last step writes labels and keys, squeezes out skipped records' slots
-# and closes the shard as run_shard would: the bytes are the same. Work is shared image by
-# image, so no core waits while the last shard is packed by one worker.
-PIECE_ROWS = 32
+# A pool builds an image shard as pieces of records, each run by whichever worker is free: the
+# build process opens the shard (a slot per record in image.npy), pieces decode into their
+# slots, and the last step writes labels and keys, squeezes out skipped records' slots and
+# closes the shard as run_shard would: the bytes are the same. Work is shared image by image,
+# so no core waits while the last shard is packed by one worker.
+PIECE_ROWS = 128
+MIN_PIECE_ROWS = 16
+
+
+def piece_bounds(rows: int, *, last: bool, lanes: int) -> list[tuple[int, int]]:
+    """(first, stop) of each piece of a shard of `rows` records. PIECE_ROWS each: a piece costs
+    the pool about a millisecond of CPU on its way (its records pickled, two queues, three
+    threads woken), small beside 128 decodes (a quarter of a second of a core; pieces of 32 took
+    1% of a 2-core build). The build's last shard is cut finer as it nears its end, a piece at
+    most 1 / (2 x lanes) of the rows left and at least MIN_PIECE_ROWS (guided
+    self-scheduling), so the decoding lanes finish within a few images of each other."""
+    bounds, first = [], 0
+    while first < rows:
+        size = max(MIN_PIECE_ROWS, min(PIECE_ROWS, (rows - first) // (2 * lanes))) if last else PIECE_ROWS
+        bounds.append((first, min(rows, first + size)))
+        first += size
+    return bounds
 
 
 def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loaders import MMapDataset
 from packer import format as fmt
@@ -421,17 +423,38 @@ def test_ray_engine_gives_the_same_dataset(tmp_path, image_raw):
 @pytest.mark.parametrize("piece_rows", [3, 32])
 def test_image_shards_in_pieces_give_the_bytes_of_one_worker(tmp_path, image_raw, monkeypatch, piece_rows):
     """A pool splits each image shard into pieces that any worker decodes into the shard's slots;
-    skipped records' slots are squeezed out at the end. Shards of 40 rows, pieces of 3: skips land
-    inside pieces, at piece edges and in whole pieces of other workers."""
-    from packer import engines
+    skipped records' slots are squeezed out at the end. Shards of 40 rows, pieces of 3 (1 to 3
+    in the last shard): skips land inside pieces, at piece edges and in whole pieces of other
+    workers."""
+    from packer import shards
 
-    monkeypatch.setattr(engines, "PIECE_ROWS", piece_rows)
+    monkeypatch.setattr(shards, "PIECE_ROWS", piece_rows)
+    monkeypatch.setattr(shards, "MIN_PIECE_ROWS", min(piece_rows, shards.MIN_PIECE_ROWS) // 2)
     args = ("--image-size", "32", "--shard-size", "40")
     build(image_raw, tmp_path / "one", *args, "--workers", 1)
     build(image_raw, tmp_path / "pieces", *args, "--workers", 3)
     assert tree(tmp_path / "pieces") == tree(tmp_path / "one")
     m = load_manifest(tmp_path / "one")
     assert m.counts["skipped"] > 0 and len(m.shards) > 1 and max(s.num_samples for s in m.shards) > piece_rows
+
+
+@given(rows=st.integers(0, 5000), last=st.booleans(), lanes=st.integers(1, 64))
+def test_pieces_cover_a_shard_and_shrink_only_towards_the_builds_end(rows, last, lanes):
+    """Pieces tile the shard's rows in order; PIECE_ROWS each, except the build's last shard,
+    whose pieces never grow, never fall below MIN_PIECE_ROWS (but for the remainder) and end
+    small enough that lanes finishing together wait at most a small piece for each other."""
+    from packer.shards import MIN_PIECE_ROWS, PIECE_ROWS, piece_bounds
+
+    bounds = piece_bounds(rows, last=last, lanes=lanes)
+    assert [first for first, _ in bounds] == [0, *(stop for _, stop in bounds)][:len(bounds)]
+    assert (bounds[-1][1] if bounds else 0) == rows
+    sizes = [stop - first for first, stop in bounds]
+    assert all(0 < size <= PIECE_ROWS for size in sizes)
+    if not last:
+        assert all(size == PIECE_ROWS for size in sizes[:-1])
+    else:  # at most 1 / (2 x lanes) of what is left, within [MIN_PIECE_ROWS, PIECE_ROWS]: never growing
+        assert all(stop - first <= max(MIN_PIECE_ROWS, (rows - first) // (2 * lanes)) for first, stop in bounds)
+        assert all(size >= MIN_PIECE_ROWS for size in sizes[:-1]) and sizes == sorted(sizes, reverse=True)
 
 
 def test_only_the_last_shards_pieces_start_their_writeback_early(tmp_path, image_raw):
@@ -455,7 +478,7 @@ def test_only_the_last_shards_pieces_start_their_writeback_early(tmp_path, image
             return super().submit(fn, *args, **kwargs)
 
     with Recording(2) as pool:
-        results = engines._run_pieces(pool, prep.ctx, iter(jobs), 4, lambda: None, lambda n: None)
+        results = engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
     last = prep.plan.tasks[-1].index
     assert len(prep.plan.tasks) > 2 and {i for i, _ in calls} == {t.index for t in prep.plan.tasks}
     assert all(early == (index == last) for index, early in calls)
