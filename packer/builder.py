@@ -32,7 +32,7 @@ from .reader import DatasetReader, check_file_sizes, load_manifest
 from .shards import (ShardContext, ShardResult, in_pieces, keep_tokenizer, piece_bounds, read_sidecar, reusable,
                      wait_for_writers)
 from .sources import MULTI_DOC_EXTS, Scan, scan
-from .system import available_cores
+from .system import available_cores, gc_frozen, gc_paused
 from .text import TokenizerSpec, file_sha256, load_tokenizer, resolve_eos, token_dtype
 
 DEFAULT_SHARD_BYTES = 256 * 1024**2
@@ -140,12 +140,13 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
         raise ConfigError("build(): a config with part= runs through build_part() and commit()")
     started = time.time()
     prep = _prepare(config)
-    try:
-        _, cores = _run(prep, prep.plan.tasks, on_progress)
-        return commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores)
-    except MmpackError:
-        _discard(config)
-        raise
+    with gc_frozen():  # the scan's objects: a collector's pass over them now finds nothing
+        try:
+            _, cores = _run(prep, prep.plan.tasks, on_progress)
+            return commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores)
+        except MmpackError:
+            _discard(config)
+            raise
 
 
 def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> PartReport:
@@ -154,7 +155,8 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
     i, n = config.part or (0, 1)
     tasks = prep.plan.tasks
     mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
-    results, _ = _run(prep, mine, on_progress)
+    with gc_frozen():
+        results, _ = _run(prep, mine, on_progress)
     return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
                       sum(r.items for r in results), len(tasks))
 
@@ -186,6 +188,11 @@ def _discard(config: BuildConfig) -> None:
 def _prepare(config: BuildConfig) -> Prepared:
     _check_out(config)
     _start_pool_server(config)
+    with gc_paused():  # a few objects per input file, none in a cycle
+        return _scan_and_plan(config)
+
+
+def _scan_and_plan(config: BuildConfig) -> Prepared:
     existing = DatasetReader(config.out) if config.append else None
     base = existing.manifest if existing else None
     found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None)

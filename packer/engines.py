@@ -11,7 +11,6 @@ are queued, so memory stays bounded by the shard, not the corpus."""
 
 from __future__ import annotations
 
-import gc
 import multiprocessing
 import os
 import queue as queue_mod
@@ -27,6 +26,7 @@ from itertools import islice
 from .errors import ConfigError
 from .plan import ShardTask
 from .sources import prefetch
+from .system import gc_frozen
 from .writer import partial_dir
 from .shards import (ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
                      open_pieces, piece_bounds, run_piece, run_shard, set_progress_sink)
@@ -139,11 +139,8 @@ def _fork_now(pool: ProcessPoolExecutor) -> None:
     starts all of them at its first submit, before its own threads. The objects this process
     holds (the scan of a million files) are frozen out of the workers' garbage collector, whose
     passes would otherwise write to every one of them and copy their pages into each worker."""
-    gc.freeze()
-    try:
+    with gc_frozen():
         pool.submit(int)
-    finally:
-        gc.unfreeze()
 
 
 class _Spread:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import sys
+from collections.abc import Iterator
 
 
 def available_cores() -> int:
@@ -25,3 +28,32 @@ def linux_libc(name: str):
         return getattr(ctypes.CDLL(None, use_errno=True), name)
     except (OSError, AttributeError):
         return None
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off for a while (then as it was): while a scan and plan
+    make a few objects for every input file, none of them in a cycle, its passes over the
+    growing heap took a third of the time to prepare a build of 100,000 files."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def gc_frozen() -> Iterator[None]:
+    """Every object that exists now kept out of the collector's passes until the block ends,
+    in this process and in the processes it forks (whose passes would otherwise write to each
+    object and copy its page). Nested in another freeze (ours or the caller's), it leaves the
+    unfreezing to that one."""
+    outer = gc.get_freeze_count() > 0
+    gc.freeze()
+    try:
+        yield
+    finally:
+        if not outer:
+            gc.unfreeze()
