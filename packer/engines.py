@@ -191,6 +191,7 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, ad
     shards: dict[int, _Opened] = {}  # by index
     jobs = _with_last(jobs)
     pending: dict = {}  # future -> shard index, or None for a finish
+    opened: set[int] = set()  # shards this run started (a failure removes their partial dirs)
     finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
 
     def refill() -> None:
@@ -205,6 +206,7 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, ad
 
     def _open_next() -> bool:
         for (task, records), last in jobs:
+            opened.add(task.index)
             done = open_pieces(ctx, task)
             if done is not None:  # finished by another run of this build meanwhile
                 results.append(done)
@@ -234,10 +236,12 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, ad
                     del shards[index]
                     pending[finisher.submit(finish_pieces, ctx, shard.task, shard.records, shard.skips)] = None
             refill()
-    except BaseException:  # a piece failed (a full disk): no half-filled shard stays behind
+    except BaseException:  # a piece, an open or a finish failed (a full disk): no half-filled shard
+        # stays behind, be it in pieces, half opened or waiting for its finish (cancelled here);
+        # a shard whose finish ran has no partial dir left (it was renamed whole, or removed)
         pool.shutdown(wait=True, cancel_futures=True)
         finisher.shutdown(wait=True, cancel_futures=True)
-        for index in shards:
+        for index in opened:
             shutil.rmtree(partial_dir(ctx.staging, index), ignore_errors=True)
         raise
     finisher.shutdown(wait=True)

@@ -487,6 +487,70 @@ def test_only_the_last_shards_pieces_start_their_writeback_early(tmp_path, image
     assert tree(config.out) == tree(tmp_path / "one") and len(results) == len(jobs)
 
 
+def test_a_failing_piece_leaves_no_shard_half_done_even_one_waiting_for_its_finish(tmp_path, image_raw, monkeypatch):
+    """A piece that fails (a full disk) ends the build with no partial shard dir: neither the
+    shards still in pieces nor those whose finish was queued behind a slow one (cancelled); the
+    finish that was running ends whole, for the resume."""
+    import errno
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from packer import builder, engines
+
+    config = builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, shard_rows=8, shard_bytes=None,
+                                 workers=1)
+    prep = builder._prepare(config)
+    tasks = prep.plan.tasks
+    jobs = [(task, list(builder.records_of(prep.found, task))) for task in tasks]
+    release, finish, run_piece = threading.Event(), engines.finish_pieces, engines.run_piece
+
+    def slow_first_finish(ctx, task, *args):
+        if task.index == tasks[0].index:
+            release.wait(30)
+        return finish(ctx, task, *args)
+
+    def failing_piece(ctx, index, *args, **kwargs):
+        if index == tasks[5].index:  # by now the finishes of shards 1-4 wait behind the first one
+            time.sleep(1)
+            threading.Timer(1, release.set).start()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return run_piece(ctx, index, *args, **kwargs)
+
+    monkeypatch.setattr(engines, "finish_pieces", slow_first_finish)
+    monkeypatch.setattr(engines, "run_piece", failing_piece)
+    with ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="No space"):
+        engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
+    staging = tmp_path / "out" / fmt.STAGING_DIR
+    assert len(tasks) > 6 and sorted(p.name for p in staging.glob("*.partial")) == []
+    assert (staging / fmt.shard_dir_name(tasks[0].index) / "image.npy").is_file()  # the running finish ended whole
+
+
+def test_a_shard_that_fails_to_open_leaves_no_partial_dir(tmp_path, image_raw, monkeypatch):
+    """The disk can fill up while a shard's slots file is made, after its partial dir exists."""
+    import errno
+    from concurrent.futures import ThreadPoolExecutor
+
+    from packer import builder, engines, writer
+
+    config = builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, shard_rows=8, shard_bytes=None,
+                                 workers=1)
+    prep = builder._prepare(config)
+    jobs = [(task, list(builder.records_of(prep.found, task))) for task in prep.plan.tasks]
+    open_pieces = engines.open_pieces
+
+    def full_disk_at_the_third(ctx, task):
+        if task.index == prep.plan.tasks[2].index:
+            writer.partial_dir(ctx.staging, task.index, fresh=True)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return open_pieces(ctx, task)
+
+    monkeypatch.setattr(engines, "open_pieces", full_disk_at_the_third)
+    with ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="No space"):
+        engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
+    assert sorted(p.name for p in (tmp_path / "out" / fmt.STAGING_DIR).glob("*.partial")) == []
+
+
 def test_start_writeback_keeps_the_bytes_and_is_found_on_linux(tmp_path):
     from packer import writer
 
