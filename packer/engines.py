@@ -119,8 +119,8 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
     if method == "fork":
         _fork_now(pool)
     if pieces:  # this process is the last worker: it decodes from the start, while the pool starts
-        # (first in the list: ties go to it, so the first piece starts here at once; the pool's
-        # first submit then starts its processes, which takes tens of ms)
+        # (first in the list: ties go to it, so the first piece starts here at once; a forkserver
+        # pool's first submit then starts its processes, which takes tens of ms)
         pool = _Spread([(ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1), (pool, procs)])
         set_progress_sink(here.put)  # no pickling, no feeder thread
     try:

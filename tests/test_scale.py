@@ -654,8 +654,8 @@ def test_workers_fork_only_from_a_single_thread_and_never_for_a_tokenizer():
 def test_an_image_build_forked_from_the_command_gives_the_same_bytes(tmp_path, image_raw, workers):
     """The `packer` command runs one thread, so its image pool forks: every worker before any
     thread of the pool starts (the piece lane here, the pool's own), with the same bytes as one
-    worker (the in-process builds of the other tests go through the forkserver: pytest runs
-    more than one thread)."""
+    worker (the in-process builds of the other tests go through the forkserver wherever pytest
+    runs more than one thread, as it does here with numpy's OpenBLAS threads)."""
     build(image_raw, tmp_path / "one", *IMG, "--workers", 1)
     argv = ["build", str(image_raw), str(tmp_path / "forked"), "-q", *IMG, "--workers", str(workers)]
     code = ("import os, sys, packer.cli; forks = []; "
