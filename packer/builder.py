@@ -140,13 +140,12 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
         raise ConfigError("build(): a config with part= runs through build_part() and commit()")
     started = time.time()
     prep = _prepare(config)
-    with gc_frozen():  # the scan's objects: a collector's pass over them now finds nothing
-        try:
-            _, cores = _run(prep, prep.plan.tasks, on_progress)
-            return commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores)
-        except MmpackError:
-            _discard(config)
-            raise
+    try:
+        _, cores = _run(prep, prep.plan.tasks, on_progress)
+        return commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores)
+    except MmpackError:
+        _discard(config)
+        raise
 
 
 def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> PartReport:
@@ -155,8 +154,7 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
     i, n = config.part or (0, 1)
     tasks = prep.plan.tasks
     mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
-    with gc_frozen():
-        results, _ = _run(prep, mine, on_progress)
+    results, _ = _run(prep, mine, on_progress)
     return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
                       sum(r.items for r in results), len(tasks))
 
@@ -433,18 +431,19 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
     workers = prep.config.num_workers
     workers, threads = parallelism(workers, pool_tasks(prep.ctx, [t.items for t in todo], workers))
     cores = min(workers * (threads if prep.ctx.tokenizer is not None else 1), available_cores())
-    if prep.config.engine == "ray":
-        from .engines import run_ray
+    with gc_frozen():  # the scan's objects: a collector's pass over them, here or in a fork, finds nothing
+        if prep.config.engine == "ray":
+            from .engines import run_ray
 
-        ran, cores = run_ray(prep.ctx, jobs, advance, prep.config.ray_address), None
-    elif workers <= 1:
-        from .engines import run_here
+            ran, cores = run_ray(prep.ctx, jobs, advance, prep.config.ray_address), None
+        elif workers <= 1:
+            from .engines import run_here
 
-        ran = run_here(prep.ctx, jobs, advance)
-    else:
-        from .engines import run_pool
+            ran = run_here(prep.ctx, jobs, advance)
+        else:
+            from .engines import run_pool
 
-        ran = run_pool(prep.ctx, jobs, advance, workers, threads)
+            ran = run_pool(prep.ctx, jobs, advance, workers, threads)
     results.update((r.shard.index, r) for r in ran)
     return [results[t.index] for t in tasks], cores
 

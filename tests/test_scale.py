@@ -672,12 +672,12 @@ def test_the_collector_skips_the_scan_then_its_objects_and_is_restored(tmp_path,
     of it; afterwards it is as it was, after a user error too, and off if the caller had it off."""
     import gc
 
-    from packer import builder
+    from packer import builder, engines
 
     seen = []
-    scan, run = builder.scan, builder._run
+    scan, run = builder.scan, engines.run_here
     monkeypatch.setattr(builder, "scan", lambda *a: (seen.append(("scan", gc.isenabled())), scan(*a))[1])
-    monkeypatch.setattr(builder, "_run", lambda *a: (seen.append(("run", gc.get_freeze_count() > 0)), run(*a))[1])
+    monkeypatch.setattr(engines, "run_here", lambda *a: (seen.append(("run", gc.get_freeze_count() > 0)), run(*a))[1])
     assert gc.isenabled() and gc.get_freeze_count() == 0
     builder.build(builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, workers=1))
     assert seen == [("scan", False), ("run", True)] and gc.isenabled() and gc.get_freeze_count() == 0
