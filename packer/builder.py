@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import time
@@ -274,8 +275,8 @@ def _inputs_digest(found: Scan) -> str:
     for r in found.records:
         for path in (r.path, r.caption):
             if path is not None:
-                size, mtime = found.stats[str(path)]
-                digest.update(f"{r.key}\0{path.name}\0{size}\0{mtime}\n".encode())
+                size, mtime = found.stats[path]
+                digest.update(f"{r.key}\0{os.path.basename(path)}\0{size}\0{mtime}\n".encode())
     for s in found.skipped:
         digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())
     return digest.hexdigest()

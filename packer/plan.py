@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from .format import Skip
 from .sources import JSONL, PARQUET, Record, Scan
@@ -106,14 +106,14 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
             cutter.add(Span(i), 1, _image_bytes(record, image_size))
     else:
         for i, record in enumerate(found.records):
-            ext = record.path.suffix.lower()
+            ext = os.path.splitext(record.path)[1].lower()
             try:
                 if ext == JSONL:
                     _plan_jsonl(cutter, i, record.path, token_itemsize)
                 elif ext == PARQUET:
                     _plan_parquet(cutter, i, record, token_itemsize)
                 else:
-                    size = found.stats[str(record.path)][0]  # the scan's stat, as the fingerprint's
+                    size = found.stats[record.path][0]  # the scan's stat, as the fingerprint's
                     cutter.add(Span(i), 1, _text_bytes(size, token_itemsize))
             except _Unusable as exc:
                 skipped.append(Skip(record.key, "read", str(exc)))
@@ -143,7 +143,7 @@ def _text_bytes(raw_bytes: int, token_itemsize: int) -> int:
     return raw_bytes * token_itemsize // TEXT_BYTES_PER_TOKEN + _SAMPLE_OVERHEAD
 
 
-def _plan_jsonl(cutter: _Cutter, i: int, path: Path, itemsize: int) -> None:
+def _plan_jsonl(cutter: _Cutter, i: int, path: str, itemsize: int) -> None:
     """Line ranges of one JSONL file, cut where the current shard fills (one pass, a line at a time)."""
     start = pos = rows = nbytes = 0
     first_line = line = 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,8 +38,9 @@ def _utf8(raw: bytes) -> str:
         raise SourceError(f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 4]!r})") from None
 
 
-def read_caption(path: Path) -> str:
+def read_caption(path: str | Path) -> str:
     """A caption from `<stem>.txt` (the whole file, stripped) or `<stem>.json` ({"caption": ...})."""
+    path = Path(path)
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -63,10 +65,10 @@ def iter_documents(record: Record, text_key: str = "text", start: int = 0, stop:
     """Documents of one text file, in line / row order, or skips with reasons. A piece of a
     file (a shard's span): JSONL bytes [start, stop) starting at line `first_line`; Parquet
     rows [start, stop)."""
-    ext = record.path.suffix.lower()
+    ext = os.path.splitext(record.path)[1].lower()
     try:
         if ext == TXT:
-            yield _check(Document(record.key, _utf8(record.path.read_bytes())))
+            yield _check(Document(record.key, _utf8(Path(record.path).read_bytes())))
         elif ext == JSONL:
             yield from _iter_jsonl(record, text_key, start, stop, first_line)
         elif ext == PARQUET:

@@ -323,12 +323,12 @@ def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, mo
     assert stats[str(raw / "b/2.png")] == (st.st_size, st.st_mtime_ns) and len(stats) == 2
     monkeypatch.chdir(raw / "b")  # RAW given as "."
     files, _, stats = sources.list_files(Path("."))
-    assert [rel for rel, _ in files] == ["2.png"] and all(str(path) in stats for _, path in files)
+    assert [rel for rel, _ in files] == ["2.png"] and all(path in stats for _, path in files)
 
 
 @given(n=st.integers(0, 60), ahead=st.integers(0, 10))
 def test_read_ahead_keeps_order_and_prefetches_each_record_ahead_of_its_turn(n, ahead):
-    records = [sources.Record(f"r{i}", Path(f"/nowhere/r{i}.jpg")) for i in range(n)]
+    records = [sources.Record(f"r{i}", f"/nowhere/r{i}.jpg") for i in range(n)]
     items = [(i, r) for i, r in enumerate(records)]
     prefetched = []
     with mock.patch.object(sources, "prefetch", lambda rs: prefetched.extend(r.key for r in rs)):
@@ -347,7 +347,7 @@ def test_prefetch_asks_only_when_the_inputs_are_not_cached(tmp_path, monkeypatch
     records = []
     for i in range(5):
         (tmp_path / f"{i}.jpg").write_bytes(os.urandom(20000))
-        records.append(sources.Record(f"{i}.jpg", tmp_path / f"{i}.jpg"))
+        records.append(sources.Record(f"{i}.jpg", str(tmp_path / f"{i}.jpg")))
     asked = []
     monkeypatch.setattr(sources.os, "posix_fadvise", lambda fd, offset, n, advice: asked.append(advice))
     sources.prefetch(records)
@@ -371,7 +371,7 @@ def test_prefetch_leaves_unreadable_inputs_to_the_reader(tmp_path):
     (tmp_path / "folder").mkdir()
     os.mkfifo(tmp_path / "fifo.png")
     paths = ["ok.jpg", "missing.jpg", "folder", "fifo.png", "big.jsonl", "big.parquet"]
-    records = [sources.Record(p, tmp_path / p, caption=tmp_path / "missing.txt") for p in paths]
+    records = [sources.Record(p, str(tmp_path / p), caption=str(tmp_path / "missing.txt")) for p in paths]
     done = threading.Thread(target=sources.prefetch, args=(records,), daemon=True)
     done.start()
     done.join(timeout=10)
