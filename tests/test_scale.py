@@ -457,6 +457,25 @@ def test_pieces_cover_a_shard_and_shrink_only_towards_the_builds_end(rows, last,
         assert all(size >= MIN_PIECE_ROWS for size in sizes[:-1]) and sizes == sorted(sizes, reverse=True)
 
 
+@given(n=st.integers(0, 3000), size=st.integers(1, 64), rows=st.none() | st.integers(1, 500),
+       nbytes=st.none() | st.integers(1, 2_000_000))
+def test_fixed_size_images_are_planned_as_one_image_at_a_time_would_be(n, size, rows, nbytes):
+    """Images of one output size are planned a run of records at a time: the same shards as
+    the record-by-record cut that sizes vary with ('keep')."""
+    from packer import plan as planning
+    from packer.sources import Record, Scan
+
+    if rows is None and nbytes is None:
+        rows = 100
+    found = Scan("images", tuple(Record(f"c/{i}.jpg", f"/nowhere/c/{i}.jpg", label=0) for i in range(n)), ())
+    fast = planning.plan(found, image_size=size, token_itemsize=2, shard_rows=rows, shard_bytes=nbytes)
+    cutter = planning._Cutter(rows, nbytes, 0)
+    for i in range(n):
+        cutter.add(planning.Span(i), 1, planning._image_bytes(None, size))
+    cutter.cut()
+    assert fast.tasks == tuple(cutter.tasks)
+
+
 def test_only_the_last_shards_pieces_start_their_writeback_early(tmp_path, image_raw):
     """The build's last fsync is time in which no core decodes, so the last shard's pieces have
     the kernel start writing their rows at once; the other shards' rows are left to their fsync,
