@@ -200,8 +200,8 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, ad
                 return
             index, first, stop = calls.popleft()
             shard = shards[index]
-            records = shard.records[first:stop]
-            prefetch(r for _, r in records)  # read while the pieces before it decode
+            records = [record for _, record in shard.records[first:stop]]  # no spans: less to pickle
+            prefetch(records)  # read while the pieces before it decode
             pending[pool.submit(run_piece, ctx, index, first, records, writeback=shard.last)] = index
 
     def _open_next() -> bool:

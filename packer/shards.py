@@ -322,7 +322,7 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
     return None
 
 
-def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Span, Record]], *,
+def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], *,
               writeback: bool = False) -> dict[int, fmt.Skip]:
     """Decode records into slots first, first + 1, ... of shard `index`; returns the skips by
     slot. `writeback`: start writing the rows to disk at once (the build's last shard, whose
@@ -331,7 +331,7 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[tuple[Spa
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
     skips = {}
     try:
-        for slot, (_, record) in enumerate(records, start=first):
+        for slot, record in enumerate(records, start=first):
             try:
                 slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
             except SourceError as exc:
