@@ -45,10 +45,11 @@ class Transfer:
 
 
 class _Hashing:
-    """A file wrapper that hashes every byte read or written through it."""
+    """A file wrapper that hashes every byte read or written through it: a column file with the
+    format's checksum (fmt.FileChecksum), a compressed one with fmt.new_checksum."""
 
-    def __init__(self, f):
-        self.f, self.digest, self.count = f, fmt.new_checksum(), 0
+    def __init__(self, f, hasher):
+        self.f, self.digest, self.count = f, hasher(), 0
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
@@ -88,11 +89,11 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
         src, dst = root / entry.path, staging / (entry.path + fmt.ARCHIVE_SUFFIX)
         dst.parent.mkdir(parents=True, exist_ok=True)
         with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
-            reader, out = _Hashing(fin), _Hashing(fout)
+            reader, out = _Hashing(fin, fmt.FileChecksum), _Hashing(fout, fmt.new_checksum)
             zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
             fout.flush()
             os.fsync(fout.fileno())
-        if reader.digest.hexdigest() != entry.xxh3_128:
+        if reader.digest.hexdigest() != entry.xxh3_128_rows:
             raise IntegrityError(f"{src}: checksum differs from the manifest; run 'packer verify {root}'")
         return fmt.ArchiveFile(entry.path + fmt.ARCHIVE_SUFFIX, entry.path, out.count, out.digest.hexdigest())
 
@@ -123,7 +124,7 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
             with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
-                reader, result = _Hashing(fin), _Hashing(fout)
+                reader, result = _Hashing(fin, fmt.new_checksum), _Hashing(fout, fmt.FileChecksum)
                 zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
                 fout.flush()
                 os.fsync(fout.fileno())
@@ -134,7 +135,7 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
         if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.xxh3_128:
             raise IntegrityError(f"{src}: damaged archive file (size or checksum differs from {fmt.ARCHIVE_NAME})")
         want = raw[entry.of]
-        if result.count != want.size_bytes or result.digest.hexdigest() != want.xxh3_128:
+        if result.count != want.size_bytes or result.digest.hexdigest() != want.xxh3_128_rows:
             raise IntegrityError(f"{src}: unpacks to data whose checksum differs from the manifest")
 
     try:

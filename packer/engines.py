@@ -231,10 +231,13 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, ad
                     continue
                 shard = shards[index]
                 shard.pieces_left -= 1
-                shard.skips.update(value)
+                skips, digests = value
+                shard.skips.update(skips)
+                shard.digests.update(digests)
                 if shard.pieces_left == 0:
                     del shards[index]
-                    pending[finisher.submit(finish_pieces, ctx, shard.task, shard.records, shard.skips)] = None
+                    pending[finisher.submit(finish_pieces, ctx, shard.task, shard.records, shard.skips,
+                                            shard.digests)] = None
             refill()
     except BaseException:  # a piece, an open or a finish failed (a full disk): no half-filled shard
         # stays behind, be it in pieces, half opened or waiting for its finish (cancelled here);
@@ -258,6 +261,7 @@ class _Opened:
     pieces_left: int
     last: bool  # the build's last shard: its pieces start their writeback as they finish
     skips: dict = field(default_factory=dict)  # slot -> Skip, from the pieces back so far
+    digests: dict = field(default_factory=dict)  # slot -> the checksum digest of its image row
 
 
 _END = object()

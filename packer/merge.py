@@ -80,5 +80,5 @@ def _place(src_root: Path, shard: fmt.Shard, index: int, staging: Path, relabel)
             os.link(src, dst)
         except OSError:  # another file system, or links not allowed: copy
             shutil.copyfile(src, dst)
-        files.append(fmt.FileEntry(f"{name}/{base}", entry.size_bytes, entry.xxh3_128))
+        files.append(fmt.FileEntry(f"{name}/{base}", entry.size_bytes, entry.xxh3_128_rows))
     return fmt.Shard(index, shard.num_samples, tuple(files))

@@ -155,7 +155,7 @@ def reusable(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
     for entry in result.shard.files:
         path = staging / entry.path
         try:
-            if path.stat().st_size != entry.size_bytes or writer.checksum_file(path) != entry.xxh3_128:
+            if path.stat().st_size != entry.size_bytes or writer.checksum_file(path) != entry.xxh3_128_rows:
                 return None
         except OSError:
             return None
@@ -323,17 +323,18 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
 
 
 def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], *,
-              writeback: bool = False) -> dict[int, fmt.Skip]:
-    """Decode records into slots first, first + 1, ... of shard `index`; returns the skips by
-    slot. `writeback`: start writing the rows to disk at once (the build's last shard, whose
-    fsync no decoding overlaps; the other shards' rows are written by their fsync, on the side)."""
+              writeback: bool = False) -> tuple[dict[int, fmt.Skip], dict[int, bytes]]:
+    """Decode records into slots first, first + 1, ... of shard `index`; returns the skips and
+    the written rows' checksum digests (SlotWriter.put), by slot. `writeback`: start writing the
+    rows to disk at once (the build's last shard, whose fsync no decoding overlaps; the other
+    shards' rows are written by their fsync, on the side)."""
     ticker = _Ticker()
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
-    skips = {}
+    skips, digests = {}, {}
     try:
         for slot, record in enumerate(records, start=first):
             try:
-                slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
+                digests[slot] = slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
             except SourceError as exc:
                 skip = fmt.Skip(record.key, "decode", str(exc))
                 _check_strict(ctx, skip)
@@ -344,15 +345,17 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
     finally:
         slots.close()
     ticker.tick(0, flush=True)
-    return skips
+    return skips, {slot: d for slot, d in digests.items() if d is not None}
 
 
 def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
-                  skips: dict[int, fmt.Skip]) -> ShardResult:
-    """Every piece of shard `task` done: labels and keys of the kept records, then close."""
+                  skips: dict[int, fmt.Skip], digests: dict[int, bytes]) -> ShardResult:
+    """Every piece of shard `task` done: labels and keys of the kept records, then close (the
+    image rows' digests, from the pieces, give that file's checksum)."""
     with shard_lock(ctx.staging, task.index):
         keep = [slot not in skips for slot in range(len(records))]
-        shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns, slots={"image": keep})
+        shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns, slots={"image": keep},
+                                   digests={"image": digests})
         try:
             shard.extend([_image_fields(record) for (_, record), kept in zip(records, keep) if kept])
         except BaseException:

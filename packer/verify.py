@@ -41,8 +41,8 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
 def _check_hash(root: Path, entry: fmt.FileEntry) -> None:
     path = root / entry.path
     digest = checksum_file(path)
-    if digest != entry.xxh3_128:
-        raise IntegrityError(f"{path}: checksum {digest[:16]}..., manifest says {entry.xxh3_128[:16]}... "
+    if digest != entry.xxh3_128_rows:
+        raise IntegrityError(f"{path}: checksum {digest[:16]}..., manifest says {entry.xxh3_128_rows[:16]}... "
                              f"({fmt.CHECKSUM})")
 
 

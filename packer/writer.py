@@ -26,9 +26,9 @@ from .system import linux_libc
 
 
 def checksum_file(path: Path) -> str:
-    """The format's checksum (fmt.CHECKSUM) of a whole file, hex."""
+    """The format's checksum (fmt.CHECKSUM) of a whole column file, hex."""
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, fmt.new_checksum).hexdigest()
+        return hashlib.file_digest(f, fmt.FileChecksum).hexdigest()
 
 
 @contextlib.contextmanager
@@ -105,6 +105,7 @@ class _ColumnWriter:
         self.column = column
         names = fmt.column_file_names(column)
         self.paths = [shard_dir / n for n in names.values()]
+        self.checksums: dict[Path, str] = {}  # none known before close: its files are read back
         if column.ragged:
             self.values = _NpyStream(shard_dir / names["values"], column.dtype, ())
             self.offsets = [0]
@@ -181,14 +182,18 @@ class SlotWriter:
         with naming(path):
             self.fd = os.open(path, os.O_WRONLY)
 
-    def put(self, slot: int, value: np.ndarray) -> None:
+    def put(self, slot: int, value: np.ndarray) -> bytes | None:
+        """Write one row; returns its checksum block's digest when a row is a block of its own
+        (hashed here, while the row is in this core's cache), else None."""
         _check_shape(self.column, value)
         data = memoryview(np.ascontiguousarray(value, dtype=self.column.dtype)).cast("B")
+        digest = fmt.block_digest(data) if fmt.rows_per_block(self.row) == 1 else None
         offset = fmt.NPY_HEADER_BYTES + slot * self.row
         with naming(self.path):
             while data:
                 done = os.pwrite(self.fd, data, offset)
                 data, offset = data[done:], offset + done
+        return digest
 
     def start_writeback(self, first: int, count: int) -> None:
         """Have the kernel start writing slots [first, first + count) to disk now, without
@@ -220,11 +225,13 @@ def _sync_file_range():
 class _SlotColumn:
     """The ShardWriter side of a slots file: at close the rows of skipped records (`keep`
     False) are squeezed out and the header gets the row count, so the bytes are exactly those
-    `_ColumnWriter` writes for the kept rows in order."""
+    `_ColumnWriter` writes for the kept rows in order. With the digest of every kept row (from
+    SlotWriter.put) the file's checksum needs no reading back."""
 
-    def __init__(self, shard_dir: Path, column: fmt.Column, keep: list[bool]):
-        self.column, self.keep = column, keep
+    def __init__(self, shard_dir: Path, column: fmt.Column, keep: list[bool], digests: dict[int, bytes]):
+        self.column, self.keep, self.digests = column, keep, digests
         self.paths = [shard_dir / fmt.column_file_names(column)["values"]]
+        self.checksums: dict[Path, str] = {}
 
     def add(self, value) -> None:
         pass
@@ -238,9 +245,12 @@ class _SlotColumn:
                     data = os.pread(f.fileno(), row, fmt.NPY_HEADER_BYTES + slot * row)
                     os.pwrite(f.fileno(), data, fmt.NPY_HEADER_BYTES + new * row)
             f.truncate(fmt.NPY_HEADER_BYTES + len(kept) * row)
-            f.write(fmt.npy_header(col.dtype, (len(kept), *col.shape)))
+            header = fmt.npy_header(col.dtype, (len(kept), *col.shape))
+            f.write(header)
             f.flush()
             os.fsync(f.fileno())
+        if fmt.rows_per_block(row) == 1 and all(slot in self.digests for slot in kept):
+            self.checksums[path] = fmt.checksum_of_blocks([fmt.block_digest(header), *map(self.digests.get, kept)])
 
     def abort(self) -> None:
         pass
@@ -265,13 +275,13 @@ class ShardWriter:
     """
 
     def __init__(self, staging: Path, index: int, columns: tuple[fmt.Column, ...],
-                 slots: dict[str, list[bool]] | None = None):
+                 slots: dict[str, list[bool]] | None = None, digests: dict[str, dict[int, bytes]] | None = None):
         self.index = index
         self.final_dir = staging / fmt.shard_dir_name(index)
         self.dir = partial_dir(staging, index, fresh=not slots)
-        slots = slots or {}
-        self._columns = [_SlotColumn(self.dir, c, slots[c.name]) if c.name in slots else _ColumnWriter(self.dir, c)
-                         for c in columns]
+        slots, digests = slots or {}, digests or {}
+        self._columns = [_SlotColumn(self.dir, c, slots[c.name], digests.get(c.name, {})) if c.name in slots
+                         else _ColumnWriter(self.dir, c) for c in columns]
         self.num_samples = 0
 
     def add(self, sample: dict[str, np.ndarray]) -> None:
@@ -293,7 +303,8 @@ class ShardWriter:
         for writer in self._columns:
             for path in writer.paths:
                 rel = f"{fmt.shard_dir_name(self.index)}/{path.name}"
-                files.append(fmt.FileEntry(rel, path.stat().st_size, checksum_file(path)))
+                checksum = writer.checksums.get(path) or checksum_file(path)
+                files.append(fmt.FileEntry(rel, path.stat().st_size, checksum))
         shutil.rmtree(self.final_dir, ignore_errors=True)
         os.rename(self.dir, self.final_dir)
         return fmt.Shard(self.index, self.num_samples, tuple(files))

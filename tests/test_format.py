@@ -99,9 +99,39 @@ def test_extend_writes_the_bytes_of_add(tmp_path_factory, docs, dtype, cuts):
             w.extend(samples[a:b])
         runs = w.close()
     assert runs.num_samples == one.num_samples == len(samples)
-    assert [(f.size_bytes, f.xxh3_128) for f in runs.files] == [(f.size_bytes, f.xxh3_128) for f in one.files]
+    assert [(f.size_bytes, f.xxh3_128_rows) for f in runs.files] == [(f.size_bytes, f.xxh3_128_rows) for f in one.files]
     with pytest.raises(KeyError, match="label"), ShardWriter(root, 2, cols) as w:
         w.extend([{"tokens": np.zeros(1, dtype), "image": np.zeros((0, 2, 3), np.uint8)}])
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from(["|u1", "<u2", "<i8"]), rows=st.integers(0, 40),
+       row_shape=st.sampled_from([(), (3,), (100, 3), (112, 112, 3), (40000,)]), cuts=st.lists(st.integers(0, 10**7)))
+def test_a_column_files_checksum_is_its_header_and_row_blocks_hashed(tmp_path_factory, dtype, rows, row_shape, cuts):
+    """xxh3_128_rows, written out from FORMAT.md: XXH3-128 over the digests of the header, then
+    of blocks of rows_per_block whole rows. Fed in pieces of any size, or read from the file, it
+    is the same."""
+    import xxhash
+
+    from packer.writer import checksum_file
+
+    array = np.arange(rows * int(np.prod(row_shape)), dtype=dtype).reshape(rows, *row_shape)
+    header = fmt.npy_header(dtype, array.shape)
+    data = header + array.tobytes()
+    row = array.itemsize * int(np.prod(row_shape))
+    per = max(1, 65536 // row)
+    blocks = [header] + [array[i:i + per].tobytes() for i in range(0, rows, per)]
+    expected = xxhash.xxh3_128(b"".join(xxhash.xxh3_128_digest(b) for b in blocks)).hexdigest()
+    fed = fmt.FileChecksum()
+    bounds = sorted({0, len(data), *(c % (len(data) + 1) for c in cuts)})
+    for a, b in zip(bounds, bounds[1:]):
+        fed.update(data[a:b])
+    path = tmp_path_factory.mktemp("sum") / "x.npy"
+    path.write_bytes(data)
+    assert fed.hexdigest() == checksum_file(path) == expected
+    for damaged in (data[:50], data[:1] + b"x" + data[2:], b""):  # short, a broken header, empty
+        path.write_bytes(damaged)
+        assert checksum_file(path) != expected and len(checksum_file(path)) == 32
 
 
 @settings(max_examples=60, deadline=None)

@@ -79,19 +79,21 @@ def test_unknown_major_version_is_refused(dataset):
         MMapDataset(dataset)
 
 
-def test_a_version_1_dataset_is_refused_in_one_line(dataset, capsys):
-    """1.x listed sha256 per file; 2.0 lists xxh3_128: a 1.x dataset is named, not misread."""
+@pytest.mark.parametrize("version, key", [("1.0", "sha256"), ("2.0", "xxh3_128")])
+def test_an_older_major_dataset_is_refused_in_one_line(dataset, capsys, version, key):
+    """1.x listed a sha256 per file, 2.x a plain XXH3-128 of the whole file, 3.0 the
+    xxh3_128_rows checksum: an older dataset is named, not misread as damaged."""
     path = dataset / fmt.MANIFEST_NAME
     doc = json.loads(path.read_text())
-    doc["version"] = "1.0"
+    doc["version"] = version
     for shard in doc["shards"]:
         for f in shard["files"]:
-            f["sha256"] = "0" * 64
-            del f["xxh3_128"]
+            f[key] = "0" * 32
+            del f["xxh3_128_rows"]
     path.write_text(json.dumps(doc))
     assert main(["info", str(dataset)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "format version 1.0 is not supported" in err and str(path) in err
+    assert err.count("\n") == 1 and f"format version {version} is not supported" in err and str(path) in err
 
 
 def test_newer_minor_version_with_unknown_keys_opens(dataset):

@@ -80,6 +80,27 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     assert any(k.endswith(".jsonl:" + k.rsplit(":", 1)[1]) and not k.endswith(":1") for k in firsts if ".jsonl:" in k)
 
 
+def test_image_rows_are_hashed_where_they_are_written_not_read_back(tmp_path, image_raw, monkeypatch):
+    """Rows of 32 KiB and more are checksum blocks of their own: the processes decoding a
+    shard's pieces hash each row as they write it, and the shard's close combines those digests
+    (skipped records' rows squeezed out) instead of reading image.npy back. The checksums are
+    those of a 1-worker build, which reads every file back, and `packer verify` agrees."""
+    from packer import writer
+
+    size = ("--image-size", "112", "--shard-size", "8")  # 112 x 112 x 3 = 37,632 bytes a row
+    build(image_raw, tmp_path / "one", *size, "--workers", 1)
+    read_back = []
+    checksum_file = writer.checksum_file
+    monkeypatch.setattr(writer, "checksum_file", lambda path: read_back.append(path.name) or checksum_file(path))
+    build(image_raw, tmp_path / "two", *size, "--workers", 2)
+    assert tree(tmp_path / "two") == tree(tmp_path / "one")
+    assert read_back and "image.npy" not in read_back  # labels and keys are still read back
+    m = load_manifest(tmp_path / "two")
+    assert m.counts["skipped"] > 0 and any(s.num_samples < 8 for s in m.shards[:-1])  # rows were squeezed
+    monkeypatch.undo()
+    assert main(["verify", str(tmp_path / "two")]) == 0
+
+
 @pytest.mark.parametrize("workers", [1, 2])  # shards closed on a thread / image pieces in a pool
 def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw, workers):
     args = ["--image-size", "96", "--shard-size", "4", "--workers", str(workers)]
