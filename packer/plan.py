@@ -72,11 +72,15 @@ class _Cutter:
             or (self.bytes_limit and self._bytes + nbytes >= self.bytes_limit)
         )
 
-    def room_rows(self) -> int | None:
-        return None if not self.rows_limit else self.rows_limit - self._rows
-
-    def room_bytes(self) -> int | None:
-        return None if not self.bytes_limit else self.bytes_limit - self._bytes
+    def fitting(self, left: int, each: int) -> int:
+        """How many of `left` rows of `each` bytes to add in one run: those that fill the
+        current shard (at least one), or all that are left."""
+        take = left
+        if self.rows_limit:
+            take = min(take, self.rows_limit - self._rows)
+        if self.bytes_limit:
+            take = min(take, max(1, -(-(self.bytes_limit - self._bytes) // each)))
+        return take
 
     def add(self, span: Span, rows: int, nbytes: int) -> None:
         last = self._spans[-1] if self._spans else None
@@ -135,12 +139,7 @@ def _plan_fixed(cutter: _Cutter, n: int, nbytes: int) -> None:
     before the first decode)."""
     first = 0
     while first < n:
-        take = n - first
-        rows, room = cutter.room_rows(), cutter.room_bytes()
-        if rows is not None:
-            take = min(take, rows)
-        if room is not None:
-            take = min(take, max(1, -(-room // nbytes)))
+        take = cutter.fitting(n - first, nbytes)
         cutter.add(Span(first, take), take, take * nbytes)
         first += take
 
@@ -195,12 +194,7 @@ def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int) -> Non
     per_row = max(1, _text_bytes(sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)), itemsize) // total)
     row = 0
     while row < total:
-        take = total - row
-        rows, nbytes = cutter.room_rows(), cutter.room_bytes()
-        if rows is not None:
-            take = min(take, rows)
-        if nbytes is not None:
-            take = min(take, max(1, -(-nbytes // per_row)))
+        take = cutter.fitting(total - row, per_row)
         whole = row == 0 and take == total
         cutter.add(Span(i) if whole else Span(i, 1, row, row + take), take, take * per_row)
         row += take
