@@ -1,9 +1,11 @@
-"""`Loader`: whole batches from a ring of reusable (pinned) buffers, filled ahead by a producer
-thread; and `BatchedDataset`, the same batches for an existing `DataLoader`.
+"""`Loader`: whole batches gathered ahead by a producer thread into reusable (pinned) buffers;
+and `BatchedDataset`, the same batches for a DataLoader (see `loaders.stateful` for the
+DataLoader that resumes).
 
-Order, rank share and resumption come from `loaders.sampler`; the gather from
-`loaders.gather` (or `TokenWindows`). A yielded batch's tensors are views of a ring buffer and
-stay valid until the next batch is taken (as in FFCV): `.clone()` to keep one longer.
+Order, rank share, cursor and resume state come from `loaders.sampler`; the gather from the
+source (`loaders.gather`, `TokenWindows`, `PackedDocuments`). A batch's tensors are views of a
+buffer of the ring (`loaders.ring`), which is refilled only once nothing the caller holds refers
+to it: batches are safe to keep.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -18,11 +21,14 @@ import numpy as np
 import torch
 
 from .gather import Memory
-from .sampler import EpochPlan, Order, worker_batches
+from .ring import Ring
+from .sampler import EpochPlan, Order, Pass, worker_batches
 
 
 class BatchSource(Protocol):
-    """What Loader needs of a dataset: its size, buffers, and a gather of ids into them."""
+    """What Loader needs of a dataset: its size, its identity, buffers, and a gather of ids."""
+
+    source_id: str  # what a sample id means (dataset and view): part of the resume state
 
     def __len__(self) -> int: ...
 
@@ -43,39 +49,54 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
     return dataset
 
 
+def default_threads() -> int:
+    """Gather threads by default: the cores this process may use, up to 4 (beyond that one
+    producer's batches do not come faster)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
 class Loader:
-    """Batches of a packed dataset (or TokenWindows) at memory bandwidth.
+    """Batches of a packed dataset (or TokenWindows / PackedDocuments) at memory bandwidth.
+
+    Iterating it again starts the next epoch; `state_dict()` / `load_state_dict()` resume
+    exactly (see `loaders.sampler.EpochPlan`).
 
     Args:
-        dataset: an MMapDataset, a dataset dir, or a TokenWindows view.
+        dataset: an MMapDataset, a dataset dir, or a TokenWindows / PackedDocuments view.
         batch_size: samples per batch on this rank.
         shuffle: False means order="sequential" unless `order` is given.
-        seed: with the epoch (`set_epoch`), fixes the order.
+        seed: with the epoch, fixes the order.
         drop_last: drop the last partial global batch (else pad by repeating, as
             DistributedSampler does, so every rank gets the same number of batches).
-        num_threads: gather threads (default: min(4, cores)).
+        num_threads: gather threads (default: the cores this process may use, up to 4).
         pin_memory: None = pinned when CUDA is available.
         device: hand batches over already on this device (see `loaders.to_device`).
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
         rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE.
         columns: the columns to gather (default all).
-        num_buffers: ring size, >= 2: the batch the caller holds plus those filled ahead.
+        num_buffers: batch buffers in the ring, >= 2: the batch the caller holds and
+            num_buffers - 1 gathered ahead (more are allocated only while the caller keeps
+            batches; see `loaders.ring`).
     """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_threads: int | None = None, pin_memory: bool | None = None, device=None,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, num_buffers: int = 2):
+                 columns: list[str] | None = None, num_buffers: int = 3):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
-                               drop_last=drop_last, rank=rank, world_size=world_size)
-        self.num_threads = num_threads or min(4, os.cpu_count() or 1)
+                               drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
+        self.num_threads = num_threads or default_threads()
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
         if num_buffers < 2:
             raise ValueError("num_buffers must be >= 2")
         self.num_buffers = num_buffers
-        self._ring: list[dict] | None = None
+        self._ring: Ring | None = None
         self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
 
     @property
@@ -90,47 +111,75 @@ class Loader:
     def world_size(self) -> int:
         return self._plan.world_size
 
+    @property
+    def epoch(self) -> int:
+        return self._plan.epoch
+
     def set_epoch(self, epoch: int) -> None:
-        self._plan.epoch, self._plan.cursor = epoch, 0
+        """The epoch of the next pass; the epoch the loader is in keeps its cursor (a resumed one)."""
+        self._plan.set_epoch(epoch)
 
     def state_dict(self) -> dict:
-        """A few integers: enough to resume exactly, whatever the worker or thread count."""
+        """Where the batches handed over so far end: load it into a Loader built the same way
+        (any thread or rank count, any process) and iterating goes on with the next batch."""
         return self._plan.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         self._plan.load_state_dict(state)
 
     def __len__(self) -> int:
-        return self._plan.num_batches(self._plan.share())
+        """Batches left in the current epoch."""
+        return self._plan.num_batches()
 
     def __iter__(self):
+        p = self._plan.start()
+        batches = self._gathered(p)
         if self.device is not None:
             from .cuda import to_device
 
-            return to_device(self._iter_host(), self.device)
-        return self._iter_host()
+            batches = to_device(batches, self.device)
+        return self._hand_over(p, batches)
 
-    def _iter_host(self):
+    def _hand_over(self, p: Pass, batches):
+        """Count each batch as taken when the caller gets it (not when it is made or copied)."""
+        taken = 0
+        try:
+            for batch in batches:
+                taken += 1
+                self._plan.taken(p, taken)
+                yield batch
+                del batch  # the caller's reference is the only one left
+            if taken == 0:
+                self._plan.taken(p, 0)
+        finally:
+            batches.close()
+
+    def _gathered(self, p: Pass):
         plan = self._plan
-        share = plan.share()
-        num_batches = plan.num_batches(share)
         if self._ring is None:
             memory = "pinned" if self.pin_memory else "ring"
-            self._ring = [self.source.alloc(plan.batch_size, memory) for _ in range(self.num_buffers)]
+            self._ring = Ring(lambda: self.source.alloc(plan.batch_size, memory), self.num_buffers)
+        ring = self._ring
         ready: queue.SimpleQueue = queue.SimpleQueue()
-        free = threading.Semaphore(self.num_buffers)  # ring buffers the producer may fill now
+        ahead = threading.Semaphore(self.num_buffers - 1)  # batches the producer may make before they are asked for
         stop = threading.Event()
+        waiting_for = [-1]  # the batch the consumer is blocked on, if any
 
         def produce():
             try:
-                for b in range(num_batches):
-                    while not free.acquire(timeout=0.1):  # a buffer comes free when the caller takes the next batch
+                for b in range(p.num_batches):
+                    while not ahead.acquire(timeout=0.1):
                         if stop.is_set():
                             return
-                    if stop.is_set():
+                    buffers = ring.take(lambda: waiting_for[0] == b, stop)
+                    if buffers is None:
                         return
-                    ids = share[b * plan.batch_size:(b + 1) * plan.batch_size]
-                    ready.put(self.source.gather(ids, self._ring[b % self.num_buffers], self._pool, self.num_threads))
+                    try:
+                        batch = self.source.gather(plan.batch_ids(p, b), buffers, self._pool, self.num_threads)
+                    finally:
+                        ring.filled(buffers)
+                    ready.put(batch)
+                    del batch, buffers
                 ready.put(None)
             except BaseException as exc:  # re-raised in the consumer
                 ready.put(exc)
@@ -138,18 +187,24 @@ class Loader:
         producer = threading.Thread(target=produce, daemon=True, name="mmpack-loader")
         producer.start()
         try:
-            while True:
-                item = ready.get()
+            for b in range(p.num_batches + 1):  # the batches, then the end (or an error)
+                try:
+                    item = ready.get_nowait()
+                except queue.Empty:
+                    waiting_for[0] = b
+                    ring.wake()
+                    item = ready.get()
+                    waiting_for[0] = -1
                 if item is None:
                     break
                 if isinstance(item, BaseException):
                     raise item
-                plan.advance(1)
                 yield item
-                free.release()  # the caller asks for the next batch: the one it held may be refilled
-            plan.cursor = 0  # the epoch is done; set_epoch() picks the next order
+                del item
+                ahead.release()  # the caller asks for the next batch: one more may be made
         finally:
             stop.set()
+            ring.wake()
             producer.join()
 
     def close(self) -> None:
@@ -158,44 +213,53 @@ class Loader:
 
 
 class BatchedDataset(torch.utils.data.IterableDataset):
-    """Whole batches for an existing DataLoader: `DataLoader(ds.batched(256), batch_size=None,
-    num_workers=k, pin_memory=True)`. Worker w makes batches w, w+k, ...; DataLoader takes them
-    round-robin, so the global order is the same for any k. No per-sample collate."""
+    """Whole batches for a DataLoader, no per-sample collate: worker w makes batches w, w+k, ...,
+    which DataLoader takes round-robin, so the order is the same for any k.
+
+    `loaders.StatefulDataLoader(ds.batched(256), num_workers=k)` advances epochs by itself and
+    resumes (`state_dict`). A plain `DataLoader(ds.batched(256), batch_size=None, num_workers=k)`
+    works too, but its worker processes cannot tell the dataset object you hold that an epoch
+    went by: call `set_epoch(epoch)` at the top of every epoch, as with DistributedSampler.
+    """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
-                               drop_last=drop_last, rank=rank, world_size=world_size)
+                               drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
+        self._epoch_given = False
 
     def set_epoch(self, epoch: int) -> None:
-        self._plan.epoch, self._plan.cursor = epoch, 0
-
-    def state_dict(self, batches_seen: int) -> dict:
-        """The state after the training loop took `batches_seen` batches from the DataLoader in
-        this epoch (since the last set_epoch / load_state_dict): DataLoader hands batches over in
-        the global order, so that count is all it takes. Load it into a fresh BatchedDataset
-        before building its DataLoader to resume exactly, with any number of workers."""
-        p = self._plan
-        state = p.state_dict()
-        state["cursor"] = min(p.cursor + batches_seen * p.batch_size * p.world_size, p.num_samples)
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        self._plan.load_state_dict(state)
+        self._plan.set_epoch(epoch)
+        self._epoch_given = True
 
     def __len__(self) -> int:
-        return self._plan.num_batches(self._plan.share())
+        return self._plan.num_batches()
+
+    def make(self, p: Pass, b: int):
+        """Batch b of pass p in fresh memory: shared memory in a DataLoader worker, so DataLoader
+        hands it to the main process by descriptor, without a copy (as default_collate does)."""
+        memory = "shared" if torch.utils.data.get_worker_info() else "plain"
+        ids = self._plan.batch_ids(p, b)
+        return self.source.gather(ids, self.source.alloc(len(ids), memory))
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        share = self._plan.share()
-        bs = self._plan.batch_size
-        # a fresh buffer per batch; in a worker it is shared memory from the start, so DataLoader
-        # hands it to the main process without a copy
-        memory = "shared" if info else "plain"
-        for b in worker_batches(self._plan.num_batches(share), worker, workers):
-            ids = share[b * bs:(b + 1) * bs]
-            yield self.source.gather(ids, self.source.alloc(len(ids), memory))
+        if info is not None and info.id == 0:
+            warn_if_epochs_repeat(self._plan, self._epoch_given)
+        p = self._plan.start()
+        for b in worker_batches(p.num_batches, worker, workers):
+            yield self.make(p, b)
+        self._plan.taken(p, p.num_batches)  # in-process, or a persistent worker's copy: next epoch
+
+
+def warn_if_epochs_repeat(plan: EpochPlan, epoch_given: bool) -> None:
+    """In a plain DataLoader's worker, a shuffled dataset that was never given an epoch may be
+    repeating epoch 0's order (non-persistent workers start from the object in the main process,
+    which no worker can advance)."""
+    if not epoch_given and plan.epoch == 0 and plan.cursor == 0 and plan.order != "sequential":
+        warnings.warn("epochs advance in DataLoader worker processes only through set_epoch(epoch) "
+                      "(call it at the top of every epoch) or loaders.StatefulDataLoader; without either, "
+                      "every epoch repeats epoch 0's order", stacklevel=3)

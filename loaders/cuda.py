@@ -23,9 +23,9 @@ def _map(fn, batch):
 def to_device(batches, device, prefetch: int = 2):
     """Yield `batches` on `device`, `prefetch` copies ahead of the consumer.
 
-    The host batch comes from Loader's ring, which refills a buffer once the next batch is
-    taken: each copy's event is synchronized (the CPU waits for the DMA only; the GPU keeps
-    computing on its own stream) before the next host batch is requested.
+    Each copy's event is synchronized (the CPU waits for the DMA only; the GPU keeps computing
+    on its own stream), then the host batch is let go before the next one is asked for: Loader
+    refills a host buffer once nothing refers to it.
     """
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
@@ -33,17 +33,31 @@ def to_device(batches, device, prefetch: int = 2):
         return
     stream = torch.cuda.Stream(device=device)
     pending: deque = deque()
-    for host in batches:
-        with torch.cuda.stream(stream):
-            on_device = _map(lambda t: t.to(device, non_blocking=True), host)
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()  # the host buffer may be refilled from here on
-        pending.append((on_device, done))
-        if len(pending) > prefetch:
+    source = iter(batches)
+    try:
+        while True:
+            host = next(source, _END)
+            if host is _END:
+                break
+            with torch.cuda.stream(stream):
+                on_device = _map(lambda t: t.to(device, non_blocking=True), host)
+                done = torch.cuda.Event()
+                done.record(stream)
+            done.synchronize()  # the host buffer may be refilled from here on
+            del host
+            pending.append((on_device, done))
+            del on_device
+            if len(pending) > prefetch:
+                yield _hand_over(*pending.popleft())
+        while pending:
             yield _hand_over(*pending.popleft())
-    while pending:
-        yield _hand_over(*pending.popleft())
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
+
+
+_END = object()
 
 
 def _hand_over(batch, done):

@@ -2,8 +2,9 @@
 `loaders.iterable`).
 
 `ds[i]` is a dict of tensors that share memory with the mapped files: `torch.from_numpy` over
-copy-on-write maps, so there is no copy and no non-writable warning. Pickles as its path; each
-DataLoader worker re-maps lazily and shares the page cache with every other process.
+copy-on-write maps, so there is no copy and no non-writable warning; token ids (uint16 / uint32
+on disk) are the exception, copied as int64 (`loaders.gather.batch_dtype`). Pickles as its path;
+each DataLoader worker re-maps lazily and shares the page cache with every other process.
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import torch
 from packer.format import Column, Manifest
 from packer.reader import DatasetReader
 
+from .gather import batch_dtype
+
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(array)
+    """A view of the map; a copy in the batch dtype where that differs (token ids to int64)."""
+    wanted = batch_dtype(array.dtype)
+    return torch.from_numpy(array if wanted == array.dtype else array.astype(wanted))
 
 
 def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:

@@ -8,6 +8,10 @@ np.take 21k images/s, fancy index + scatter 9k, per-sample copy from np.memmap o
 88k; `bench loaders` re-measures the whole Loader. Small columns (labels) are gathered
 vectorised per shard, strings as one take per shard. Ragged 1-D columns (tokens) come back
 padded, with their lengths, in buffers of the same kind; ragged images as a list.
+
+Token ids (uint16 / uint32 columns) come out as int64, the dtype `nn.Embedding` and
+`cross_entropy` take: torch's unsigned 16- and 32-bit types are barely supported by its
+operators. The widening is part of the copy (`token_dtype`), here and in every token view.
 """
 
 from __future__ import annotations
@@ -35,6 +39,13 @@ HUGE_PAGE = 2 << 20
 #            main process by file descriptor instead of copying it there (as default_collate does)
 #   "plain"  anything else (a fresh buffer per batch, a single sample)
 Memory = Literal["ring", "pinned", "shared", "plain"]
+
+
+def batch_dtype(stored) -> np.dtype:
+    """What a column's values become in a batch: unsigned 16- and 32-bit ids (tokens) int64,
+    everything else as stored."""
+    stored = np.dtype(stored)
+    return np.dtype(np.int64) if stored.kind == "u" and stored.itemsize in (2, 4) else stored
 
 
 def empty(shape, dtype, memory: Memory) -> torch.Tensor:
@@ -72,6 +83,7 @@ class ColumnGather:
 
     def __init__(self, reader: DatasetReader, names: list[str]):
         self.reader = reader
+        self.source_id = reader.fingerprint
         self.columns = [reader.manifest.column(n) for n in names]
         ends = np.asarray(reader.shard_ends, dtype=np.int64)
         self._ends = ends
@@ -97,10 +109,11 @@ class ColumnGather:
         out = {}
         for c in self.columns:
             if not c.ragged:
-                out[c.name] = empty((batch_size, *c.shape), c.dtype, memory)
+                out[c.name] = empty((batch_size, *c.shape), batch_dtype(c.dtype), memory)
             elif len(c.shape) == 1 and memory in ("ring", "pinned"):
-                most = max(1, RAGGED_BUFFER_BYTES // np.dtype(c.dtype).itemsize)
-                out[c.name] = empty((min(batch_size * self._longest(c.name), most),), c.dtype, memory)
+                dtype = batch_dtype(c.dtype)
+                most = max(1, RAGGED_BUFFER_BYTES // dtype.itemsize)
+                out[c.name] = empty((min(batch_size * self._longest(c.name), most),), dtype, memory)
                 out[f"{c.name}_lengths"] = empty((batch_size,), np.int64, memory)
         return out
 
@@ -212,7 +225,8 @@ def _gather_ragged(name, arrays, shard, rows, ndim, buffers) -> dict:
     flat, lens = buffers.get(name), buffers.get(f"{name}_lengths")
     fresh = flat is None or n * width > flat.numel() or lens is None  # no buffer, or wider than it was sized for
     if fresh:  # zeroed by the OS, and only as far as it is touched
-        flat, lens = torch.from_numpy(np.zeros(n * width, arrays[0].values.dtype)), torch.empty(n, dtype=torch.int64)
+        flat = torch.from_numpy(np.zeros(n * width, batch_dtype(arrays[0].values.dtype)))
+        lens = torch.empty(n, dtype=torch.int64)
     padded, lens = flat[: n * width].view(n, width), lens[:n]
     dst = padded.numpy()
     lens.numpy()[:] = lengths

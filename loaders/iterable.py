@@ -1,8 +1,10 @@
-"""`MMapIterableDataset`: the iterable twin of MMapDataset, with Loader's order semantics.
+"""`MMapIterableDataset`: the iterable twin of MMapDataset, with Loader's orders and epochs.
 
 Samples in the epoch's order for this rank (see `loaders.sampler`). DataLoader workers split
 them in chunks of `chunk` samples, round-robin: with `chunk` equal to the DataLoader's
-batch_size, the global order is the same for any number of workers.
+batch_size, the global order is the same for any number of workers. Through
+`loaders.StatefulDataLoader` a chunk is a batch, epochs advance by themselves and the loader
+resumes; with a plain DataLoader, call `set_epoch(epoch)` at the top of every epoch.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from .batches import warn_if_epochs_repeat
 from .dataset import MMapDataset
-from .sampler import EpochPlan, Order, worker_batches
+from .sampler import EpochPlan, Order, Pass, worker_batches
 
 
 class MMapIterableDataset(torch.utils.data.IterableDataset):
@@ -21,18 +24,30 @@ class MMapIterableDataset(torch.utils.data.IterableDataset):
                  columns: list[str] | None = None, cache_dir: str | Path | None = None):
         self.dataset = MMapDataset(root, columns=columns, cache_dir=cache_dir)
         self._plan = EpochPlan(len(self.dataset), chunk, shuffle=shuffle, order=order, seed=seed,
-                               drop_last=drop_last, rank=rank, world_size=world_size)
+                               drop_last=drop_last, rank=rank, world_size=world_size,
+                               source=self.dataset.reader.fingerprint)
+        self._epoch_given = False
 
     def set_epoch(self, epoch: int) -> None:
-        self._plan.epoch = epoch
+        self._plan.set_epoch(epoch)
+        self._epoch_given = True
 
     def __len__(self) -> int:
-        return len(self._plan.share())
+        """Samples of this rank left in the current epoch."""
+        return self._plan.per_rank()
+
+    def make(self, p: Pass, c: int):
+        """Chunk c of pass p, collated (StatefulDataLoader's batch)."""
+        ids = self._plan.batch_ids(p, c)
+        return torch.utils.data.default_collate([self.dataset[i] for i in ids.tolist()])
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        share, chunk = self._plan.share(), self._plan.batch_size
-        for c in worker_batches(self._plan.num_batches(share), worker, workers):
-            for i in share[c * chunk:(c + 1) * chunk].tolist():
+        if info is not None and info.id == 0:
+            warn_if_epochs_repeat(self._plan, self._epoch_given)
+        p = self._plan.start()
+        for c in worker_batches(p.num_batches, worker, workers):
+            for i in self._plan.batch_ids(p, c).tolist():
                 yield self.dataset[i]
+        self._plan.taken(p, p.num_batches)

@@ -1,61 +1,46 @@
-"""Orders, rank/worker shares and the resumable cursor: pure functions of integers.
+"""Rank shares, the resumable cursor and the resume state: pure functions of integers, and the
+`EpochPlan` that every reader keeps around them.
 
-An epoch's global order is a permutation of the sample ids, a function of (seed, epoch) only.
-The `cursor` counts samples of that order already consumed by all ranks together. From any
-cursor, the remaining order is dealt to ranks interleaved (rank r takes remaining[r::W]), so a
-resumed run, with the same or another world size, covers each remaining sample once.
+An epoch's global order is `loaders.orders.Permutation(seed, epoch)`. The `cursor` counts the
+positions of that order already consumed by all ranks together. From any cursor the remaining
+positions are dealt to ranks interleaved (rank r takes remaining[r::W]), so a resumed run, with
+the same or another world size, batch size, worker or thread count, covers each remaining
+sample once. Nothing here is O(N): a batch's ids are computed from its positions.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-Order = Literal["random", "sequential", "block"]
-ORDERS = ("random", "sequential", "block")
+from packer.errors import ConfigError
+
+from .orders import ORDERS, Order, Permutation
+
+CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
+STATE_VERSION = 2  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
 
 
-def epoch_order(num_samples: int, *, order: Order, seed: int, epoch: int,
-                block_size: int = 1024, window: int = 8192) -> np.ndarray:
-    """The epoch's global order, int64 [num_samples].
-
-    `block`: for data larger than RAM. Shuffle blocks of `block_size` consecutive ids, then
-    shuffle ids inside consecutive windows of `window` ids of that sequence: every read stays
-    within a few blocks, so disk access is near-sequential.
-    """
-    if order not in ORDERS:
-        raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
-    if order == "sequential":
-        return np.arange(num_samples, dtype=np.int64)
-    rng = np.random.default_rng([seed, epoch])
-    if order == "random":
-        return rng.permutation(num_samples).astype(np.int64)
-    starts = rng.permutation(np.arange(0, num_samples, block_size))
-    ids = np.concatenate([np.arange(s, min(s + block_size, num_samples)) for s in starts]) if num_samples else \
-        np.zeros(0, np.int64)
-    for lo in range(0, num_samples, window):
-        rng.shuffle(ids[lo:lo + window])
-    return ids.astype(np.int64)
-
-
-def rank_share(order: np.ndarray, cursor: int, *, rank: int, world_size: int, batch_size: int,
-               drop_last: bool) -> np.ndarray:
-    """Rank's ids from `cursor` on. Every rank gets the same count: with drop_last the
-    remainder is cut to whole global batches, else the tail is padded by repeating the order's
-    first ids (as DistributedSampler does)."""
-    remaining = order[cursor:]
+def rank_count(remaining: int, *, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Samples each rank takes of `remaining`: with drop_last whole global batches only, else
+    every remaining sample, the tail padded so that every rank gets the same count (as
+    DistributedSampler does)."""
     if drop_last:
-        keep = len(remaining) // (world_size * batch_size) * (world_size * batch_size)
-        remaining = remaining[:keep]
-    else:
-        per_rank = -(-len(remaining) // world_size)
-        pad = per_rank * world_size - len(remaining)
-        if pad:
-            remaining = np.concatenate([remaining, np.resize(order, pad)])
-    return remaining[rank::world_size]
+        return remaining // (world_size * batch_size) * batch_size
+    return -(-remaining // world_size)
+
+
+def rank_positions(cursor: int, first: int, stop: int, *, num_samples: int, rank: int, world_size: int) -> np.ndarray:
+    """Positions in the epoch's order of rank's samples [first, stop) from `cursor` on: rank r's
+    j-th is cursor + j*W + r; past the end, the padding repeats the order from its start."""
+    j = np.arange(first, stop, dtype=np.int64)
+    pos = cursor + j * world_size + rank
+    past = pos >= num_samples
+    if past.any():
+        pos[past] = (pos[past] - num_samples) % max(num_samples, 1)
+    return pos
 
 
 def worker_batches(num_batches: int, worker_id: int, num_workers: int) -> range:
@@ -89,40 +74,112 @@ def resolve_topology(rank: int | None = None, world_size: int | None = None) -> 
     return Topology(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
 
 
+@dataclass(frozen=True)
+class Pass:
+    """One pass over (the rest of) an epoch, fixed when it starts: its batches' ids are a pure
+    function of these integers, so any process (a DataLoader worker) can make any batch."""
+
+    epoch: int
+    cursor: int
+    num_batches: int
+
+
 class EpochPlan:
-    """The state around the functions above, shared by Loader, BatchedDataset and
-    MMapIterableDataset: order, seed, epoch, this rank's place, and the cursor."""
+    """The state around the functions above, shared by every reader: order, seed, epoch, this
+    rank's place, and the cursor.
+
+    Epochs advance by themselves: a pass that reaches the end of its epoch moves the plan to the
+    next epoch, cursor 0. `set_epoch(e)` for another epoch starts e at its beginning; for the
+    epoch the plan is in, it keeps the cursor (so the usual loop, which calls it at the top of
+    every epoch, does not replay a resumed epoch)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
-                 drop_last: bool, rank: int | None, world_size: int | None):
+                 drop_last: bool, rank: int | None, world_size: int | None, source: str = ""):
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
+        order = order or ("random" if shuffle else "sequential")
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
         topo = resolve_topology(rank, world_size)
-        self.num_samples, self.batch_size, self.seed = num_samples, batch_size, seed
-        self.order = order or ("random" if shuffle else "sequential")
+        self.num_samples, self.batch_size, self.seed, self.order = num_samples, batch_size, seed, order
         self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
+        self.source = source  # what the samples are (a dataset and view fingerprint)
         self.epoch = 0
         self.cursor = 0
+        self._perm: Permutation | None = None
+        self._chunk: tuple[tuple[int, int, int], np.ndarray] | None = None  # (epoch, cursor, chunk) -> ids
 
-    def share(self) -> np.ndarray:
-        """This rank's sample ids of the current epoch from the cursor on."""
-        ids = epoch_order(self.num_samples, order=self.order, seed=self.seed, epoch=self.epoch)
-        return rank_share(ids, self.cursor, rank=self.rank, world_size=self.world_size,
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.epoch, self.cursor = int(epoch), 0
+
+    def start(self) -> Pass:
+        """The pass from the current (epoch, cursor)."""
+        return Pass(self.epoch, self.cursor, self.num_batches())
+
+    def per_rank(self, cursor: int | None = None) -> int:
+        cursor = self.cursor if cursor is None else cursor
+        return rank_count(max(self.num_samples - cursor, 0), world_size=self.world_size,
                           batch_size=self.batch_size, drop_last=self.drop_last)
 
-    def num_batches(self, share: np.ndarray) -> int:
-        return -(-len(share) // self.batch_size)
+    def num_batches(self) -> int:
+        return -(-self.per_rank() // self.batch_size)
+
+    def ids(self, p: Pass, first: int, stop: int) -> np.ndarray:
+        """Sample ids of this rank's samples [first, stop) of pass `p` (clipped to the pass)."""
+        stop = min(stop, self.per_rank(p.cursor))
+        parts = [self._ids_of_chunk(p, c)[max(first - c * CHUNK, 0):stop - c * CHUNK]
+                 for c in range(first // CHUNK, -(-stop // CHUNK))]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _ids_of_chunk(self, p: Pass, c: int) -> np.ndarray:
+        key = (p.epoch, p.cursor, c)
+        if self._chunk is None or self._chunk[0] != key:
+            stop = min((c + 1) * CHUNK, self.per_rank(p.cursor))
+            pos = rank_positions(p.cursor, c * CHUNK, stop, num_samples=self.num_samples, rank=self.rank,
+                                 world_size=self.world_size)
+            self._chunk = (key, self.permutation(p.epoch)(pos))
+        return self._chunk[1]
+
+    def batch_ids(self, p: Pass, b: int) -> np.ndarray:
+        return self.ids(p, b * self.batch_size, (b + 1) * self.batch_size)
+
+    def permutation(self, epoch: int) -> Permutation:
+        perm = self._perm
+        if perm is None or perm.epoch != epoch:
+            perm = self._perm = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch)
+        return perm
+
+    def taken(self, p: Pass, batches: int) -> None:
+        """The caller has taken `batches` batches of pass `p` (each rank as many): move the cursor
+        past them, and to the next epoch once the pass is whole."""
+        self.epoch = p.epoch
+        self.cursor = min(p.cursor + batches * self.batch_size * self.world_size, self.num_samples)
+        if batches >= p.num_batches:
+            self.epoch, self.cursor = p.epoch + 1, 0
 
     def state_dict(self) -> dict:
-        """A few integers: enough to resume exactly, whatever the worker or thread count."""
-        return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "order": self.order}
+        """A few integers and the identity of what they index: enough to resume exactly in a
+        fresh process, whatever the worker, thread or rank count."""
+        return {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
+                "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["order"] != self.order or state["seed"] != self.seed:
-            raise ValueError(f"state is for order={state['order']} seed={state['seed']}, "
-                             f"this loader has order={self.order} seed={self.seed}")
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-
-    def advance(self, batches: int) -> None:
-        """Move the cursor past `batches` batches of every rank (global samples)."""
-        self.cursor = min(self.cursor + batches * self.batch_size * self.world_size, self.num_samples)
+        """Take a saved state; a state of another dataset, view, size, order or seed is refused."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ConfigError(f"not a loader state of this mmpack (version {state.get('version') if isinstance(state, dict) else None!r}, "
+                              f"expected {STATE_VERSION}); states of mmpack 0.3 and earlier used other orders "
+                              "and cannot be resumed exactly")
+        mine = self.state_dict()
+        for name in ("source", "num_samples", "order", "seed"):
+            if state.get(name) != mine[name]:
+                raise ConfigError(f"the state is for {name} {state.get(name)!r}, this loader has {mine[name]!r}: "
+                                  "it was saved over another dataset, view or order; load it into a loader "
+                                  "built like the one that saved it")
+        epoch, cursor = state.get("epoch"), state.get("cursor")
+        if not isinstance(epoch, int) or not isinstance(cursor, int) or epoch < 0 or not 0 <= cursor <= self.num_samples:
+            raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
+                              f"{self.num_samples} samples")
+        self.epoch, self.cursor = epoch, cursor

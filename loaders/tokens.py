@@ -5,6 +5,7 @@ The token column of every shard, in shard order, is one token stream. Window i c
 positions [i * stride, i * stride + seq_len + 1): x is its first seq_len tokens, y the last
 seq_len (shifted by one). A window may span documents and shards. As a Loader source, a whole
 batch of windows is one gather into an int64 [B, seq_len + 1] buffer; x and y are views of it.
+Opening costs O(shards), whatever the number of windows (10^10 with stride 1 included).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from numpy.lib.stride_tricks import sliding_window_view
 
 from packer.reader import DatasetReader
 
 from .gather import Memory, empty
-from .sampler import Order, epoch_order
+from .orders import Order, Permutation
+
+ITER_CHUNK = 4096  # windows whose ids are computed at once when a TokenWindows is iterated directly
 
 
 class TokenWindows:
@@ -42,13 +46,19 @@ class TokenWindows:
 
     def _open(self) -> None:
         self._reader = DatasetReader(self.root)
-        counts = [int(self._reader.column(k, self.column).offsets[-1]) for k in range(len(self._reader.manifest.shards))]
+        shards = range(len(self._reader.manifest.shards))
+        self._values = [self._reader.column(k, self.column).values for k in shards]
+        counts = [len(v) for v in self._values]
+        # every window that starts in shard k, as a [windows, seq_len + 1] strided view (no copy)
+        self._windows = [sliding_window_view(v, self.seq_len + 1) if len(v) > self.seq_len else None
+                         for v in self._values]
         self._token_ends = np.cumsum(counts, dtype=np.int64)
         self._token_starts = self._token_ends - np.asarray(counts, dtype=np.int64)
         self.num_tokens = int(self._token_ends[-1]) if counts else 0
+        self.source_id = f"{self._reader.fingerprint}:windows:{self.column}:{self.seq_len}:{self.stride}"
 
     def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "source_id"}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -58,25 +68,32 @@ class TokenWindows:
         span = self.seq_len + 1
         return 0 if self.num_tokens < span else (self.num_tokens - span) // self.stride + 1
 
-    def _values(self, k: int) -> np.ndarray:
-        return self._reader.column(k, self.column).values
-
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         return {"window": empty((batch_size, self.seq_len + 1), np.int64, memory)}
 
     def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1):
-        """(x, y) int64 [len(ids), seq_len] views of one buffer."""
+        """(x, y) int64 [len(ids), seq_len] views of one buffer. The windows that lie inside one
+        shard (all but a few) are one take of rows of that shard's window view, widened to int64
+        as they land (about twice as fast as a slice copy per window)."""
         buf = buffers["window"][: len(ids)]
         dst = buf.numpy()
         span = self.seq_len + 1
         starts = np.asarray(ids, dtype=np.int64) * self.stride
         first = np.searchsorted(self._token_ends, starts, side="right")
-        for i, (start, k) in enumerate(zip(starts.tolist(), first.tolist())):
-            filled = 0
+        last = np.searchsorted(self._token_ends, starts + span - 1, side="right")
+        inside = first == last
+        if len(ids) and inside.all() and (first == first[0]).all():  # one shard: no selection to scatter by
+            dst[:] = self._windows[first[0]][starts - self._token_starts[first[0]]]
+        else:
+            for k in np.unique(first[inside]).tolist():
+                sel = np.flatnonzero(inside & (first == k))
+                dst[sel] = self._windows[k][starts[sel] - self._token_starts[k]]
+        for i in np.flatnonzero(~inside).tolist():  # across a shard boundary: piece by piece
+            start, k, filled = int(starts[i]), int(first[i]), 0
             while filled < span:
                 local = start + filled - int(self._token_starts[k])
-                piece = self._values(k)[local: local + span - filled]
-                dst[i, filled: filled + len(piece)] = piece  # casts to int64 while copying
+                piece = self._values[k][local: local + span - filled]
+                dst[i, filled: filled + len(piece)] = piece
                 filled += len(piece)
                 k += 1
         return buf[:, :-1], buf[:, 1:]
@@ -91,5 +108,8 @@ class TokenWindows:
         return x[0], y[0]
 
     def __iter__(self):
-        for i in epoch_order(len(self), order=self.order, seed=self.seed, epoch=0).tolist():
-            yield self[i]
+        n = len(self)
+        perm = Permutation(n, order=self.order, seed=self.seed, epoch=0)
+        for lo in range(0, n, ITER_CHUNK):
+            for i in perm(np.arange(lo, min(n, lo + ITER_CHUNK))).tolist():
+                yield self[i]

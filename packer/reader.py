@@ -9,6 +9,9 @@ nor warns. The reader pickles as its path alone and re-maps in each worker.
 from __future__ import annotations
 
 import bisect
+import functools
+import hashlib
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -109,6 +112,13 @@ def map_column(shard_dir: Path, column: fmt.Column, num_samples: int) -> ColumnA
     return ColumnArrays(values, offsets, shapes)
 
 
+def content_fingerprint(manifest: fmt.Manifest) -> str:
+    doc = [manifest.kind, [[c.name, c.dtype, list(c.shape), c.encoding] for c in manifest.columns],
+           [[s.num_samples, [[f.path.rsplit("/", 1)[-1], f.size_bytes, f.xxh3_128_rows] for f in s.files]]
+            for s in manifest.shards]]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
+
+
 class DatasetReader:
     """A dataset dir: manifest, sample-id -> (shard, row) index, and lazily mapped columns."""
 
@@ -121,6 +131,12 @@ class DatasetReader:
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The identity of the dataset's samples: its kind, columns and every file's checksum
+        (two builds of the same bytes share it; build timings do not count)."""
+        return content_fingerprint(self.manifest)
 
     @property
     def shard_ends(self) -> list[int]:

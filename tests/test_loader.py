@@ -11,15 +11,21 @@ import numpy as np
 import pytest
 import torch
 
-from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, TokenWindows, to_device
+from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, StatefulDataLoader, TokenWindows, to_device
 from loaders.gather import SHORT_PIECES
+
+
+def pass_ids(loader) -> np.ndarray:
+    """The sample ids the loader's next pass yields, in order."""
+    plan = loader._plan
+    return plan.ids(plan.start(), 0, plan.per_rank())
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_batches_equal_per_sample_reads(built, threads):
     ds = MMapDataset(built["images"])
     loader = Loader(ds, 7, seed=3, num_threads=threads)
-    ids = loader._plan.share()  # the sample ids this loader will yield, in order
+    ids = pass_ids(loader)  # the sample ids this loader will yield, in order
     assert len(ids) == len(ds)
     pos = 0
     for batch in loader:
@@ -40,7 +46,7 @@ def test_padded_tokens_land_in_the_ring_and_equal_per_sample_reads(built, short_
     mean = np.mean([len(ds[i]["tokens"]) for i in range(len(ds))])
     assert (mean > SHORT_PIECES) == (docs == "long")
     loader = Loader(ds, 3 if docs == "long" else 7, seed=5, columns=["tokens", "key"])  # several batches per buffer
-    ids = loader._plan.share()
+    ids = pass_ids(loader)
     pos = 0
     for batch in loader:
         tokens, lengths = batch["tokens"], batch["tokens_lengths"]
@@ -75,19 +81,22 @@ def test_resume_mid_epoch_is_exact(built):
     it = iter(first)
     head = [next(it)["key"][:] for _ in range(5)]
     state = first.state_dict()
-    assert set(state) == {"seed", "epoch", "cursor", "order"} and state["cursor"] == 20
+    assert {"seed", "epoch", "cursor", "order", "source", "num_samples"} <= set(state) and state["cursor"] == 20
     resumed = Loader(ds, 4, seed=11, columns=["key"], num_threads=1)
     resumed.load_state_dict(state)
     assert head + [b["key"][:] for b in resumed] == full
 
 
-def test_epoch_changes_the_order_and_set_epoch_resets(built):
+def test_epochs_advance_by_themselves_and_set_epoch_picks_one(built):
     ds = MMapDataset(built["images"])
     loader = Loader(ds, 8, columns=["key"])
     e0 = [k for b in loader for k in b["key"]]
+    e1 = [k for b in loader for k in b["key"]]  # iterated again: the next epoch
+    assert sorted(e0) == sorted(e1) and e0 != e1 and loader.epoch == 2
     loader.set_epoch(1)
-    e1 = [k for b in loader for k in b["key"]]
-    assert sorted(e0) == sorted(e1) and e0 != e1
+    assert [k for b in loader for k in b["key"]] == e1
+    loader.set_epoch(0)
+    assert [k for b in loader for k in b["key"]] == e0
 
 
 @pytest.mark.parametrize("world,workers", [(2, 1), (2, 2), (3, 2)])
@@ -110,6 +119,8 @@ def test_ranks_by_workers_cover_the_epoch_once(built, world, workers):
 def test_iterable_twin_order_independent_of_workers(built):
     it = MMapIterableDataset(built["images"], seed=2, chunk=4, columns=["key"])
     direct = [s["key"] for s in it]
+    assert it._plan.epoch == 1  # iterated in this process: the next epoch comes next
+    it.set_epoch(0)
     dl = torch.utils.data.DataLoader(it, batch_size=4, num_workers=2)
     assert [k for b in dl for k in b["key"]] == direct
     assert sorted(direct) == sorted(MMapDataset(built["images"])[i]["key"] for i in range(len(it)))
@@ -219,12 +230,15 @@ def test_batched_dataset_resumes_mid_epoch_with_another_worker_count(built):
     bd = ds.batched(6, seed=3)
     bd.set_epoch(2)
     full = keys(bd, 2)
-    taken = 5
-    state = bd.state_dict(taken)  # the loop took 5 batches, then the job stopped
-    again = ds.batched(6, seed=3)
-    again.load_state_dict(state)
-    assert keys(again, 1) == full[taken:]
+    dl = StatefulDataLoader(ds.batched(6, seed=3), num_workers=2)
+    dl.set_epoch(2)
+    it = iter(dl)
+    assert [tuple(next(it)["key"]) for _ in range(5)] == full[:5]
+    state = dl.state_dict()  # the loop took 5 batches, then the job stopped
     assert state["epoch"] == 2 and state["cursor"] == 30
+    again = StatefulDataLoader(ds.batched(6, seed=3), num_workers=1)
+    again.load_state_dict(state)
+    assert [tuple(b["key"]) for b in again] == full[5:]
 
 
 @pytest.mark.parametrize("num_buffers", [2, 3])
@@ -234,7 +248,7 @@ def test_a_held_batch_is_never_refilled(built, num_buffers):
 
     ds = MMapDataset(built["images"])
     loader = Loader(ds, 8, seed=5, num_threads=2, num_buffers=num_buffers)
-    ids = loader._plan.share()
+    ids = pass_ids(loader)
     pos = 0
     for batch in loader:
         time.sleep(0.02)  # time for the producer to fill every free buffer
@@ -261,7 +275,85 @@ def test_string_column_gather_keeps_non_ascii_keys(tmp_path):
     assert len(ds.reader.shard_ends) > 1  # the gather crosses shards
     for shuffle, seed in [(False, 0), (True, 1), (True, 2)]:
         loader = Loader(ds, 3, shuffle=shuffle, seed=seed, num_threads=1)
-        ids = loader._plan.share()
+        ids = pass_ids(loader)
         keys = [k for batch in loader for k in batch["key"]]
         assert keys == [ds[int(i)]["key"] for i in ids]
     assert sorted(set(keys)) == sorted(names)
+
+
+@pytest.mark.parametrize("threads,num_buffers", [(1, 2), (2, 2), (2, 3)])
+def test_kept_batches_stay_what_they_were(built, threads, num_buffers):
+    """`list(loader)`: every batch equals the per-sample reads of its ids, keys and tensors
+    alike, after the whole epoch was gathered; then the ring lets the extra buffers go."""
+    ds = MMapDataset(built["images"])
+    loader = Loader(ds, 8, seed=2, num_threads=threads, num_buffers=num_buffers)
+    ids = pass_ids(loader).tolist()
+    batches = list(loader)
+    assert sum(len(b["key"]) for b in batches) == len(ds) and len(loader._ring) >= len(batches)
+    for k, batch in enumerate(batches):
+        for j, i in enumerate(ids[8 * k: 8 * (k + 1)]):
+            ref = ds[i]
+            assert batch["key"][j] == ref["key"] and batch["label"][j] == ref["label"]
+            assert torch.equal(batch["image"][j], ref["image"])
+    del batches, batch
+    for batch in loader:  # the held buffers are free again: reused, and the spares let go
+        pass
+    assert len(loader._ring) == num_buffers
+
+
+def test_a_view_held_one_step_longer_is_not_overwritten(built):
+    """Code that keeps the previous batch's labels (or a numpy view of a tensor) for one more
+    step: the ring fills another buffer meanwhile."""
+    ds = MMapDataset(built["images"], columns=["image", "label"])
+    loader = Loader(ds, 4, seed=8, num_threads=2)
+    ids = pass_ids(loader).tolist()
+    previous, previous_image, seen = None, None, 0
+    for batch in loader:
+        if previous is not None:
+            want = [int(ds[i]["label"]) for i in ids[seen - 4: seen]]
+            assert previous.tolist()[:len(want)] == want
+            assert np.array_equal(previous_image, ds[ids[seen - 4]]["image"].numpy())
+        previous, previous_image = batch["label"][:], batch["image"][0].numpy()
+        seen += len(batch["label"])
+        del batch
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.01])
+def test_the_usual_loop_reuses_its_buffers_without_allocating(built, step_s):
+    import time
+
+    ds = MMapDataset(built["images"])
+    loader = Loader(ds, 4, seed=1, num_threads=2)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            time.sleep(step_s)
+    assert len(loader._ring) == loader.num_buffers == 3
+
+
+def test_token_ids_reach_the_model_as_int64_on_every_path(built):
+    """nn.Embedding and cross_entropy take every token batch as it comes, no cast."""
+    from loaders import PackedDocuments
+
+    emb, vocab = torch.nn.Embedding(30522, 4), 30522
+    text = built["text"]
+    ds = MMapDataset(text)
+
+    def check(tokens, targets=None):
+        assert tokens.dtype == torch.int64
+        out = emb(tokens)
+        if targets is not None:
+            torch.nn.functional.cross_entropy(out.reshape(-1, 4) @ torch.zeros(4, vocab), targets.reshape(-1))
+
+    check(ds[0]["tokens"])
+    check(next(iter(Loader(ds, 3, columns=["tokens"])))["tokens"])
+    check(next(iter(torch.utils.data.DataLoader(ds, batch_size=1)))["tokens"])
+    check(next(iter(StatefulDataLoader(ds.batched(3, columns=["tokens"]))))["tokens"])
+    check(next(iter(StatefulDataLoader(MMapIterableDataset(text, chunk=1, columns=["tokens"]))))["tokens"])
+    windows = TokenWindows(text, 32)
+    check(*windows[0])
+    check(*next(iter(Loader(windows, 4))))
+    check(*next(iter(StatefulDataLoader(BatchedDataset(windows, 4), num_workers=1))))
+    check(next(iter(Loader(PackedDocuments(text, 128), 2)))["tokens"])
+    pairs = MMapDataset(built["pairs"])
+    check(next(iter(Loader(pairs, 2, columns=["tokens"])))["tokens"])

@@ -1,0 +1,96 @@
+"""`StatefulDataLoader`: a torch DataLoader over `ds.batched(...)` or an `MMapIterableDataset`
+that advances epochs by itself and resumes exactly, with any number of workers.
+
+Like torchdata's StatefulDataLoader: `state_dict()` / `load_state_dict(state)` on the loader.
+The DataLoader's sampler runs in the main process and hands each worker a key, (pass, batch
+number), from which the worker computes the batch's ids (`loaders.sampler`): workers never need
+the epoch or the cursor of the object in the main process, so epochs advance, and a loaded
+state takes effect, even with persistent workers. A batch counts as taken when the loop gets it,
+not when a worker makes it or the DataLoader prefetches it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from packer.errors import ConfigError
+
+from .batches import BatchedDataset
+from .iterable import MMapIterableDataset
+from .sampler import EpochPlan, Pass
+
+
+def _as_is(batch):
+    return batch
+
+
+class _Keyed(torch.utils.data.Dataset):
+    """Map-style: key (pass, b) -> batch b of that pass."""
+
+    def __init__(self, batches):
+        self.batches = batches
+
+    def __getitem__(self, key: tuple[Pass, int]):
+        return self.batches.make(*key)
+
+
+class _PassKeys(torch.utils.data.Sampler):
+    """The keys of one pass from the plan's current epoch and cursor, taken when iterated."""
+
+    def __init__(self, plan: EpochPlan):
+        self.plan = plan
+        self.current: Pass | None = None
+
+    def __len__(self) -> int:
+        return self.plan.num_batches()
+
+    def __iter__(self):
+        p = self.current = self.plan.start()
+        return ((p, b) for b in range(p.num_batches))
+
+
+class StatefulDataLoader(torch.utils.data.DataLoader):
+    """`StatefulDataLoader(ds.batched(256, seed=0), num_workers=2, pin_memory=True)`.
+
+    Iterating it again starts the next epoch (`set_epoch(e)` picks one; for the epoch it is in,
+    it keeps a resumed cursor). `state_dict()` after any batch, loaded into a loader built the
+    same way in a fresh process, with any worker count or world size, goes on with the next batch.
+    """
+
+    def __init__(self, dataset: BatchedDataset | MMapIterableDataset, *, num_workers: int = 0,
+                 pin_memory: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False):
+        if not isinstance(dataset, (BatchedDataset, MMapIterableDataset)):
+            raise ConfigError(f"StatefulDataLoader takes ds.batched(...) or an MMapIterableDataset, not "
+                              f"{type(dataset).__name__}")
+        self.batches = dataset
+        self._keys = _PassKeys(dataset._plan)
+        super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,
+                         collate_fn=_as_is, pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor,
+                         persistent_workers=persistent_workers)
+
+    @property
+    def _plan(self) -> EpochPlan:
+        return self.batches._plan
+
+    def set_epoch(self, epoch: int) -> None:
+        self._plan.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        return self._plan.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._plan.load_state_dict(state)
+
+    def __iter__(self):
+        batches = super().__iter__()  # takes the pass from the plan (the sampler is iterated here)
+        p = self._keys.current
+        taken = 0
+        for batch in batches:
+            taken += 1
+            self._plan.taken(p, taken)
+            yield batch
+            del batch
+        if taken == 0:
+            self._plan.taken(p, 0)

@@ -1,0 +1,82 @@
+"""The resume contract, shared by every reader: the readers built the same way in the test and in
+a fresh process (`python -m tests.contract`, JSON in on stdin, JSON out on stdout), and the
+README's training loop that drives them.
+
+A batch is told by the identity of its samples: the image keys, or a digest of each token row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+
+from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, PackedDocuments, StatefulDataLoader, TokenWindows
+
+BATCH = 8
+EPOCHS = 3
+READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", "StatefulDataLoader(batched)",
+           "StatefulDataLoader(MMapIterableDataset)", "StatefulDataLoader(TokenWindows)",
+           "StatefulDataLoader(PackedDocuments)")
+
+
+def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
+    """Reader `reader` over the test datasets for one rank; `par` is the Loader's thread count
+    or the DataLoader's worker count."""
+    common = dict(seed=5, rank=rank, world_size=world)
+    windows = lambda: TokenWindows(paths["text"], 256)  # noqa: E731
+    packed = lambda: PackedDocuments(paths["text"], 512)  # noqa: E731
+    if reader == "Loader(images)":
+        return Loader(MMapDataset(paths["images"], columns=["label", "key"]), BATCH, num_threads=par, **common)
+    if reader == "Loader(TokenWindows)":
+        return Loader(windows(), BATCH, num_threads=par, **common)
+    if reader == "Loader(PackedDocuments)":
+        return Loader(packed(), BATCH, num_threads=par, **common)
+    if reader == "StatefulDataLoader(batched)":
+        source = MMapDataset(paths["images"], columns=["label", "key"]).batched(BATCH, **common)
+    elif reader == "StatefulDataLoader(MMapIterableDataset)":
+        source = MMapIterableDataset(paths["images"], chunk=BATCH, columns=["label", "key"], **common)
+    elif reader == "StatefulDataLoader(TokenWindows)":
+        source = BatchedDataset(windows(), BATCH, **common)
+    else:
+        source = BatchedDataset(packed(), BATCH, **common)
+    return StatefulDataLoader(source, num_workers=par)
+
+
+def samples(batch) -> list[str]:
+    """The identities of a batch's samples, in order."""
+    if isinstance(batch, dict) and "key" in batch:
+        return list(batch["key"])
+    rows = batch["tokens"] if isinstance(batch, dict) else torch.cat([batch[0], batch[1][:, -1:]], dim=1)
+    return [hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest() for row in rows]
+
+
+def train(loader, *, first_epoch: int = 0, stop_after: int | None = None):
+    """The README's loop: set_epoch at the top of every epoch. Returns ([(epoch, samples of each
+    batch)], the state after the last batch taken): `stop_after` batches, or EPOCHS epochs."""
+    seen = []
+    for epoch in range(first_epoch, EPOCHS):
+        loader.set_epoch(epoch)
+        for batch in loader:
+            seen.append((epoch, samples(batch)))
+            if len(seen) == stop_after:
+                return seen, loader.state_dict()
+    return seen, loader.state_dict()
+
+
+def resume(reader: str, paths: dict, *, world: int, rank: int, par: int, state: dict):
+    """A new reader loads the state, then the loop goes on from the state's epoch."""
+    loader = make(reader, paths, world=world, rank=rank, par=par)
+    loader.load_state_dict(state)
+    return train(loader, first_epoch=state["epoch"])[0]
+
+
+def main() -> None:
+    jobs = json.load(sys.stdin)
+    json.dump([resume(**job) for job in jobs], sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
