@@ -18,7 +18,7 @@ from . import report
 
 def _ints(text: str) -> list[int]:
     try:
-        return [int(v) for v in text.split(",") if v.strip()]
+        return [int(float(v)) if "e" in v.lower() else int(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
@@ -75,12 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--cold", action="store_true",
                     help="also time image builds with the photos evicted from the page cache before each "
                          "(posix_fadvise DONTNEED), against the same cached raw rate")
+    sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
+    sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
+                    help="sample counts (default 1e6,1e8,1e9,1e10)")
+    sa.add_argument("--batch-size", type=int, default=256)
+    sa.add_argument("--json", type=Path, help="write every figure here")
+    sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only")
+    sa.add_argument("--plot", type=Path, help=argparse.SUPPRESS)
     return ap
 
 
 QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
-         "packer": {"images": 400, "text_mb": 2}}
+         "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         from .loaders_bench import bench_sweep
 
         result, text, plot = bench_sweep(args), report.sweep_table, report.plot_sweep
+    elif args.command == "sampler":
+        from .sampler_bench import bench_sampler
+
+        result, text, plot = bench_sampler(args), report.sampler_table, None
     else:
         from .packer_bench import bench_packer
 
@@ -106,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     if args.plot:
         if plot is None:
-            print("bench packer has no plot; its figures are in the table and --json", file=sys.stderr)
+            print(f"bench {args.command} has no plot; its figures are in the table and --json", file=sys.stderr)
         else:
             plot(result, args.plot)
             print(f"plot: {args.plot}")

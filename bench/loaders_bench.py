@@ -101,7 +101,7 @@ def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
 
 
 def bench_loaders(args) -> dict:
-    from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
+    from loaders import Loader, MMapDataset, PackedDocuments, StatefulDataLoader, TokenWindows
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -141,10 +141,9 @@ def bench_loaders(args) -> dict:
         loader = Loader(ds, bs, num_threads=threads)
         run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
             lambda b: len(b["label"]), mmpack_conv, files)
-    batched = ds.batched(bs)
-    run(f"mmpack batched + DataLoader({workers} worker processes)", "mmpack",
-        lambda: torch.utils.data.DataLoader(batched, batch_size=None, num_workers=workers, pin_memory=PIN,
-                                            multiprocessing_context=MP_CONTEXT if workers else None),
+    batched = StatefulDataLoader(ds.batched(bs), num_workers=workers, pin_memory=PIN,
+                                 multiprocessing_context=MP_CONTEXT if workers else None)
+    run(f"mmpack batched + StatefulDataLoader({workers} worker processes)", "mmpack", lambda: batched,
         lambda b: len(b["label"]), mmpack_conv, files)
     run(f"MMapDataset + DataLoader({workers} workers, collate)", "mmpack",
         lambda: torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,

@@ -45,6 +45,19 @@ def loaders_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def sampler_table(report: dict) -> str:
+    lines = [f"open an order, len(), the first batch of {report['batch_size']} on rank 0 of "
+             f"{report['world_size']}, and a resumed state's first batch; each in a fresh process",
+             f"{'order':26} {'samples':>16} {'seconds':>9} {'peak RSS MB above the imports':>30}"]
+    for r in report["results"]:
+        head = f"{r['system']:26} {r['num_samples']:>16,}"
+        if "skipped" in r or "error" in r:
+            lines.append(f"{head} {r.get('skipped') or 'error: ' + r['error']}")
+        else:
+            lines.append(f"{head} {r['seconds']:>9.4f} {r['peak_rss_mb']:>30,.1f}")
+    return "\n".join(lines)
+
+
 def packer_table(report: dict) -> str:
     lines = [f"{'build':12} {'workers':>7} {'cores':>5} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'runs':>9} "
              f"{'raw scaling':>11} {'vs busy':>7} {'seconds':>8} {'shards':>6} {'out MB':>8} {'peak RSS MB':>11}"]

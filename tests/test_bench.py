@@ -30,7 +30,7 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert families == {"mmpack", "baseline", "peer"}
     for name in ("mmpack Loader, 1 thread(s)", "MMapDataset + DataLoader(2 workers, collate)",
                  "on-the-fly Pillow + DataLoader(2 workers)", "mmpack TokenWindows(1024) via Loader",
-                 "on-the-fly tokenizers + DataLoader(2 workers)", "mmpack batched + DataLoader(2 worker processes)",
+                 "on-the-fly tokenizers + DataLoader(2 workers)", "mmpack batched + StatefulDataLoader(2 worker processes)",
                  "mmpack PackedDocuments(2048) via Loader"):
         r = rows[name]
         rate = r.get("samples_per_s", r.get("tokens_per_s"))
@@ -43,6 +43,18 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert report["memcpy_bytes_per_s"] > 0 and report["machine"]["cores"] >= 1 and report["machine"]["ram_gib"] > 0
     table = capsys.readouterr().out
     assert "%memcpy" in table and "GPU util" in table and "WebDataset" in table
+
+
+def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
+    out = tmp_path / "sampler.json"
+    assert main(["sampler", "--samples", "1e6,1e10", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    new = [r for r in rows if r["system"] == "per-position"]
+    assert [r["num_samples"] for r in new] == [10**6, 10**10]
+    assert all(r["seconds"] > 0 and r["peak_rss_mb"] < 64 for r in new)  # nothing of size N
+    old = [r for r in rows if r["system"] != "per-position"]
+    assert old[0]["seconds"] > 0 and "needs" in old[1]["skipped"]
+    assert "peak RSS" in capsys.readouterr().out
 
 
 def test_missing_or_broken_peer_is_a_reason_not_an_error(monkeypatch):

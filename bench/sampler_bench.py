@@ -1,0 +1,77 @@
+"""`bench sampler`: opening a loader's order over N samples and taking its first batch (time,
+peak RSS above what the imports take), per-position orders against the full permutation
+mmpack 0.3 made, each in a fresh process so that peak memory is its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+FULL_BYTES_PER_SAMPLE = 16  # the 0.3 order: an int64 permutation plus its int64 copy
+
+
+def open_per_position(n: int, batch: int) -> None:
+    """What Loader / StatefulDataLoader do now: the plan, len(), the first batch's ids, a state."""
+    from loaders.sampler import EpochPlan
+
+    plan = EpochPlan(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
+    plan.num_batches()
+    plan.batch_ids(plan.start(), 0)
+    again = EpochPlan(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
+    again.load_state_dict({**plan.state_dict(), "cursor": n // 2})
+    again.batch_ids(again.start(), 0)
+
+
+def open_full_permutation(n: int, batch: int) -> None:
+    """What mmpack 0.3 did: len() and the first batch each computed the epoch's permutation."""
+    import numpy as np
+
+    for _ in range(2):
+        order = np.random.default_rng([0, 0]).permutation(n).astype(np.int64)
+        order[0:batch * 8:8]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1024**2
+
+
+def _peak_mb() -> float:
+    """This process's peak RSS (VmHWM: unlike getrusage's maxrss it does not carry the size of
+    the parent this process was forked from)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
+def _child(kind: str, n: int, batch: int) -> None:
+    import loaders.sampler  # noqa: F401  imports (torch) before the clock and the memory baseline
+
+    base = _rss_mb()
+    start = time.perf_counter()
+    (open_per_position if kind == "per-position" else open_full_permutation)(n, batch)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"seconds": seconds, "peak_rss_mb": _peak_mb() - base}))
+
+
+def bench_sampler(args) -> dict:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    rows = []
+    for n in args.samples:
+        for kind in ("per-position", "full permutation (0.3)"):
+            row = {"system": kind, "num_samples": n}
+            if kind != "per-position" and n * FULL_BYTES_PER_SAMPLE > 0.6 * ram:
+                row["skipped"] = f"needs {n * FULL_BYTES_PER_SAMPLE / 1024**3:,.0f} GiB of RAM"
+            else:
+                code = f"from bench.sampler_bench import _child; _child({kind.split()[0]!r}, {n}, {args.batch_size})"
+                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+                if out.returncode:
+                    row["error"] = out.stderr.strip().splitlines()[-1][:160] if out.stderr.strip() else f"exit {out.returncode}"
+                else:
+                    row.update(json.loads(out.stdout))
+            rows.append(row)
+            print(f"  measured {kind} over {n:,}: {row.get('skipped') or row.get('error') or row['seconds']}",
+                  file=sys.stderr, flush=True)
+    return {"command": "bench sampler", "batch_size": args.batch_size, "world_size": 8, "results": rows}
