@@ -82,6 +82,14 @@ PILLOW_TESTS = Package("pillow==13.0.0", False, "pillow-13.0.0/Tests/images/", {
     "truncated_exif_dpi.jpg": "a6351a82158ed52b8539a68f8879acf5cef14137b30df2fe2994a360afc5c7e4",
     "hopper_16bit.pgm": "fde66c60abfee2f48196a0fe94cf3f9d708053151145084070f9ac1990e3e433",
 })
+# Files the reliability tests use on their own: DDS variants Pillow raises NotImplementedError
+# for, and the 12-bit twin of 12in16bit.tif.
+PILLOW_EXTRA = Package("pillow==13.0.0", False, "pillow-13.0.0/Tests/images/", {
+    "unimplemented_dxgi_format.dds": "7fed4f230dbe1221ba5517df2b27836d7ac635a340887c6cc49971e95ba90268",
+    "unimplemented_pfflags.dds": "b6b01110d0badd3ce297d6160807ccbc8311de9e97957fee24c9e86090182aeb",
+    "unimplemented_pixel_format.dds": "b7e407796b1f5ceb188eb3fa007cc1f9f69d1dcfb96fffa227cf48881b0a4a11",
+    "12bit.cropped.tif": "d85d75f3d27a4db0a5b730a420b9986b41d959b4d9ad700c68dbfbcf17bfc769",
+})
 # Hostile files that must end as skips (the rest of PILLOW_TESTS decode, some unusually).
 HOSTILE_SKIPS = frozenset({"truncated_jpeg.jpg", "truncated_image.png", "broken.png", "decompression_bomb.gif",
                            "zero_width.gif", "oom-225817ca0f8c663be7ab4b9e717b02c661e66834.tif"})

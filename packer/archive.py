@@ -2,14 +2,15 @@
 
 `pack` compresses every column file (zstd, files in parallel threads, `level`) into ARCHIVE/
 beside `archive.json`, which holds the dataset's manifest (raw sizes and checksums) plus each
-compressed file's size and checksum. `unpack` restores a dataset dir through the same staging and
-publish steps as a build, checking both checksums of every file; a damaged byte is an
+compressed file's size and checksum. `unpack` restores a dataset dir into a new generation and
+publishes it as a build does (`packer.outdir`), checking both checksums of every file; a damaged byte is an
 IntegrityError naming the file. `materialize` does that once into a cache dir, under a file
 lock, so many processes opening the same archive at once unpack it exactly once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import os
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import format as fmt
-from . import writer
+from . import outdir, writer
 from .errors import ConfigError, IntegrityError
 from .reader import DatasetReader
 from .system import available_cores
@@ -49,7 +50,7 @@ class _Hashing:
     format's checksum (fmt.FileChecksum), a compressed one with fmt.new_checksum."""
 
     def __init__(self, f, hasher):
-        self.f, self.digest, self.count = f, hasher(), 0
+        self.f, self.digest, self.count = f, hasher(), 0  # hasher: a callable making a hash object
 
     def read(self, n: int = -1) -> bytes:
         data = self.f.read(n)
@@ -77,35 +78,56 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
     import zstandard
 
     root, archive = Path(root), Path(archive)
-    manifest = DatasetReader(root).manifest
+    opened = DatasetReader(root)  # open until the copy is done: its generation stays
+    manifest = dataclasses.replace(opened.manifest, inputs=None)  # RAW's file table stays with RAW's dataset
     if not 1 <= level <= 22:
         raise ConfigError(f"--level: {level} is outside zstd's 1..22")
-    writer.fresh_dir(archive, overwrite, fmt.ARCHIVE_NAME)
-    staging = archive / fmt.STAGING_DIR
-    entries = [f for s in manifest.shards for f in s.files]
-    started = time.perf_counter()
+    with outdir.locked(archive):
+        _fresh_archive(archive, overwrite)
+        staging = archive / fmt.STAGING_DIR
+        entries = [f for s in manifest.shards for f in s.files]
+        started = time.perf_counter()
 
-    def one(entry: fmt.FileEntry) -> fmt.ArchiveFile:
-        src, dst = root / entry.path, staging / (entry.path + fmt.ARCHIVE_SUFFIX)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
-            reader, out = _Hashing(fin, fmt.FileChecksum), _Hashing(fout, fmt.new_checksum)
-            zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
-            fout.flush()
-            os.fsync(fout.fileno())
-        if reader.digest.hexdigest() != entry.xxh3_128_rows:
-            raise IntegrityError(f"{src}: checksum differs from the manifest; run 'packer verify {root}'")
-        return fmt.ArchiveFile(entry.path + fmt.ARCHIVE_SUFFIX, entry.path, out.count, out.digest.hexdigest())
+        def one(entry: fmt.FileEntry) -> fmt.ArchiveFile:
+            src, dst = root / entry.path, staging / (entry.path + fmt.ARCHIVE_SUFFIX)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            digest = fmt.hasher(entry.algo)
+            with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
+                reader, out = _Hashing(fin, lambda: digest or fmt.new_checksum()), _Hashing(fout, fmt.new_checksum)
+                zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
+                fout.flush()
+                os.fsync(fout.fileno())
+            if digest is not None and reader.digest.hexdigest() != entry.checksum:
+                raise IntegrityError(f"{src}: checksum differs from the manifest; run 'packer verify {root}'")
+            return fmt.ArchiveFile(entry.path + fmt.ARCHIVE_SUFFIX, entry.path, out.count, out.digest.hexdigest())
 
-    with ThreadPoolExecutor(_threads(threads)) as pool:
-        files = list(pool.map(one, entries))
-    doc = fmt.archive_to_json(manifest, files, level)
-    for f in files:
-        (archive / f.path).parent.mkdir(parents=True, exist_ok=True)
-        os.rename(staging / f.path, archive / f.path)
-    writer.write_atomic(archive / fmt.ARCHIVE_NAME, doc)
-    shutil.rmtree(staging, ignore_errors=True)
+        with ThreadPoolExecutor(_threads(threads)) as pool:
+            files = list(pool.map(one, entries))
+        doc = fmt.archive_to_json(manifest, files, level)
+        for f in files:
+            (archive / f.path).parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staging / f.path, archive / f.path)
+        outdir.write_atomic(archive / fmt.ARCHIVE_NAME, doc)
+        shutil.rmtree(staging, ignore_errors=True)
     return Transfer(manifest.size_bytes, sum(f.size_bytes for f in files), time.perf_counter() - started)
+
+
+def _fresh_archive(path: Path, overwrite: bool) -> None:
+    """An empty archive dir to write into: refused when it holds anything unless `overwrite`,
+    and even then only when it is an archive (it holds archive.json)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path}: exists and is not a directory")
+    names = {p.name for p in path.iterdir()} - {fmt.STAGING_DIR, fmt.LOCK_NAME}
+    if names:
+        if not overwrite:
+            raise ConfigError(f"{path}: already exists and is not empty; pass --overwrite to replace it")
+        if fmt.ARCHIVE_NAME not in names:
+            raise ConfigError(f"{path}: not made by mmpack (no {fmt.ARCHIVE_NAME}); refusing to overwrite it")
+        (path / fmt.ARCHIVE_NAME).unlink()  # first: from here on it is no longer an archive
+        outdir.fsync_dir(path)
+    for child in path.iterdir():
+        if child.name != fmt.LOCK_NAME:
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
 
 
 def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, overwrite: bool = False) -> Transfer:
@@ -113,39 +135,55 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
     import zstandard
 
     archive, out = Path(archive), Path(out)
-    manifest, files = read_archive(archive)
-    writer.fresh_dir(out, overwrite, fmt.MANIFEST_NAME)
-    staging = writer.staging_dir(out)
-    raw = {f.path: f for s in manifest.shards for f in s.files}
-    started = time.perf_counter()
+    packed, files = read_archive(archive)
+    with outdir.locked(out):
+        outdir.check_out(out, append=False, overwrite=overwrite)
+        shutil.rmtree(outdir.staging_dir(out), ignore_errors=True)
+        generation = outdir.new_generation()
+        outdir.prepare_generation(out, generation)
+        manifest = _in_generation(packed, generation)
+        where = {f.path: g.path for s, t in zip(packed.shards, manifest.shards) for f, g in zip(s.files, t.files)}
+        raw = {f.path: f for s in packed.shards for f in s.files}
+        started = time.perf_counter()
 
-    def one(entry: fmt.ArchiveFile) -> None:
-        src, dst = archive / entry.path, staging / entry.of
-        dst.parent.mkdir(parents=True, exist_ok=True)
+        def one(entry: fmt.ArchiveFile) -> None:
+            src, dst = archive / entry.path, out / where[entry.of]
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            want = raw[entry.of]
+            digest = fmt.hasher(want.algo)
+            try:
+                with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
+                    reader = _Hashing(fin, fmt.new_checksum)
+                    result = _Hashing(fout, lambda: digest or fmt.new_checksum())
+                    zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
+                    fout.flush()
+                    os.fsync(fout.fileno())
+            except zstandard.ZstdError as exc:
+                raise IntegrityError(f"{src}: damaged archive file (zstd: {exc})") from None
+            except FileNotFoundError:
+                raise IntegrityError(f"{src}: missing from the archive") from None
+            if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.xxh3_128:
+                raise IntegrityError(f"{src}: damaged archive file (size or checksum differs from {fmt.ARCHIVE_NAME})")
+            if result.count != want.size_bytes or (digest is not None and result.digest.hexdigest() != want.checksum):
+                raise IntegrityError(f"{src}: unpacks to data whose checksum differs from the manifest")
+
         try:
-            with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
-                reader, result = _Hashing(fin, fmt.new_checksum), _Hashing(fout, fmt.FileChecksum)
-                zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
-                fout.flush()
-                os.fsync(fout.fileno())
-        except zstandard.ZstdError as exc:
-            raise IntegrityError(f"{src}: damaged archive file (zstd: {exc})") from None
-        except FileNotFoundError:
-            raise IntegrityError(f"{src}: missing from the archive") from None
-        if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.xxh3_128:
-            raise IntegrityError(f"{src}: damaged archive file (size or checksum differs from {fmt.ARCHIVE_NAME})")
-        want = raw[entry.of]
-        if result.count != want.size_bytes or result.digest.hexdigest() != want.xxh3_128_rows:
-            raise IntegrityError(f"{src}: unpacks to data whose checksum differs from the manifest")
-
-    try:
-        with ThreadPoolExecutor(_threads(threads)) as pool:
-            list(pool.map(one, files))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    writer.publish(out, manifest)
+            with ThreadPoolExecutor(_threads(threads)) as pool:
+                list(pool.map(one, files))
+        except BaseException:
+            shutil.rmtree(out / generation, ignore_errors=True)
+            raise
+        outdir.publish(out, manifest)
     return Transfer(manifest.size_bytes, sum(f.size_bytes for f in files), time.perf_counter() - started)
+
+
+def _in_generation(manifest: fmt.Manifest, generation: str) -> fmt.Manifest:
+    """The manifest with every shard moved into `generation` (what an unpacked copy is)."""
+    shards = tuple(fmt.Shard(s.index, s.num_samples, tuple(
+        fmt.FileEntry(f"{fmt.shard_path(generation, s.index)}/{f.path.rsplit('/', 1)[-1]}", f.size_bytes, f.checksum,
+                      f.algo) for f in s.files)) for s in manifest.shards)
+    return dataclasses.replace(manifest, shards=shards, generation=generation, inputs=None,
+                               version="%d.%d" % fmt.FORMAT_VERSION)
 
 
 def read_archive(archive: Path) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:

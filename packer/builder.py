@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -26,16 +28,18 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
-from . import writer
+from . import inputs, outdir
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
 from .shards import (ShardContext, ShardResult, in_pieces, keep_tokenizer, piece_bounds, read_sidecar, reusable,
-                     wait_for_writers)
+                     wait_for_old_workers, wait_for_writers)
 from .sources import MULTI_DOC_EXTS, Scan, scan
+from .writer import checksum_file
 from .system import available_cores, gc_frozen, gc_paused
 from .text import TokenizerSpec, file_sha256, load_tokenizer, resolve_eos, token_dtype
 
+log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 256 * 1024**2
 PLAN_FILE = "plan.json"
 ENGINES = ("local", "ray")
@@ -75,6 +79,8 @@ class BuildConfig:
     ray_address: str | None = None  # None: start or join a local Ray instance
     part: tuple[int, int] | None = None  # (i, N): build only share i (0-based) of N, no publish
     append: bool = False
+    allow_changed: bool = False  # --append: keep the samples of RAW files deleted or changed since
+    max_skipped: float | None = None  # fail a build that skips more than this fraction of what it found
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", Path(self.raw))
@@ -95,6 +101,8 @@ class BuildConfig:
             raise ConfigError(f"--part: {self.part[0]}/{self.part[1]} needs 0 <= i < N")
         if self.append and (self.overwrite or self.part):
             raise ConfigError("--append cannot be combined with --overwrite or --part")
+        if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
+            raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
 
     @property
     def num_workers(self) -> int:
@@ -122,6 +130,7 @@ class Prepared:
     plan: Plan
     ctx: ShardContext
     base: fmt.Manifest | None  # the dataset being appended to
+    published: fmt.Manifest | None = None  # this very build, published by a killed earlier run
 
 
 @dataclass(frozen=True)
@@ -140,22 +149,28 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
     if config.part is not None:
         raise ConfigError("build(): a config with part= runs through build_part() and commit()")
     started = time.time()
-    prep = _prepare(config)
-    try:
-        _, cores = _run(prep, prep.plan.tasks, on_progress)
-        return commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores)
-    except MmpackError:
-        _discard(config)
-        raise
+    with outdir.locked(config.out):
+        prep = _prepare(config)
+        if prep.published is not None:  # published by a run that was killed before it cleaned up
+            outdir.publish(config.out, prep.published)
+            return prep.published
+        try:
+            _, cores = _run(prep, prep.plan.tasks, on_progress)
+            return _commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores,
+                           max_skipped=config.max_skipped)
+        except MmpackError:
+            _discard(config)
+            raise
 
 
 def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> PartReport:
-    """Build share i of N of the planned shards into a shared OUT/.staging; publishes nothing."""
-    prep = _prepare(config)
-    i, n = config.part or (0, 1)
-    tasks = prep.plan.tasks
-    mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
-    results, _ = _run(prep, mine, on_progress)
+    """Build share i of N of the planned shards into a shared OUT; publishes nothing."""
+    with outdir.locked(config.out, shared=True):
+        prep = _prepare(config)
+        i, n = config.part or (0, 1)
+        tasks = prep.plan.tasks
+        mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
+        results, _ = _run(prep, mine, on_progress)
     return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
                       sum(r.items for r in results), len(tasks))
 
@@ -177,15 +192,20 @@ def _workers_used(config: BuildConfig) -> int | str:
 
 
 def _discard(config: BuildConfig) -> None:
-    """After a user error: drop the staging (it cannot be resumed into anything useful)."""
-    shutil.rmtree(writer.staging_dir(config.out), ignore_errors=True)
-    if config.out.is_dir() and not any(config.out.iterdir()):
-        config.out.rmdir()
+    """After a user error: drop the staging and the generation it was filling (they cannot be
+    resumed into anything useful); `outdir.locked` removes an OUT it made and left empty."""
+    out = config.out
+    shutil.rmtree(outdir.staging_dir(out), ignore_errors=True)
+    try:
+        current = load_manifest(out)
+    except MmpackError:
+        current = None
+    outdir.remove_unused(out, current)
 
 
 # -- prepare: scan, plan, fingerprint, claim the staging --------------------------------------
 def _prepare(config: BuildConfig) -> Prepared:
-    _check_out(config)
+    outdir.check_out(config.out, append=config.append, overwrite=config.overwrite, deferred=True)
     _start_pool_server(config)
     with gc_paused():  # a few objects per input file, none in a cycle
         return _scan_and_plan(config)
@@ -196,6 +216,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     base = existing.manifest if existing else None
     found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None)
     if existing is not None:
+        _check_unchanged(config, existing, found)
         found = _only_new(found, existing)
     tokenizer = _tokenizer_for(config, found.kind)
     columns = _columns(config, found.kind, tokenizer)
@@ -212,47 +233,65 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         first_skip = f" (first: {skipped[0].key}: {skipped[0].reason})" if skipped else ""
         raise SourceError(f"{config.raw}: nothing to pack, all {len(skipped)} records skipped{first_skip}")
     params = _params(config, found.kind, tokenizer[1] if tokenizer else None)
-    inputs = _inputs_digest(found)
+    digest = _inputs_digest(found)
     base_sha = hashlib.sha256(base.to_json().encode()).hexdigest() if base else None
     fingerprint = hashlib.sha256(
-        json.dumps([params, inputs, the_plan.digest(), base_sha], sort_keys=True).encode()).hexdigest()
+        json.dumps([params, digest, the_plan.digest(), base_sha], sort_keys=True).encode()).hexdigest()
     doc = {
-        "fingerprint": fingerprint, "params": params, "inputs": inputs, "records": len(found.records),
+        "fingerprint": fingerprint, "params": params, "inputs": digest, "records": len(found.records),
         "kind": found.kind, "columns": [asdict(c) for c in columns],
         "classes": list(found.classes) if found.classes is not None else None,
         "tokenizer": asdict(tokenizer[1]) if tokenizer else None,
         "skipped": [asdict(s) for s in skipped], "shards": [t.index for t in the_plan.tasks],
         "items": the_plan.items, "base": base_sha,
     }
-    _claim_staging(config, doc)
-    ctx = ShardContext(writer.staging_dir(config.out), fingerprint, found.kind, columns, config.image_size,
+    published = _claim_staging(config, doc)
+    if published is None and not (outdir.staging_dir(config.out) / inputs.STAGED).is_file():
+        inputs.write(outdir.staging_dir(config.out), found,
+                     (existing.root, base.inputs) if base is not None and base.inputs else None)
+    ctx = ShardContext(config.out, doc["generation"], fingerprint, found.kind, columns, config.image_size,
                        config.text_key, tokenizer[1] if tokenizer else None, config.strict, config.raw)
-    return Prepared(config, found, the_plan, ctx, base)
+    return Prepared(config, found, the_plan, ctx, base, published)
 
 
-def _claim_staging(config: BuildConfig, doc: dict) -> None:
-    """Start, resume or refuse: staging belongs to one build, named by its fingerprint."""
+def _claim_staging(config: BuildConfig, doc: dict) -> fmt.Manifest | None:
+    """Start, resume or refuse: staging belongs to one build, named by its fingerprint. Returns
+    the dataset when it is this very build already (published by a run that may have been
+    killed before it cleaned up): running a build again is not an error."""
     out = config.out
-    out.mkdir(parents=True, exist_ok=True)
-    staging = writer.staging_dir(out)
+    staging = outdir.staging_dir(out)
     plan_file = staging / PLAN_FILE
     old = _read_plan(out)
-    if old is not None and old.get("fingerprint") != doc["fingerprint"]:
+    current = load_manifest(out) if (out / fmt.MANIFEST_NAME).is_file() else None
+    if old is not None and old.get("fingerprint") == doc["fingerprint"] and old.get("generation"):
+        doc["generation"] = old["generation"]
+        if current is not None and current.generation == doc["generation"]:
+            return current
+    if current is not None and not (config.append or config.overwrite):
+        if current.build.get("fingerprint") == doc["fingerprint"]:  # this build is the dataset already
+            doc["generation"] = current.generation
+            return current
+        raise ConfigError(f"{out}: already exists and is not empty; pass --overwrite to rebuild it "
+                          "or --append to add new records")
+    if old is not None and (old.get("fingerprint") != doc["fingerprint"] or not old.get("generation")):
         if not config.overwrite:
             raise ConfigError(f"{out}: holds an unfinished build with {_difference(old, doc)}; run it again "
                               "with its own arguments to resume it, or pass --overwrite to start over")
         wait_for_writers(staging)
         shutil.rmtree(staging)
-    if config.overwrite:
-        writer.unpublish(out)
-    staging.mkdir(exist_ok=True)
-    if old is None or old.get("fingerprint") != doc["fingerprint"]:
-        writer.write_atomic(plan_file, json.dumps(doc, indent=1))  # parts racing here write the same
+        old = None
+    staging.mkdir(parents=True, exist_ok=True)
+    if old is None:  # the same name for every part of this build, and another than the dataset's now
+        seed = f"{doc['fingerprint']}:{current.generation if current else ''}"
+        doc["generation"] = fmt.generation_name(hashlib.sha256(seed.encode()).hexdigest())
+        outdir.write_atomic(plan_file, json.dumps(doc, indent=1))  # parts racing here write the same
+    outdir.prepare_generation(out, doc["generation"])
+    return None
 
 
 def _read_plan(out: Path) -> dict | None:
     try:
-        return json.loads((writer.staging_dir(out) / PLAN_FILE).read_text(encoding="utf-8"))
+        return json.loads((outdir.staging_dir(out) / PLAN_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -280,25 +319,6 @@ def _inputs_digest(found: Scan) -> str:
     for s in found.skipped:
         digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())
     return digest.hexdigest()
-
-
-def _check_out(config: BuildConfig) -> None:
-    out = config.out
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"{out}: exists and is not a directory")
-    if not out.is_dir():
-        return
-    names = {p.name for p in out.iterdir()}
-    if config.append:
-        if fmt.MANIFEST_NAME not in names:
-            raise ConfigError(f"{out}: --append needs an existing dataset dir (no {fmt.MANIFEST_NAME})")
-    elif config.overwrite:
-        foreign = [n for n in names if n not in (fmt.MANIFEST_NAME, fmt.STAGING_DIR) and not n.startswith("shard-")]
-        if foreign and fmt.MANIFEST_NAME not in names:
-            raise ConfigError(f"{out}: not an mmpack dataset dir (holds {sorted(foreign)[0]!r}); refusing to overwrite it")
-    elif names - {fmt.STAGING_DIR}:
-        raise ConfigError(f"{out}: already exists and is not empty; pass --overwrite to rebuild it "
-                          "or --append to add new records")
 
 
 def _tokenizer_for(config: BuildConfig, kind: str):
@@ -355,6 +375,23 @@ def record_key(key: str, kind: str) -> str:
         if head and tail.isdigit() and head.lower().endswith(tuple(MULTI_DOC_EXTS)):
             return head
     return key
+
+
+def _check_unchanged(config: BuildConfig, reader: DatasetReader, found: Scan) -> None:
+    """--append adds RAW's new records; files deleted or rewritten since the dataset was built
+    would keep their old samples, so they are refused unless --allow-changed says to keep them."""
+    base = reader.manifest
+    if base.inputs is None:
+        log.warning("%s: its build recorded no inputs table (an older mmpack): files of RAW deleted or changed "
+                    "since cannot be found; only new files are added", config.out)
+        return
+    deleted, changed = inputs.changed_since(reader.root, base.inputs, found)
+    if (deleted or changed) and not config.allow_changed:
+        listed = [f"{k} (deleted)" for k in deleted[:3]] + [f"{k} (changed)" for k in changed[:3]]
+        raise ConfigError(f"--append: {len(deleted)} file(s) of {config.raw} deleted and {len(changed)} changed since "
+                          f"{config.out} was built ({', '.join(listed)}{', ...' if len(deleted) + len(changed) > 6 else ''}); "
+                          "the dataset still holds their old samples. Rebuild with --overwrite, or pass "
+                          "--allow-changed to keep those samples as they are and add only the new records")
 
 
 def _only_new(found: Scan, reader: DatasetReader) -> Scan:
@@ -419,10 +456,12 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
         if on_progress:
             on_progress(min(done, total), total)
 
+    if prep.config.engine == "local":
+        wait_for_old_workers(prep.ctx.staging)
     results: dict[int, ShardResult] = {}
     todo = []
     for task in tasks:
-        kept = reusable(prep.ctx.staging, task.index, prep.ctx.fingerprint)
+        kept = reusable(prep.ctx, task.index)
         if kept is not None:
             results[task.index] = kept
             advance(kept.items)
@@ -437,7 +476,7 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
             from .engines import run_ray
 
             ran, cores = run_ray(prep.ctx, jobs, advance, prep.config.ray_address), None
-        elif workers <= 1:
+        elif workers <= 1 and not in_pieces(prep.ctx):  # text in this process: its tokenizer threads
             from .engines import run_here
 
             ran = run_here(prep.ctx, jobs, advance)
@@ -450,23 +489,32 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
 
 
 # -- commit: every shard there -> manifest, published last ------------------------------------
-def commit(out: str | Path, *, seconds: float | None = None, workers: int | str | None = None,
-           cores: int | None = None) -> fmt.Manifest:
-    """Publish the build staged in OUT once every planned shard is whole there."""
+def commit(out: str | Path, *, max_skipped: float | None = None) -> fmt.Manifest:
+    """Publish the build staged in OUT (by `--part` runs) once every planned shard is whole."""
     out = Path(out)
+    with outdir.locked(out):
+        return _commit(out, max_skipped=max_skipped)
+
+
+def _commit(out: Path, *, seconds: float | None = None, workers: int | str | None = None,
+            cores: int | None = None, max_skipped: float | None = None) -> fmt.Manifest:
     doc = _read_plan(out)
     if doc is None:
         raise ConfigError(f"{out}: nothing to commit (no build staged in {out / fmt.STAGING_DIR})")
-    staging = writer.staging_dir(out)
+    staging = outdir.staging_dir(out)
     results, missing = [], []
     for index in doc["shards"]:
-        result = read_sidecar(staging, index, doc["fingerprint"])
+        result = read_sidecar(staging, index, doc["fingerprint"], doc["generation"])
         (missing.append(index) if result is None else results.append(result))
     if missing:
         raise ConfigError(f"{out}: {len(missing)} of {len(doc['shards'])} shards are not built yet "
                           f"(first: {fmt.shard_dir_name(missing[0])}); run the missing parts, then commit")
     new_shards = [r.shard for r in results if r.shard.num_samples]
-    check_file_sizes(staging, new_shards)
+    strays = [s.dir for s in new_shards if not s.dir.startswith(doc["generation"] + "/")]
+    if strays:  # never publish a manifest whose own generation does not hold its new shards
+        raise IntegrityError(f"{out}: shard {strays[0]} is not in this build's generation {doc['generation']}; "
+                             "run the build again with --overwrite")
+    check_file_sizes(out, new_shards)
     skipped = [fmt.Skip(**s) for s in doc["skipped"]] + [k for r in results for k in r.skipped]
     base = None
     if doc["base"] is not None:
@@ -480,15 +528,19 @@ def commit(out: str | Path, *, seconds: float | None = None, workers: int | str 
         shutil.rmtree(staging, ignore_errors=True)
         raise SourceError(f"{doc['params']['raw']}: nothing packed, all {len(skipped)} records skipped{first}")
     counts = {"found": packed + len(skipped), "packed": packed, "skipped": len(skipped)}
+    _check_skip_rate(doc, skipped, counts, max_skipped)
     build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
                   "seconds": round(seconds, 3) if seconds is not None else None,
                   "workers": workers, "cores_used": cores, "created_unix": round(time.time(), 3),
                   "mmpack_version": _version()}
-    if base is not None:
-        counts = {k: base.counts[k] + counts[k] for k in counts}
-        build_info["appended"] = [*base.build.get("appended", []), {k: build_info[k] for k in ("raw", "created_unix")}]
+    if base is not None:  # the append's own counts in its entry, the dataset's in `counts`
+        build_info["appended"] = [*base.build.get("appended", []),
+                                  {**{k: build_info[k] for k in ("raw", "created_unix", "seconds")}, **counts}]
         build_info = {**base.build, "appended": build_info["appended"]}
+        counts = {k: base.counts[k] + counts[k] for k in counts}
+    build_info["fingerprint"] = doc["fingerprint"]  # what a run of the same command finds done
     manifest = fmt.Manifest(
+        inputs=_commit_inputs(out, doc["generation"]),
         kind=doc["kind"],
         columns=tuple(fmt.Column(**c) for c in doc["columns"]),
         shards=(*(base.shards if base else ()), *new_shards),
@@ -497,9 +549,36 @@ def commit(out: str | Path, *, seconds: float | None = None, workers: int | str 
         classes=tuple(doc["classes"]) if doc["classes"] is not None else None,
         tokenizer=doc["tokenizer"] if base is None else base.tokenizer,
         build=build_info,
+        generation=doc["generation"],
     )
-    writer.publish(out, manifest, moved=[s.index for s in new_shards])
+    kept = outdir.publish(out, manifest)
+    if kept:
+        log.warning("%s: kept %s, still open by a reader; the next build into it removes %s", out,
+                    ", ".join(kept), "them" if len(kept) > 1 else "it")
     return manifest
+
+
+def _commit_inputs(out: Path, generation: str) -> fmt.FileEntry | None:
+    """The staged inputs table, moved into the generation (where a killed commit left it too)."""
+    staged, final = outdir.staging_dir(out) / inputs.STAGED, out / generation / fmt.INPUTS_NAME
+    if staged.is_file():
+        os.replace(staged, final)
+    if not final.is_file():
+        return None
+    return fmt.FileEntry(f"{generation}/{fmt.INPUTS_NAME}", final.stat().st_size,
+                         checksum_file(final, "xxh3_128"), "xxh3_128")
+
+
+def _check_skip_rate(doc: dict, skipped: list[fmt.Skip], counts: dict, max_skipped: float | None) -> None:
+    """--max-skipped: a build that skips more than this share of what it found fails, its
+    reasons counted (a wrong --kind or a broken decoder skips most of a dataset)."""
+    if max_skipped is None or not counts["found"] or counts["skipped"] <= max_skipped * counts["found"]:
+        return
+    reasons = Counter(s.reason.split(" (")[0] for s in skipped).most_common(3)
+    top = "; ".join(f"{n} x {reason}" for reason, n in reasons)
+    raise SourceError(f"{doc['params']['raw']}: {counts['skipped']:,} of {counts['found']:,} records skipped "
+                      f"({counts['skipped'] / counts['found']:.1%}, more than --max-skipped {max_skipped:g}): {top}; "
+                      "nothing was published")
 
 
 def _version() -> str:

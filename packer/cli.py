@@ -83,6 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--shard-size", default="256MB", help="rows per shard (1000) or bytes (256MB); default 256MB")
     b.add_argument("--overwrite", action="store_true", help="rebuild over an existing dataset dir")
     b.add_argument("--strict", action="store_true", help="fail the build on any skipped record")
+    b.add_argument("--max-skipped", type=float, default=None, metavar="FRACTION",
+                   help="fail the build when more than this fraction of the records found are skipped (e.g. 0.05)")
     b.add_argument("--workers", type=int, default=None, help="worker processes (default: every core)")
     b.add_argument("--engine", choices=("local", "ray"), default="local",
                    help="run shards here (a process pool) or as Ray tasks")
@@ -90,10 +92,14 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--part", default=None, metavar="i/N",
                    help="build only part i (0-based) of N into a shared OUT; then 'packer commit OUT'")
     b.add_argument("--append", action="store_true", help="add RAW's new records to the dataset in OUT as new shards")
+    b.add_argument("--allow-changed", action="store_true",
+                   help="with --append: keep the samples of RAW files deleted or changed since the build (refused otherwise)")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress, no skip list")
 
     c = sub.add_parser("commit", help="publish a build made of --part runs once every shard is there")
     c.add_argument("out", type=Path)
+    c.add_argument("--max-skipped", type=float, default=None, metavar="FRACTION",
+                   help="refuse to publish when more than this fraction of the records found were skipped")
 
     m = sub.add_parser("merge", help="join datasets with the same schema into OUT (no re-encoding)")
     m.add_argument("inputs", type=Path, nargs="+", metavar="DATASET", help="two or more dataset dirs")
@@ -137,7 +143,8 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         text_key=args.text_key, append_eos=args.append_eos, special_tokens=args.special_tokens,
         shard_rows=rows, shard_bytes=nbytes, overwrite=args.overwrite, strict=args.strict,
         workers=args.workers, engine=args.engine, ray_address=args.ray_address,
-        part=parse_part(args.part) if args.part else None, append=args.append,
+        part=parse_part(args.part) if args.part else None, append=args.append, max_skipped=args.max_skipped,
+        allow_changed=args.allow_changed,
     )
 
 
@@ -159,27 +166,36 @@ def _cmd_build(args) -> int:
               f"{report.reused} reused), {report.items:,} records in {seconds:.1f} s; "
               f"run 'packer commit {config.out}' once all {n} parts are done")
         return 0
-    _summary(manifest, config.out, seconds, quiet=args.quiet)
+    _summary(manifest, config.out, seconds, quiet=args.quiet, appended=config.append)
     return 0
 
 
-def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool) -> None:
+def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, appended: bool = False) -> None:
     c = manifest.counts
+    new = manifest.build.get("appended", [{}])[-1] if appended else c
+    skips = manifest.skipped[len(manifest.skipped) - new.get("skipped", 0):] if appended else manifest.skipped
     if not quiet:
-        for skip in manifest.skipped[:SKIPS_SHOWN]:
+        for skip in skips[:SKIPS_SHOWN]:
             print(f"skipped {skip.key}: {skip.reason}")
-        if len(manifest.skipped) > SKIPS_SHOWN:
-            print(f"... and {len(manifest.skipped) - SKIPS_SHOWN} more (packer info {out} --skipped)")
+        if len(skips) > SKIPS_SHOWN:
+            print(f"... and {len(skips) - SKIPS_SHOWN} more (packer info {out} --skipped)")
+    rate = f"{new.get('packed', 0) / max(seconds, 1e-9):,.0f} samples/s"
+    if appended:
+        print(f"appended {new.get('found', 0):,} new records = packed {new.get('packed', 0):,} + skipped "
+              f"{new.get('skipped', 0):,} in {seconds:.1f} s ({rate}); {out} now holds found {c['found']:,} = "
+              f"packed {c['packed']:,} + skipped {c['skipped']:,} in {len(manifest.shards)} shards, "
+              f"{_human_bytes(manifest.size_bytes)}")
+        return
     print(
         f"found {c['found']} = packed {c['packed']} + skipped {c['skipped']}; "
         f"{len(manifest.shards)} shards, {_human_bytes(manifest.size_bytes)} in {seconds:.1f} s "
-        f"({c['packed'] / max(seconds, 1e-9):,.0f} samples/s) -> {out}"
+        f"({rate}) -> {out}"
     )
 
 
 def _cmd_commit(args) -> int:
     started = time.perf_counter()
-    manifest = commit(args.out)
+    manifest = commit(args.out, max_skipped=args.max_skipped)
     _summary(manifest, args.out, time.perf_counter() - started, quiet=True)
     return 0
 

@@ -16,20 +16,22 @@ import os
 import queue as queue_mod
 import shutil
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from itertools import islice
 
-from .errors import ConfigError
+from . import format as fmt
+from .errors import ConfigError, SourceError
+from .images import decode_image
 from .plan import ShardTask
 from .sources import prefetch
 from .system import gc_frozen
 from .writer import partial_dir
 from .shards import (ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
-                     open_pieces, piece_bounds, run_piece, run_shard, set_progress_sink)
+                     open_pieces, piece_bounds, read_progress, run_piece, run_shard, set_progress_sink)
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
@@ -101,35 +103,29 @@ def start_server() -> None:
 
 
 def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayon_threads: int) -> list[ShardResult]:
+    """The jobs in a pool of `workers` processes; this process only hands out work and
+    finishes shards, so a decoder that kills its process costs a worker, never the build."""
     method = start_method(ctx.tokenizer is not None)
     mp = _context(method)
-    progress, here = mp.Queue(), queue_mod.SimpleQueue()  # from the workers, from this process
+    # a queue that processes of either context may take: a pool made again after a crash starts
+    # from the forkserver, and a queue made in the fork context may not go there
+    progress = _context("spawn" if method == "spawn" else "forkserver").Queue()
 
     def drain() -> None:
-        for q in (progress, here):
-            while True:
-                try:
-                    advance(q.get_nowait())
-                except queue_mod.Empty:
-                    break
+        while True:
+            try:
+                advance(progress.get_nowait())
+            except queue_mod.Empty:
+                break
 
-    pieces = in_pieces(ctx)
-    procs = workers - 1 if pieces else workers
-    pool = ProcessPoolExecutor(procs, mp_context=mp, initializer=init_worker, initargs=(progress, rayon_threads))
+    pool = _Pool(mp, workers, initargs=(progress, rayon_threads, os.getpid(), ctx.staging))
     if method == "fork":
-        _fork_now(pool)
-    if pieces:  # this process is the last worker: it decodes from the start, while the pool starts
-        # (first in the list: ties go to it, so the first piece starts here at once; a forkserver
-        # pool's first submit then starts its processes, which takes tens of ms)
-        pool = _Spread([(ThreadPoolExecutor(1, thread_name_prefix="mmpack-piece"), 1), (pool, procs)])
-        set_progress_sink(here.put)  # no pickling, no feeder thread
+        _fork_now(pool.executor)
     try:
-        results = (_run_pieces if pieces else _run_shards)(pool, ctx, iter(jobs), workers, drain, advance)
+        results = (_run_pieces if in_pieces(ctx) else _run_shards)(pool, ctx, iter(jobs), workers, drain, advance)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
-    finally:
-        set_progress_sink(None)
     pool.shutdown(wait=True)
     return results
 
@@ -143,66 +139,111 @@ def _fork_now(pool: ProcessPoolExecutor) -> None:
         pool.submit(int)
 
 
-class _Spread:
-    """Executors as one: each call goes to the one with the fewest calls outstanding per worker."""
+class _Pool:
+    """A process pool that can be made again after one of its processes died (a decoder that
+    segfaults or aborts breaks the whole ProcessPoolExecutor)."""
 
-    def __init__(self, executors: list[tuple[Executor, int]]):
-        self._workers = dict(executors)
-        self._outstanding = dict.fromkeys(self._workers, 0)
-        self._lock = threading.Lock()
+    def __init__(self, mp, workers: int, initargs: tuple):
+        self.mp, self.workers, self.initargs = mp, workers, initargs
+        self.executor = self._new()
+        # processes started later start from a forkserver: this process runs threads by then
+        self.mp = _context("forkserver") if mp.get_start_method() == "fork" else mp
+
+    def _new(self, workers: int | None = None) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(workers or self.workers, mp_context=self.mp, initializer=init_worker,
+                                   initargs=self.initargs)
 
     def submit(self, fn, *args, **kwargs) -> Future:
-        with self._lock:
-            ex = min(self._workers, key=lambda e: self._outstanding[e] / self._workers[e])
-            self._outstanding[ex] += 1
-        future = ex.submit(fn, *args, **kwargs)
-        future.add_done_callback(lambda _: self._done(ex))
-        return future
+        return self.executor.submit(fn, *args, **kwargs)
 
-    def _done(self, ex: Executor) -> None:
-        with self._lock:
-            self._outstanding[ex] -= 1
+    def renew(self) -> None:
+        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.executor = self._new()
+
+    def crashes(self, fn, *args) -> bool:
+        """Whether fn(*args) kills the process it runs in: tried alone, in a process of its own."""
+        one = self._new(1)
+        try:
+            one.submit(fn, *args).result()
+        except BrokenProcessPool:
+            return True
+        except Exception:  # noqa: BLE001 - an ordinary failure: the record's own skip, later
+            return False
+        finally:
+            one.shutdown(wait=True)
+        return False
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        for ex in self._workers:
-            ex.shutdown(wait=wait, cancel_futures=cancel_futures)
+        self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def _run_shards(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
-    """One task per shard, at most two per worker queued."""
+RETRIES = 3  # attempts of a work unit whose process died, before the build gives up on it
+
+
+def _run_shards(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
+    """One task per shard, at most two per worker queued. A shard whose worker process died is
+    run again in a new pool, up to RETRIES times."""
     results: list[ShardResult] = []
-    pending = {pool.submit(run_shard, ctx, *job) for job in islice(jobs, 2 * workers)}
+    tries: dict[int, int] = {}
+    pending = {pool.submit(run_shard, ctx, *job): job for job in islice(jobs, 2 * workers)}
     while pending:
-        done, pending = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+        done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
         drain()
+        if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
+            wait(pending)  # every other task of the broken pool fails too
+            again = [pending.pop(f) for f in list(pending) if isinstance(f.exception(), BrokenProcessPool)]
+            for task, records in again:
+                tries[task.index] = tries.get(task.index, 0) + 1
+                if tries[task.index] >= RETRIES:
+                    raise SourceError(f"{ctx.out}: the worker building {fmt.shard_dir_name(task.index)} died "
+                                      f"{RETRIES} times (a tokenizer or decoder crash); its first record is "
+                                      f"{ctx.raw / records[0][1].key}")
+            pool.renew()
+            pending.update({pool.submit(run_shard, ctx, *job): job for job in again})
+            continue
         for future in done:
+            del pending[future]
             results.append(future.result())  # re-raises a worker's error here
-            pending |= {pool.submit(run_shard, ctx, *job) for job in islice(jobs, 1)}
+            pending.update({pool.submit(run_shard, ctx, *job): job for job in islice(jobs, 1)})
     drain()
     return results
 
 
-def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
-    """Shards opened here one after another, their pieces run by any of the `workers` lanes (at
-    most two per lane queued). Once all pieces of a shard are back, a thread of its own in this process finishes
-    the shard: a finish mostly waits for its fsync, and no decoding lane should wait with it."""
+@dataclass(frozen=True)
+class _Piece:
+    index: int
+    first: int
+    stop: int
+    crashed: tuple[int, ...] = ()  # slots whose decode killed its process: skipped, not decoded
+
+
+def _run_pieces(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
+    """Shards opened here one after another, their pieces run by any of the `workers` processes
+    (at most two per worker queued). Once all pieces of a shard are back, a thread of its own in
+    this process finishes the shard: a finish mostly waits for its fsync, and no decoding process
+    should wait with it. A piece whose process died is run again without the record that killed
+    it (found by trying the record it was decoding alone), which becomes a skip."""
     results: list[ShardResult] = []
     calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
     shards: dict[int, _Opened] = {}  # by index
     jobs = _with_last(jobs)
-    pending: dict = {}  # future -> shard index, or None for a finish
+    pending: dict = {}  # future -> _Piece, or None for a finish
     opened: set[int] = set()  # shards this run started (a failure removes their partial dirs)
+    tries: dict[tuple[int, int], int] = {}  # (shard, first slot) -> times its process died
     finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
 
+    def submit(piece: _Piece) -> None:
+        shard = shards[piece.index]
+        records = [record for _, record in shard.records[piece.first:piece.stop]]  # no spans: less to pickle
+        prefetch(records)  # read while the pieces before it decode
+        pending[pool.submit(run_piece, ctx, piece.index, piece.first, records, writeback=shard.last,
+                            crashed=piece.crashed)] = piece
+
     def refill() -> None:
-        while sum(index is not None for index in pending.values()) < 2 * workers:  # pieces in flight
+        while sum(piece is not None for piece in pending.values()) < 2 * workers:  # pieces in flight
             if not calls and not _open_next():
                 return
-            index, first, stop = calls.popleft()
-            shard = shards[index]
-            records = [record for _, record in shard.records[first:stop]]  # no spans: less to pickle
-            prefetch(records)  # read while the pieces before it decode
-            pending[pool.submit(run_piece, ctx, index, first, records, writeback=shard.last)] = index
+            submit(calls.popleft())
 
     def _open_next() -> bool:
         for (task, records), last in jobs:
@@ -214,28 +255,51 @@ def _run_pieces(pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, ad
                 continue
             bounds = piece_bounds(len(records), last=last, lanes=workers)
             shards[task.index] = _Opened(task, records, len(bounds), last)
-            calls.extend((task.index, first, stop) for first, stop in bounds)
+            calls.extend(_Piece(task.index, first, stop) for first, stop in bounds)
             return True
         return False
+
+    def recover() -> None:
+        """The pool broke: every piece it had is tried again, less the records that killed it."""
+        wait(pending)
+        broken = [pending.pop(f) for f in list(pending) if pending[f] is not None
+                  and isinstance(f.exception(), BrokenProcessPool)]
+        pool.renew()
+        for piece in broken:
+            key = (piece.index, piece.first)
+            tries[key] = tries.get(key, 0) + 1
+            crashed = set(piece.crashed)
+            slot = read_progress(ctx, piece.index, piece.first)
+            record = shards[piece.index].records[slot][1] if slot is not None else None
+            if record is not None and slot not in crashed and pool.crashes(decode_image, record.path, ctx.image_size):
+                crashed.add(slot)
+            elif tries[key] >= RETRIES:
+                raise SourceError(f"{ctx.out}: a decoder process died {RETRIES} times on "
+                                  f"{fmt.shard_dir_name(piece.index)} (records {piece.first}..{piece.stop - 1}); "
+                                  f"last started: {ctx.raw / record.key if record else 'none'}")
+            submit(_Piece(piece.index, piece.first, piece.stop, tuple(sorted(crashed))))
 
     try:
         refill()
         while pending:
             done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
             drain()
+            if any(pending[f] is not None and isinstance(f.exception(), BrokenProcessPool) for f in done):
+                recover()
+                continue
             for future in done:
-                index = pending.pop(future)
+                piece = pending.pop(future)
                 value = future.result()  # re-raises a worker's error here
-                if index is None:
+                if piece is None:
                     results.append(value)
                     continue
-                shard = shards[index]
+                shard = shards[piece.index]
                 shard.pieces_left -= 1
                 skips, digests = value
                 shard.skips.update(skips)
                 shard.digests.update(digests)
                 if shard.pieces_left == 0:
-                    del shards[index]
+                    del shards[piece.index]
                     pending[finisher.submit(finish_pieces, ctx, shard.task, shard.records, shard.skips,
                                             shard.digests)] = None
             refill()

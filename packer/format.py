@@ -8,8 +8,10 @@ choices. `packer.writer` and `packer.reader` both go through this module.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import math
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,17 +23,40 @@ from .errors import ManifestError
 
 # -- 1. Identity and versioning ------------------------------------------------------------
 FORMAT_NAME = "mmpack"
-FORMAT_VERSION = (3, 0)  # (major, minor): minor bumps are additive, a new major is refused.
+FORMAT_VERSION = (4, 0)  # (major, minor): minor bumps are additive, a newer major is refused.
+READABLE_MAJORS = (1, 2, 3, 4)  # 1.x-3.x differ from 4.x in checksum keys and the shard dirs' place
+CHECKSUM = "xxh3_128_rows"  # what this writer hashes column files with (section 6)
 
 # -- 2. Directory layout and the file-name rule ---------------------------------------------
 MANIFEST_NAME = "manifest.json"
 STAGING_DIR = ".staging"
+INPUTS_NAME = "inputs.jsonl"  # in a generation dir: one [key, size_bytes, mtime_ns] line per RAW file
+LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OUT
+READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
 KINDS = ("images", "pairs", "text")
+_GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def generation_name(fingerprint: str) -> str:
+    """The generation dir of a build: named by the build's fingerprint, so a build killed and
+    run again writes into the same one."""
+    return f"g-{fingerprint[:16]}"
+
+
+def is_generation(name: str) -> bool:
+    return _GENERATION.fullmatch(name) is not None
 
 
 def shard_dir_name(shard_index: int) -> str:
     """Shard k lives in `shard-{k:05d}/`; the name depends on the shard index only."""
     return f"shard-{shard_index:05d}"
+
+
+def shard_path(generation: str | None, shard_index: int) -> str:
+    """A shard dir relative to the dataset dir: `<generation>/shard-k` (4.x), `shard-k` before."""
+    name = shard_dir_name(shard_index)
+    return f"{generation}/{name}" if generation else name
 
 
 def column_file_names(column: Column) -> dict[str, str]:
@@ -90,11 +115,19 @@ def choose_token_dtype(vocab_size: int) -> str:
 
 
 # -- 5. Manifest schema ---------------------------------------------------------------------
+# A manifest may come from a stranger: every field is checked before anything is mapped or
+# allocated, and every problem is a ManifestError naming the field (never a Python exception).
+DTYPES = frozenset({"|u1", "|i1", "|b1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"})
+ENCODINGS = (None, "utf-8")
+MAX_DIM = 1 << 31  # per-sample dimensions
+MAX_NDIM = 8
+
+
 @dataclass(frozen=True)
 class Column:
     """One column. `shape` is the per-sample shape; None marks a variable dimension, which makes
     the column ragged (flat values plus int64 offsets). `encoding` = "utf-8" marks a string
-    column stored as bytes."""
+    column stored as bytes. The constructor refuses what FORMAT.md section 5 does not allow."""
 
     name: str
     dtype: str
@@ -102,8 +135,20 @@ class Column:
     encoding: str | None = None
 
     def __post_init__(self) -> None:
-        np.dtype(self.dtype)  # raises TypeError for a bad dtype string
-        object.__setattr__(self, "shape", tuple(self.shape))
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ManifestError(f"column name {self.name!r} is not a plain name ([A-Za-z_][A-Za-z0-9_]*)")
+        if self.dtype not in DTYPES:
+            raise ManifestError(f"column {self.name}: dtype {self.dtype!r} is not one of {', '.join(sorted(DTYPES))}")
+        shape = self.shape
+        if not isinstance(shape, (list, tuple)) or len(shape) > MAX_NDIM or not all(
+                d is None or (type(d) is int and 0 <= d < MAX_DIM) for d in shape):
+            raise ManifestError(f"column {self.name}: shape {shape!r} is not a list of at most {MAX_NDIM} "
+                                "dimensions (non-negative ints, or null for a variable one)")
+        if self.encoding not in ENCODINGS:
+            raise ManifestError(f"column {self.name}: encoding {self.encoding!r} is not one of {ENCODINGS}")
+        if self.encoding and (self.dtype != "|u1" or tuple(shape) != (None,)):
+            raise ManifestError(f"column {self.name}: a string column is |u1 [null]")
+        object.__setattr__(self, "shape", tuple(shape))
 
     @property
     def ragged(self) -> bool:
@@ -114,7 +159,16 @@ class Column:
         """Bytes of one sample of a fixed-shape column; None for ragged columns."""
         if self.ragged:
             return None
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def file_bytes(self, part: str, num_samples: int) -> int | None:
+        """The exact size of one of its files in a shard of `num_samples` rows (None: a ragged
+        column's values, whose length only its offsets know)."""
+        if part == "offsets":
+            return NPY_HEADER_BYTES + (num_samples + 1) * 8
+        if part == "shapes":
+            return NPY_HEADER_BYTES + num_samples * len(self.shape) * 8
+        return None if self.ragged else NPY_HEADER_BYTES + num_samples * self.sample_nbytes
 
 
 def columns_text(columns) -> str:
@@ -126,7 +180,11 @@ def columns_text(columns) -> str:
 class FileEntry:
     path: str  # relative to the dataset dir, "/"-separated
     size_bytes: int
-    xxh3_128_rows: str  # CHECKSUM of the file, hex
+    checksum: str  # hex digest of the file by `algo`
+    algo: str = CHECKSUM
+
+    def to_json(self) -> dict:
+        return {"path": self.path, "size_bytes": self.size_bytes, "checksum": {"algo": self.algo, "hex": self.checksum}}
 
 
 @dataclass(frozen=True)
@@ -138,6 +196,11 @@ class Shard:
     @property
     def size_bytes(self) -> int:
         return sum(f.size_bytes for f in self.files)
+
+    @property
+    def dir(self) -> str:
+        """The shard dir, relative to the dataset dir (where its files are)."""
+        return self.files[0].path.rsplit("/", 1)[0] if self.files else shard_dir_name(self.index)
 
 
 @dataclass(frozen=True)
@@ -159,17 +222,58 @@ class Manifest:
     classes: tuple[str, ...] | None = None
     tokenizer: dict[str, Any] | None = None
     build: dict[str, Any] = field(default_factory=dict)
+    generation: str | None = None  # the generation dir this build's shards went into (4.x)
+    inputs: FileEntry | None = None  # INPUTS_NAME in the generation: every RAW file's size and mtime
     version: str = "%d.%d" % FORMAT_VERSION
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ManifestError(f"unknown dataset kind {self.kind!r}; expected one of {KINDS}")
-        if self.counts.get("found") != self.counts.get("packed", -1) + self.counts.get("skipped", -1):
-            raise ManifestError(f"counts do not add up: {self.counts}")
-        if self.counts["packed"] != self.num_samples:
-            raise ManifestError(
-                f"counts say {self.counts['packed']} packed, shards hold {self.num_samples}"
-            )
+        if not self.columns or len({c.name for c in self.columns}) != len(self.columns):
+            raise ManifestError("columns must be a non-empty list of distinct names")
+        counts = self.counts
+        if not isinstance(counts, dict) or not all(type(counts.get(k)) is int and counts[k] >= 0
+                                                   for k in ("found", "packed", "skipped")):
+            raise ManifestError(f"counts must hold found, packed and skipped as non-negative ints: {counts!r}")
+        if counts["found"] != counts["packed"] + counts["skipped"]:
+            raise ManifestError(f"counts do not add up: {counts}")
+        if counts["packed"] != self.num_samples:
+            raise ManifestError(f"counts say {counts['packed']} packed, shards hold {self.num_samples}")
+        if counts["skipped"] != len(self.skipped):
+            raise ManifestError(f"counts say {counts['skipped']} skipped, the skip list has {len(self.skipped)}")
+        if self.generation is not None and not is_generation(self.generation):
+            raise ManifestError(f"generation {self.generation!r} is not a generation dir name (g-<hex>)")
+        if self.inputs is not None and (self.generation is None or self.inputs.path != f"{self.generation}/{INPUTS_NAME}"
+                                        or type(self.inputs.size_bytes) is not int or self.inputs.size_bytes < 0):
+            raise ManifestError(f"inputs {self.inputs.path!r} is not {self.generation}/{INPUTS_NAME}")
+        for shard in self.shards:
+            self._check_shard(shard)
+
+    def _check_shard(self, shard: Shard) -> None:
+        """Its files are exactly its columns' files, in one shard dir, with the sizes the row
+        count implies: nothing outside the dataset dir, nothing to allocate that is not there."""
+        where = f"shard {shard.index}"
+        if type(shard.index) is not int or not 0 <= shard.index < 10**9:
+            raise ManifestError(f"{where}: index must be an int in [0, 1e9)")
+        if type(shard.num_samples) is not int or not 0 < shard.num_samples < 1 << 48:
+            raise ManifestError(f"{where}: num_samples must be a positive int, got {shard.num_samples!r}")
+        prefix = shard.dir.rsplit("/", 1)[0] if "/" in shard.dir else None
+        if prefix is not None and not is_generation(prefix):
+            raise ManifestError(f"{where}: file {shard.files[0].path!r} is not under a generation dir (g-<hex>)")
+        base = shard_path(prefix, shard.index)
+        want = {f"{base}/{name}": (column, part) for column in self.columns
+                for part, name in column_file_names(column).items()}
+        if sorted(f.path for f in shard.files) != sorted(want):
+            raise ManifestError(f"{where}: files {sorted(f.path for f in shard.files)[:4]} are not its columns' "
+                                f"files {sorted(want)[:4]}")
+        for f in shard.files:
+            column, part = want[f.path]
+            size = column.file_bytes(part, shard.num_samples)
+            itemsize = np.dtype(column.dtype).itemsize
+            if type(f.size_bytes) is not int or (size is not None and f.size_bytes != size) or (
+                    size is None and (f.size_bytes < NPY_HEADER_BYTES or (f.size_bytes - NPY_HEADER_BYTES) % itemsize)):
+                raise ManifestError(f"{f.path}: size_bytes {f.size_bytes!r} does not fit {shard.num_samples} rows of "
+                                    f"column {column.name} ({column.dtype} {list(column.shape)})")
 
     @property
     def num_samples(self) -> int:
@@ -179,6 +283,12 @@ class Manifest:
     def size_bytes(self) -> int:
         return sum(s.size_bytes for s in self.shards)
 
+    @property
+    def generations(self) -> set[str]:
+        """Every generation dir the dataset uses: its own, and those of its shards' files."""
+        own = {self.generation} if self.generation else set()
+        return own | {s.dir.split("/", 1)[0] for s in self.shards if "/" in s.dir}
+
     def column(self, name: str) -> Column:
         for c in self.columns:
             if c.name == name:
@@ -187,31 +297,39 @@ class Manifest:
 
     def to_json(self) -> str:
         doc = {"format": FORMAT_NAME, **asdict(self)}
+        doc["shards"] = [{"index": s.index, "num_samples": s.num_samples, "files": [f.to_json() for f in s.files]}
+                         for s in self.shards]
+        doc["inputs"] = self.inputs.to_json() if self.inputs else None
         return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 
     @classmethod
     def from_json(cls, text: str, *, where: str = "manifest") -> Manifest:
-        """Parse and validate; ManifestError naming `where` for anything off."""
+        """Parse and validate a manifest of any readable version; ManifestError naming `where`
+        and the field for anything off."""
         try:
             doc = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise ManifestError(f"{where}: not valid JSON ({exc})") from None
+        return cls.from_doc(doc, where=where)
+
+    @classmethod
+    def from_doc(cls, doc, *, where: str) -> Manifest:
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise ManifestError(f"{where}: not an {FORMAT_NAME} manifest (no 'format': 'mmpack')")
-        check_version(str(doc.get("version", "")), where=where)
+        major = check_version(doc.get("version"), where=where)
         try:
             return cls(
                 kind=doc["kind"],
-                columns=tuple(Column(**c) for c in doc["columns"]),
-                shards=tuple(
-                    Shard(s["index"], s["num_samples"], tuple(FileEntry(**f) for f in s["files"]))
-                    for s in doc["shards"]
-                ),
-                counts=dict(doc["counts"]),
-                skipped=tuple(Skip(**s) for s in doc.get("skipped", ())),
-                classes=tuple(doc["classes"]) if doc.get("classes") is not None else None,
-                tokenizer=doc.get("tokenizer"),
-                build=dict(doc.get("build", {})),
+                columns=tuple(Column(**_fields(c, ("name", "dtype", "shape"), ("encoding",))) for c in _list(doc["columns"])),
+                shards=tuple(Shard(s["index"], s["num_samples"], tuple(_file_entry(f, major) for f in _list(s["files"])))
+                             for s in map(_dict, _list(doc["shards"]))),
+                counts=_dict(doc["counts"]),
+                skipped=tuple(Skip(**_fields(k, ("key", "stage", "reason"), (), str)) for k in _list(doc.get("skipped", []))),
+                classes=_strings(doc.get("classes"), "classes"),
+                tokenizer=_dict(doc["tokenizer"]) if doc.get("tokenizer") is not None else None,
+                build=_dict(doc.get("build", {})),
+                generation=_generation(doc.get("generation"), major),
+                inputs=_file_entry(doc["inputs"], major) if doc.get("inputs") is not None else None,
                 version=doc["version"],
             )
         except ManifestError as exc:
@@ -220,12 +338,74 @@ class Manifest:
             raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
 
 
+LEGACY_CHECKSUMS = {1: "sha256", 2: "xxh3_128", 3: "xxh3_128_rows"}  # the key each major used, by algorithm
+HEX_DIGITS = {"sha256": 64, "xxh3_128": 32, "xxh3_128_rows": 32}
+
+
+def _list(value) -> list:
+    if not isinstance(value, list):
+        raise ManifestError(f"expected a list, got {type(value).__name__}")
+    return value
+
+
+def _dict(value) -> dict:
+    if not isinstance(value, dict):
+        raise ManifestError(f"expected an object, got {type(value).__name__}")
+    return value
+
+
+def _fields(doc, required: tuple[str, ...], optional: tuple[str, ...], kind: type | None = None) -> dict:
+    doc = _dict(doc)
+    missing = [k for k in required if k not in doc]
+    if missing:
+        raise ManifestError(f"missing {', '.join(missing)} in {sorted(doc)[:6]}")
+    out = {k: doc[k] for k in (*required, *optional) if k in doc}
+    if kind is not None and not all(isinstance(v, kind) for v in out.values()):
+        raise ManifestError(f"{sorted(out)} must be {kind.__name__}s")
+    return out
+
+
+def _strings(value, name: str) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ManifestError(f"{name} must be a list of strings")
+    return tuple(value)
+
+
+def _generation(value, major: int) -> str | None:
+    if value is not None and major < 4:
+        raise ManifestError(f"a {major}.x manifest has no generation")
+    return value
+
+
+def _file_entry(doc, major: int) -> FileEntry:
+    """A file entry of any readable major: 4.x {"checksum": {"algo", "hex"}}, before that the
+    hex under the algorithm's own key."""
+    doc = _dict(doc)
+    path = doc.get("path")
+    if not isinstance(path, str) or not path or "\0" in path or "\\" in path or path.startswith("/") or any(
+            part in ("", ".", "..") for part in path.split("/")):
+        raise ManifestError(f"file path {path!r} is not a plain relative path inside the dataset dir")
+    if major >= 4:
+        checksum = _dict(doc.get("checksum"))
+        algo, digest = checksum.get("algo"), checksum.get("hex")
+    else:
+        algo = LEGACY_CHECKSUMS[major]
+        digest = doc.get(algo)
+    if not isinstance(algo, str) or not re.fullmatch(r"[a-z0-9_]{1,32}", algo):
+        raise ManifestError(f"{path}: checksum algorithm {algo!r} is not a name")
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{%d}" % HEX_DIGITS.get(algo, 128), digest) and (
+            algo in HEX_DIGITS or not re.fullmatch(r"[0-9a-f]{1,128}", digest)):
+        raise ManifestError(f"{path}: checksum {digest!r} is not a {algo} hex digest")
+    return FileEntry(path, doc.get("size_bytes"), digest, algo)
+
+
 # -- 6. Integrity: the checksum of every column file (manifest) and compressed file (archive) -
 # A column file's checksum is XXH3-128 over the XXH3-128 digests of its blocks: its header, then
 # its rows in blocks of whole rows (one row per block from 32 KiB rows up). Each block can be
 # hashed by whoever writes it, in any order, while it is still in the CPU's cache: the processes
 # decoding one shard's images hash the rows they write, and no one reads the shard back.
-CHECKSUM = "xxh3_128_rows"  # lowercase hex: finds torn writes and flipped bits, not forgers
 BLOCK_BYTES = 64 * 1024  # rows per block: as many as fit, at least one
 
 
@@ -298,6 +478,18 @@ def new_checksum():
     return xxhash.xxh3_128()
 
 
+def hasher(algo: str):
+    """A new hasher (update / hexdigest) of a column file by `algo`, the algorithms of every
+    readable version; None for one this reader does not know (a newer minor's)."""
+    if algo == CHECKSUM:
+        return FileChecksum()
+    if algo == "xxh3_128":  # 2.x
+        return xxhash.xxh3_128()
+    if algo == "sha256":  # 1.x
+        return hashlib.sha256()
+    return None
+
+
 # -- 9. Archive form --------------------------------------------------------------------------
 ARCHIVE_NAME = "archive.json"
 ARCHIVE_FORMAT = "mmpack-archive"
@@ -321,30 +513,36 @@ def archive_to_json(manifest: Manifest, files: list[ArchiveFile], level: int) ->
 def archive_from_json(text: str, *, where: str) -> tuple[Manifest, list[ArchiveFile]]:
     try:
         doc = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != ARCHIVE_FORMAT or doc.get("codec") != "zstd":
         raise ManifestError(f"{where}: not an {ARCHIVE_FORMAT} (zstd) description")
-    check_version(str(doc.get("version", "")), where=where)
-    manifest = Manifest.from_json(json.dumps(doc.get("manifest")), where=where)
+    if check_version(doc.get("version"), where=where) < 3:
+        raise ManifestError(f"{where}: archives of format {doc.get('version')} are not read by this mmpack; "
+                            "unpack it with the release that packed it")
+    manifest = Manifest.from_doc(doc.get("manifest"), where=where)
     try:
-        files = [ArchiveFile(**f) for f in doc["files"]]
-    except (KeyError, TypeError) as exc:
+        files = [ArchiveFile(**_fields(f, ("path", "of", "size_bytes", "xxh3_128"), ())) for f in _list(doc["files"])]
+    except (KeyError, TypeError, ManifestError) as exc:
         raise ManifestError(f"{where}: malformed file list ({exc})") from None
     listed = {f.path for s in manifest.shards for f in s.files}
-    if {f.of for f in files} != listed:
+    if sorted(f.of for f in files) != sorted(listed) or any(
+            f.path != f.of + ARCHIVE_SUFFIX or type(f.size_bytes) is not int or not isinstance(f.xxh3_128, str)
+            for f in files):
         raise ManifestError(f"{where}: the file list does not match the manifest's files")
     return manifest, files
 
 
-def check_version(version: str, *, where: str) -> None:
-    """Readers accept any minor of their own major; another major is refused, naming both."""
+def check_version(version, *, where: str) -> int:
+    """The major of a readable version: every major up to this reader's; a newer one is refused,
+    naming both."""
     try:
-        major, _minor = (int(p) for p in version.split("."))
+        major, minor = (int(p) for p in str(version).split("."))
     except ValueError:
         raise ManifestError(f"{where}: unreadable format version {version!r}") from None
-    if major != FORMAT_VERSION[0]:
+    if major not in READABLE_MAJORS or minor < 0:
         raise ManifestError(
             f"{where}: format version {version} is not supported by this reader "
-            f"(reads {FORMAT_VERSION[0]}.x); use an mmpack release that reads {major}.x"
+            f"(reads {READABLE_MAJORS[0]}.x to {FORMAT_VERSION[0]}.x); use an mmpack release that reads {major}.x"
         )
+    return major

@@ -1,7 +1,7 @@
 """Decodes one image file into an HxWx3 uint8 array: the image stage of a build.
 
 Policy (FORMAT.md, "Image pixels"): EXIF orientation applied; any mode becomes RGB, with
-16-bit and 32-bit integer data rescaled to 8 bits (never clipped); the shorter side resized to
+16-bit and 32-bit integer data rescaled to 8 bits by their real bit depth (never clipped); the shorter side resized to
 S with Pillow's antialiased bilinear filter, then a centre crop of S x S. JPEGs are decoded in
 draft mode at the smallest DCT scale that still leaves both sides >= 2*S (Pillow's own
 `reducing_gap` for thumbnails: at 1*S the DCT-scaled pixels alias visibly, 22 dB vs 34 dB). Pillow's
@@ -11,7 +11,6 @@ decompression-bomb warning is an error for that file.
 from __future__ import annotations
 
 import math
-import struct
 import warnings
 
 import numpy as np
@@ -24,14 +23,26 @@ DRAFT_GAP = 2  # draft to >= DRAFT_GAP * S; see the module docstring
 _ENCODER = getattr(Image, "_getencoder", None)  # Pillow's own (private) hook behind tobytes()
 
 
+DEPTHS = (8, 10, 12, 14, 16, 24, 32)  # bits a high-bit-depth sample may really have
+
+
+def bit_depth(top: int) -> int:
+    """The bits an integer image's samples really use: the smallest of DEPTHS that holds its
+    largest value `top`. 10- and 12-bit sensor data in 16-bit files (and dark 16-bit images)
+    keep their picture instead of being scaled into the bottom few of 255 levels; the same
+    pixels give the same bytes whatever container (12-bit TIFF or 16-bit) holds them."""
+    return next(d for d in DEPTHS if top < 1 << d)
+
+
 def _to_rgb(img: Image.Image) -> Image.Image:
-    """Any Pillow mode to RGB. High-bit-depth data is scaled by its type's range: plain
-    convert("RGB") clips 16-bit values to 255, which turns most such images white."""
+    """Any Pillow mode to RGB. High-bit-depth integer data is scaled by its real depth
+    (`bit_depth`): plain convert("RGB") clips 16-bit values to 255, which turns most such images
+    white, and a fixed 65535 scale turns 12-bit data black."""
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         data = np.asarray(img, dtype=np.int64)
         if data.size and data.min() < 0:
             raise SourceError(f"negative {img.mode} pixel values")
-        top = 65535 if img.mode.startswith("I;16") or data.max(initial=0) <= 65535 else (1 << 32) - 1
+        top = (1 << bit_depth(int(data.max(initial=0)))) - 1
         data = (data * 255 + top // 2) // top
         img = Image.fromarray(data.astype(np.uint8), mode="L")
     elif img.mode == "F":
@@ -99,8 +110,10 @@ def decode_image(path, size: int | None, *, writable: bool = True) -> np.ndarray
         raise SourceError(f"decompression bomb ({exc})") from None
     except Image.UnidentifiedImageError:
         raise SourceError("not an image Pillow can identify") from None
-    except (OSError, ValueError, SyntaxError, EOFError, IndexError, TypeError, struct.error) as exc:
-        raise SourceError(f"cannot decode ({type(exc).__name__}: {exc})") from None
     except MemoryError:
         raise SourceError("cannot decode (out of memory: image too large)") from None
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is this file's skip (NotImplementedError for
+        # some DDS variants, struct.error, ...), never the build's end
+        message = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise SourceError(f"cannot decode ({type(exc).__name__}: {message})") from None
 

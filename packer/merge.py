@@ -1,7 +1,7 @@
 """`packer merge A B ... OUT`: one dataset from several with the same schema, without re-encoding.
 
-Shards are hard-linked (copied across file systems) into OUT in input order and renumbered;
-the manifest lists them all. Tokenizers must match by sha256. Classes are reconciled by name:
+Shards are hard-linked (copied across file systems) into a new generation of OUT in input order
+and renumbered; the manifest lists them all, and is published as a build's is (`packer.outdir`). Tokenizers must match by sha256. Classes are reconciled by name:
 the first input's list, then each new name in order of appearance; a label file is rewritten
 only when its input's class indexes differ from the merged ones (labels are 8 bytes a sample).
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
-from . import writer
+from . import outdir, writer
 from .errors import ConfigError
 from .reader import DatasetReader, map_npy
 
@@ -25,7 +25,8 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False)
     inputs, out = [Path(p) for p in inputs], Path(out)
     if len(inputs) < 2:
         raise ConfigError("merge: give at least two dataset dirs to merge")
-    manifests = [DatasetReader(p).manifest for p in inputs]
+    readers = [DatasetReader(p) for p in inputs]  # open (their generations held) until the merge is done
+    manifests = [r.manifest for r in readers]
     first = manifests[0]
     for path, m in zip(inputs[1:], manifests[1:]):
         if m.kind != first.kind:
@@ -41,44 +42,47 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False)
         classes = list(first.classes)
         for m in manifests[1:]:
             classes += [c for c in m.classes or () if c not in classes]
-    writer.fresh_dir(out, overwrite, fmt.MANIFEST_NAME)
-    writer.staging_dir(out).mkdir()
-    staging = writer.staging_dir(out)
-    shards: list[fmt.Shard] = []
-    for path, m in zip(inputs, manifests):
-        relabel = None
-        if classes is not None:
-            mapping = np.asarray([classes.index(c) for c in m.classes], dtype=np.int64)
-            relabel = None if np.array_equal(mapping, np.arange(len(mapping))) else mapping
-        for shard in m.shards:
-            shards.append(_place(path, shard, len(shards), staging, relabel))
-    counts = {k: sum(m.counts[k] for m in manifests) for k in ("found", "packed", "skipped")}
-    manifest = fmt.Manifest(
-        kind=first.kind, columns=first.columns, shards=tuple(shards), counts=counts,
-        skipped=tuple(s for m in manifests for s in m.skipped),
-        classes=tuple(classes) if classes is not None else None, tokenizer=first.tokenizer,
-        build={"merged_from": [str(p.resolve()) for p in inputs], "created_unix": round(time.time(), 3)},
-    )
-    writer.publish(out, manifest)
+    with outdir.locked(out):
+        outdir.check_out(out, append=False, overwrite=overwrite)
+        shutil.rmtree(outdir.staging_dir(out), ignore_errors=True)
+        generation = outdir.new_generation()
+        outdir.prepare_generation(out, generation)
+        shards: list[fmt.Shard] = []
+        for path, m in zip(inputs, manifests):
+            relabel = None
+            if classes is not None:
+                mapping = np.asarray([classes.index(c) for c in m.classes], dtype=np.int64)
+                relabel = None if np.array_equal(mapping, np.arange(len(mapping))) else mapping
+            for shard in m.shards:
+                shards.append(_place(path, shard, len(shards), out, generation, relabel))
+        counts = {k: sum(m.counts[k] for m in manifests) for k in ("found", "packed", "skipped")}
+        manifest = fmt.Manifest(
+            kind=first.kind, columns=first.columns, shards=tuple(shards), counts=counts,
+            skipped=tuple(s for m in manifests for s in m.skipped),
+            classes=tuple(classes) if classes is not None else None, tokenizer=first.tokenizer,
+            build={"merged_from": [str(p.resolve()) for p in inputs], "created_unix": round(time.time(), 3)},
+            generation=generation,
+        )
+        outdir.publish(out, manifest)
     return manifest
 
 
-def _place(src_root: Path, shard: fmt.Shard, index: int, staging: Path, relabel) -> fmt.Shard:
-    name = fmt.shard_dir_name(index)
-    (staging / name).mkdir(parents=True)
+def _place(src_root: Path, shard: fmt.Shard, index: int, out: Path, generation: str, relabel) -> fmt.Shard:
+    rel = fmt.shard_path(generation, index)
+    (out / rel).mkdir(parents=True)
     files = []
     for entry in shard.files:
         src = src_root / entry.path
         base = entry.path.rsplit("/", 1)[-1]
-        dst = staging / name / base
+        dst = out / rel / base
         if relabel is not None and base == "label.npy":
             labels = map_npy(src, "<i8", (shard.num_samples,))
             writer.write_npy(dst, relabel[np.asarray(labels)])
-            files.append(fmt.FileEntry(f"{name}/{base}", dst.stat().st_size, writer.checksum_file(dst)))
+            files.append(fmt.FileEntry(f"{rel}/{base}", dst.stat().st_size, writer.checksum_file(dst)))
             continue
         try:
             os.link(src, dst)
         except OSError:  # another file system, or links not allowed: copy
             shutil.copyfile(src, dst)
-        files.append(fmt.FileEntry(f"{name}/{base}", entry.size_bytes, entry.xxh3_128_rows))
+        files.append(fmt.FileEntry(f"{rel}/{base}", entry.size_bytes, entry.checksum, entry.algo))
     return fmt.Shard(index, shard.num_samples, tuple(files))

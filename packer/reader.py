@@ -1,17 +1,25 @@
 """Opens and validates a dataset dir as read-only maps (pairs with `packer.writer`).
 
-Opening reads the manifest and stats each file: O(shards), never O(samples). Column files are
-mapped lazily, once per process, with `np.load(mmap_mode="c")`: pages come from the shared page
-cache, and the arrays are writable copy-on-write views, so `torch.from_numpy` neither copies
-nor warns. The reader pickles as its path alone and re-maps in each worker.
+Opening reads the manifest (validated: `format.Manifest.from_json`) and stats each file:
+O(shards), never O(samples). Column files are mapped lazily, once per process, with
+`np.memmap(mode="c")`: pages come from the shared page cache, and the arrays are writable
+copy-on-write views, so `torch.from_numpy` neither copies nor warns. A ragged column's offsets
+are checked (from 0, non-decreasing, ending at its values' length) before they index anything.
+
+A reader holds a shared lock on each generation dir its manifest uses, so a rebuild of the
+same OUT (which writes a new generation) removes the old one only once no reader has it open;
+the reader pickles as (root, generation) and re-opens that very generation in each worker.
+Every failure on a damaged or hostile dataset is an MmpackError naming the file.
 """
 
 from __future__ import annotations
 
 import bisect
+import errno
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import accumulate
@@ -22,13 +30,23 @@ import numpy as np
 from . import format as fmt
 from .errors import IntegrityError, ManifestError
 
+OPEN_ATTEMPTS = 5  # manifest reads while a writer swaps it, before giving up
 
-def load_manifest(root: str | Path) -> fmt.Manifest:
+
+def manifest_path(root: Path, generation: str | None = None) -> Path:
+    """The dataset's manifest, or the copy its generation dir keeps (what a worker re-opens)."""
+    return root / generation / fmt.MANIFEST_NAME if generation else root / fmt.MANIFEST_NAME
+
+
+def read_manifest_text(root: str | Path, generation: str | None = None) -> str:
     root = Path(root)
-    path = root / fmt.MANIFEST_NAME
+    path = manifest_path(root, generation)
     if not root.is_dir():
         raise ManifestError(f"{root}: no such dataset dir")
     if not path.is_file():
+        if generation:
+            raise IntegrityError(f"{root}: generation {generation}, which this reader was opened on, is gone "
+                                 "(the dataset was rebuilt); open the dataset again")
         if (root / fmt.STAGING_DIR).exists():
             raise ManifestError(
                 f"{root}: incomplete build (no {fmt.MANIFEST_NAME}, a {fmt.STAGING_DIR} dir is "
@@ -36,10 +54,14 @@ def load_manifest(root: str | Path) -> fmt.Manifest:
             )
         raise ManifestError(f"{root}: not an mmpack dataset (no {fmt.MANIFEST_NAME})")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ManifestError(f"{path}: unreadable ({exc})") from None
-    return fmt.Manifest.from_json(text, where=str(path))
+
+
+def load_manifest(root: str | Path, generation: str | None = None) -> fmt.Manifest:
+    path = manifest_path(Path(root), generation)
+    return fmt.Manifest.from_json(read_manifest_text(root, generation), where=str(path))
 
 
 def check_file_sizes(root: Path, shards: Iterable[fmt.Shard]) -> None:
@@ -79,8 +101,12 @@ class ColumnArrays:
 
 def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """Map one column file and check its header against what the manifest implies."""
-    with open(path, "rb") as f:
-        head = f.read(fmt.NPY_HEADER_BYTES)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(fmt.NPY_HEADER_BYTES)
+            size = os.fstat(f.fileno()).st_size
+    except OSError as exc:
+        raise IntegrityError(f"{path}: cannot be read ({exc.strerror or exc}); run 'packer verify'") from None
     try:
         got_dtype, got_shape = fmt.parse_npy_header(head)
     except ValueError as exc:
@@ -90,7 +116,11 @@ def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
             f"{path}: header says {got_dtype} {got_shape}, manifest implies "
             f"{np.dtype(dtype).str} {tuple(shape)}"
         )
-    if int(np.prod(shape)) == 0:
+    nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+    if size != fmt.NPY_HEADER_BYTES + nbytes:
+        raise IntegrityError(f"{path}: {size:,} bytes, its shape {tuple(shape)} needs "
+                             f"{fmt.NPY_HEADER_BYTES + nbytes:,}; run 'packer verify'")
+    if nbytes == 0:
         return np.zeros(shape, dtype=dtype)
     mapped = np.memmap(path, dtype=dtype, mode="c", offset=fmt.NPY_HEADER_BYTES, shape=tuple(shape))
     # a plain ndarray view of the map (which it keeps open): indexing an np.memmap runs Python
@@ -100,34 +130,125 @@ def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 
 
 def map_column(shard_dir: Path, column: fmt.Column, num_samples: int) -> ColumnArrays:
+    """One column of one shard, every part checked against the others before use."""
     names = fmt.column_file_names(column)
     if not column.ragged:
         return ColumnArrays(map_npy(shard_dir / names["values"], column.dtype, (num_samples, *column.shape)))
-    offsets = map_npy(shard_dir / names["offsets"], fmt.OFFSETS_DTYPE, (num_samples + 1,))
-    num_values = int(offsets[-1])
-    values = map_npy(shard_dir / names["values"], column.dtype, (num_values,))
+    offsets_path, values_path = shard_dir / names["offsets"], shard_dir / names["values"]
+    offsets = map_npy(offsets_path, fmt.OFFSETS_DTYPE, (num_samples + 1,))
+    try:
+        values_bytes = values_path.stat().st_size - fmt.NPY_HEADER_BYTES
+    except OSError as exc:
+        raise IntegrityError(f"{values_path}: cannot be read ({exc.strerror or exc}); run 'packer verify'") from None
+    check_offsets(offsets_path, offsets, values_bytes // np.dtype(column.dtype).itemsize)
+    values = map_npy(values_path, column.dtype, (int(offsets[-1]),))
     shapes = None
     if "shapes" in names:
-        shapes = map_npy(shard_dir / names["shapes"], fmt.SHAPES_DTYPE, (num_samples, len(column.shape)))
+        shapes_path = shard_dir / names["shapes"]
+        shapes = map_npy(shapes_path, fmt.SHAPES_DTYPE, (num_samples, len(column.shape)))
+        check_shapes(shapes_path, shapes, offsets, column)
     return ColumnArrays(values, offsets, shapes)
 
 
-def content_fingerprint(manifest: fmt.Manifest) -> str:
-    doc = [manifest.kind, [[c.name, c.dtype, list(c.shape), c.encoding] for c in manifest.columns],
-           [[s.num_samples, [[f.path.rsplit("/", 1)[-1], f.size_bytes, f.xxh3_128_rows] for f in s.files]]
-            for s in manifest.shards]]
-    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]
+def check_offsets(path: Path, offsets: np.ndarray, num_values: int) -> None:
+    """Offsets start at 0, never decrease and end at the number of values the file holds."""
+    if offsets[0] != 0:
+        raise IntegrityError(f"{path}: first offset is {offsets[0]}, expected 0; run 'packer verify'")
+    steps = np.diff(offsets)
+    if steps.size and steps.min() < 0:
+        raise IntegrityError(f"{path}: offsets decrease at row {int(np.argmin(steps))}; run 'packer verify'")
+    if offsets[-1] != num_values:
+        raise IntegrityError(f"{path}: offsets end at {offsets[-1]}, the values file holds {num_values}; "
+                             "run 'packer verify'")
+
+
+def check_shapes(path: Path, shapes: np.ndarray, offsets: np.ndarray, column: fmt.Column) -> None:
+    """Each sample's shape is non-negative, fits the column's fixed dimensions and holds exactly
+    its values."""
+    fixed = [(axis, d) for axis, d in enumerate(column.shape) if d is not None]
+    if shapes.size and (shapes.min() < 0 or shapes.max() >= fmt.MAX_DIM or any(
+            np.any(shapes[:, axis] != d) for axis, d in fixed)):
+        raise IntegrityError(f"{path}: a sample shape is negative or does not fit {list(column.shape)}")
+    bad = np.flatnonzero(np.prod(shapes, axis=1) != np.diff(offsets))
+    if bad.size:
+        raise IntegrityError(f"{path}: row {bad[0]} holds {np.diff(offsets)[bad[0]]} values, "
+                             f"shape {tuple(shapes[bad[0]])}")
+
+
+def decode_text(raw: bytes, encoding: str, where: str) -> str:
+    try:
+        return raw.decode(encoding)
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(f"{where}: not {encoding} at byte {exc.start}; run 'packer verify'") from None
+
+
+class _GenerationLocks:
+    """Shared flocks on the READERS_LOCK of each generation a manifest uses: while they are held,
+    a writer of the same OUT leaves those generations in place."""
+
+    def __init__(self, root: Path, generations: Iterable[str]):
+        self.files = []
+        for generation in sorted(generations):
+            try:
+                f = open(root / generation / fmt.READERS_LOCK, "rb")
+            except FileNotFoundError:
+                self.close()
+                raise
+            except OSError:  # a read-only mount without the file, say: read unlocked
+                continue
+            self.files.append(f)
+            _flock(f, shared=True)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+
+
+def _flock(f, *, shared: bool) -> None:
+    import fcntl
+
+    try:
+        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise
 
 
 class DatasetReader:
-    """A dataset dir: manifest, sample-id -> (shard, row) index, and lazily mapped columns."""
+    """A dataset dir: manifest, sample-id -> (shard, row) index, and lazily mapped columns.
 
-    def __init__(self, root: str | Path):
+    `generation`: open that generation's own manifest (a worker re-opening what its parent
+    opened) rather than the dataset's current one."""
+
+    def __init__(self, root: str | Path, generation: str | None = None):
         self.root = Path(root)
-        self.manifest = load_manifest(self.root)
+        self.manifest, self._locks = self._open(generation)
+        self.generation = self.manifest.generation
         check_file_sizes(self.root, self.manifest.shards)
         self._ends = list(accumulate(s.num_samples for s in self.manifest.shards))
         self._maps: dict[tuple[int, str], ColumnArrays] = {}
+
+    def _open(self, generation: str | None) -> tuple[fmt.Manifest, _GenerationLocks]:
+        """The manifest, with its generations locked; read again if a writer replaced it meanwhile."""
+        where = str(manifest_path(self.root, generation))
+        for _ in range(OPEN_ATTEMPTS):
+            text = read_manifest_text(self.root, generation)
+            manifest = fmt.Manifest.from_json(text, where=where)
+            try:
+                locks = _GenerationLocks(self.root, manifest.generations)
+            except FileNotFoundError:  # a writer removed it since the manifest was read
+                if generation:
+                    read_manifest_text(self.root, generation)  # says it is gone
+                continue
+            if generation or read_manifest_text(self.root) == text:
+                return manifest, locks
+            locks.close()
+        raise IntegrityError(f"{self.root}: the dataset keeps changing while it is opened (is a build writing "
+                             "it?); open it once the build is done")
+
+    def close(self) -> None:
+        self._locks.close()
 
     def __len__(self) -> int:
         return self._ends[-1] if self._ends else 0
@@ -158,8 +279,7 @@ class DatasetReader:
         arrays = self._maps.get(key)
         if arrays is None:
             shard = self.manifest.shards[shard_pos]
-            shard_dir = self.root / fmt.shard_dir_name(shard.index)
-            arrays = map_column(shard_dir, self.manifest.column(name), shard.num_samples)
+            arrays = map_column(self.root / shard.dir, self.manifest.column(name), shard.num_samples)
             self._maps[key] = arrays
         return arrays
 
@@ -168,7 +288,14 @@ class DatasetReader:
         return self.column(shard_pos, name).sample(row)
 
     def __getstate__(self) -> dict:
-        return {"root": str(self.root)}
+        return {"root": str(self.root), "generation": self.generation}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["root"])
+        self.__init__(state["root"], state.get("generation"))
+
+
+def content_fingerprint(manifest: fmt.Manifest) -> str:
+    doc = [manifest.kind, [[c.name, c.dtype, list(c.shape), c.encoding] for c in manifest.columns],
+           [[s.num_samples, [[f.path.rsplit("/", 1)[-1], f.size_bytes, f.algo, f.checksum] for f in s.files]]
+            for s in manifest.shards]]
+    return hashlib.sha256(json.dumps(doc).encode()).hexdigest()[:32]

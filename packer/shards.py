@@ -2,9 +2,10 @@
 
 The same function runs in the build process (`--workers 1`), in pool worker processes (image
 shards there go in pieces, below, with the same bytes), and as a Ray task: it takes a picklable
-context and task and returns a picklable result. A finished shard is `OUT/.staging/shard-k/`
-plus `shard-k.json` (its files with sizes and checksums, its skips, and the build fingerprint),
-which is what lets a killed build resume and what `packer commit` assembles the manifest from.
+context and task and returns a picklable result. A finished shard is `OUT/<generation>/shard-k/`
+plus `OUT/.staging/shard-k.json` (its files with sizes and checksums, its skips, and the build
+fingerprint), which is what lets a killed build resume and what `packer commit` assembles the
+manifest from. Partial shards are written in `OUT/.staging/shard-k.partial/`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from . import format as fmt
 from . import writer
 from .errors import ConfigError, SourceError
+from .outdir import write_atomic
 from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record, read_ahead
@@ -43,7 +45,8 @@ PROGRESS_EVERY_S = 0.2
 class ShardContext:
     """What every shard of one build shares; picklable, small."""
 
-    staging: Path
+    out: Path
+    generation: str  # the generation dir whole shards go into
     fingerprint: str
     kind: str
     columns: tuple[fmt.Column, ...]
@@ -52,6 +55,15 @@ class ShardContext:
     tokenizer: TokenizerSpec | None
     strict: bool
     raw: Path
+
+    @property
+    def staging(self) -> Path:
+        return self.out / fmt.STAGING_DIR
+
+    def shard_writer(self, index: int, **slots) -> writer.ShardWriter:
+        """The writer of shard `index`, whose whole dir goes into this build's generation."""
+        rel = fmt.shard_path(self.generation, index)
+        return writer.ShardWriter(self.staging, index, self.columns, final_dir=self.out / rel, rel_dir=rel, **slots)
 
 
 @dataclass(frozen=True)
@@ -103,14 +115,23 @@ def _tokenizer(spec: TokenizerSpec):
     return tok
 
 
-def init_worker(queue, rayon_threads: int | None) -> None:
-    """Pool worker initializer: progress to the parent's queue; tokenizers' Rust pool sized so
-    that N workers do not oversubscribe the cores (set before its first use in this process)."""
+def init_worker(queue, rayon_threads: int | None, build_pid: int | None = None, staging: Path | None = None) -> None:
+    """Pool worker initializer: dies with the build process (`build_pid`: its parent may be a
+    forkserver), holds the staging's workers lock shared for life (so a build started after this
+    one was killed waits for it to be gone), progress to the parent's queue; tokenizers' Rust
+    pool sized so that N workers do not oversubscribe the cores (set before its first use)."""
     _die_with_parent()
+    if build_pid is not None:
+        die_with(build_pid)
+    if staging is not None:
+        _held.append(hold_workers_lock(staging))
     if rayon_threads:
         os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     set_progress_sink(queue.put if queue is not None else None)
+
+
+_held: list = []  # the workers lock of this worker process, open for its whole life
 
 
 def _die_with_parent() -> None:
@@ -123,6 +144,86 @@ def _die_with_parent() -> None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process `pid` ends: a thread waits on a pidfd (Linux 5.3;
+    elsewhere it looks every WATCH_S). PR_SET_PDEATHSIG alone watches only the parent, which for
+    a forkserver's worker is the server, not the build."""
+    import select
+    import signal
+    import threading
+
+    def kill_me() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        kill_me()
+    except (AttributeError, OSError):
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:
+            while _alive(pid):
+                time.sleep(WATCH_S)
+        kill_me()
+
+    threading.Thread(target=watch, daemon=True, name="mmpack-watch-build").start()
+
+
+WATCH_S = 0.2
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def workers_lock_path(staging: Path) -> Path:
+    return staging / "workers.lock"
+
+
+def hold_workers_lock(staging: Path):
+    """A shared flock on the staging's workers lock, held until this process ends."""
+    import fcntl
+
+    f = open(workers_lock_path(staging), "a")
+    with contextlib.suppress(OSError):
+        fcntl.flock(f, fcntl.LOCK_SH)
+    return f
+
+
+def wait_for_old_workers(staging: Path, timeout_s: float = 30.0) -> None:
+    """Before a build writes: no worker of an earlier build of this OUT (killed, its workers
+    not yet gone) is alive. They hold the workers lock shared; this takes it exclusively once."""
+    import fcntl
+
+    staging.mkdir(parents=True, exist_ok=True)
+    with open(workers_lock_path(staging), "a") as f:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ConfigError(f"{staging.parent}: worker processes of an earlier build still run after "
+                                      f"{timeout_s:.0f} s; stop them (fuser {workers_lock_path(staging)}), then "
+                                      "run this again") from None
+                time.sleep(0.05)
+            except OSError as exc:
+                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                    return
+                raise
+
+
 # -- sidecars ------------------------------------------------------------------------------
 def sidecar_path(staging: Path, index: int) -> Path:
     return staging / f"{fmt.shard_dir_name(index)}.json"
@@ -131,31 +232,35 @@ def sidecar_path(staging: Path, index: int) -> Path:
 def _write_sidecar(ctx: ShardContext, result: ShardResult) -> None:
     doc = {"fingerprint": ctx.fingerprint, "shard": asdict(result.shard),
            "skipped": [asdict(s) for s in result.skipped], "items": result.items}
-    writer.write_atomic(sidecar_path(ctx.staging, result.shard.index), json.dumps(doc))
+    write_atomic(sidecar_path(ctx.staging, result.shard.index), json.dumps(doc))
 
 
-def read_sidecar(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
-    """The recorded result of a finished shard, or None when there is none for this build."""
+def read_sidecar(staging: Path, index: int, fingerprint: str, generation: str) -> ShardResult | None:
+    """The recorded result of a finished shard, or None when there is none for this build (its
+    fingerprint, and its generation: a sidecar left by a run of the same build into another
+    generation, killed while it published, describes files that are not this run's)."""
     try:
         doc = json.loads(sidecar_path(staging, index).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        if doc.get("fingerprint") != fingerprint or not all(
+                f["path"].startswith(generation + "/") for f in doc["shard"]["files"]):
+            return None
+        s = doc["shard"]
+        files = tuple(fmt.FileEntry(f["path"], f["size_bytes"], f["checksum"], f["algo"]) for f in s["files"])
+        shard = fmt.Shard(s["index"], s["num_samples"], files)
+        return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    if doc.get("fingerprint") != fingerprint:
-        return None
-    s = doc["shard"]
-    shard = fmt.Shard(s["index"], s["num_samples"], tuple(fmt.FileEntry(**f) for f in s["files"]))
-    return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True)
 
 
-def reusable(staging: Path, index: int, fingerprint: str) -> ShardResult | None:
+def reusable(ctx: ShardContext, index: int) -> ShardResult | None:
     """A finished shard of this very build, whole on disk: sidecar, sizes and checksums all match."""
-    result = read_sidecar(staging, index, fingerprint)
+    result = read_sidecar(ctx.staging, index, ctx.fingerprint, ctx.generation)
     if result is None:
         return None
     for entry in result.shard.files:
-        path = staging / entry.path
+        path = ctx.out / entry.path
         try:
-            if path.stat().st_size != entry.size_bytes or writer.checksum_file(path) != entry.xxh3_128_rows:
+            if path.stat().st_size != entry.size_bytes or writer.checksum_file(path) != entry.checksum:
                 return None
         except OSError:
             return None
@@ -232,7 +337,7 @@ def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Rec
     lock = contextlib.ExitStack()
     lock.enter_context(shard_lock(ctx.staging, task.index))
     try:
-        done = reusable(ctx.staging, task.index, ctx.fingerprint)
+        done = reusable(ctx, task.index)
         if done is not None:
             _Ticker().tick(done.items, flush=True)
             return FilledShard(ctx, task.index, lock, done=done)
@@ -247,7 +352,7 @@ def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]
     skipped: list[fmt.Skip] = []
     ticker = _Ticker()
     items = 0
-    shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns)
+    shard = ctx.shard_writer(task.index)
     try:
         for item in _samples(ctx, records, ticker):
             items += 1
@@ -314,7 +419,7 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
     """Start shard `task` as pieces (a fresh partial dir, image.npy with a slot per record);
     returns the shard instead when another run finished it meanwhile."""
     with shard_lock(ctx.staging, task.index):
-        done = reusable(ctx.staging, task.index, ctx.fingerprint)
+        done = reusable(ctx, task.index)
         if done is not None:
             return done
         writer.partial_dir(ctx.staging, task.index, fresh=True)
@@ -322,21 +427,30 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
     return None
 
 
-def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], *,
-              writeback: bool = False) -> tuple[dict[int, fmt.Skip], dict[int, bytes]]:
+def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], *, writeback: bool = False,
+              crashed: tuple[int, ...] = ()) -> tuple[dict[int, fmt.Skip], dict[int, bytes]]:
     """Decode records into slots first, first + 1, ... of shard `index`; returns the skips and
     the written rows' checksum digests (SlotWriter.put), by slot. `writeback`: start writing the
     rows to disk at once (the build's last shard, whose fsync no decoding overlaps; the other
-    shards' rows are written by their fsync, on the side)."""
+    shards' rows are written by their fsync, on the side). `crashed`: slots whose decode killed
+    the process that tried (skipped here, not decoded again). The slot being decoded is noted
+    in a progress file, so that the build can tell which record killed a process."""
     ticker = _Ticker()
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
+    progress = os.open(_progress_path(ctx, index, first), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     skips, digests = {}, {}
     try:
         for slot, record in enumerate(records, start=first):
-            try:
-                digests[slot] = slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
-            except SourceError as exc:
-                skip = fmt.Skip(record.key, "decode", str(exc))
+            if slot in crashed:
+                skip = fmt.Skip(record.key, "decode", "the decoder crashed (its process died) on this file")
+            else:
+                os.pwrite(progress, slot.to_bytes(8, "little"), 0)
+                try:
+                    digests[slot] = slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
+                    skip = None
+                except SourceError as exc:
+                    skip = fmt.Skip(record.key, "decode", str(exc))
+            if skip is not None:
                 _check_strict(ctx, skip)
                 skips[slot] = skip
             ticker.tick()
@@ -344,8 +458,23 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
             slots.start_writeback(first, len(records))
     finally:
         slots.close()
+        os.close(progress)
+    os.unlink(_progress_path(ctx, index, first))
     ticker.tick(0, flush=True)
     return skips, {slot: d for slot, d in digests.items() if d is not None}
+
+
+def _progress_path(ctx: ShardContext, index: int, first: int) -> Path:
+    return ctx.staging / f"{fmt.shard_dir_name(index)}.{first}.progress"
+
+
+def read_progress(ctx: ShardContext, index: int, first: int) -> int | None:
+    """The slot a piece's process was decoding when it died (None: it had not started one)."""
+    try:
+        raw = _progress_path(ctx, index, first).read_bytes()
+    except OSError:
+        return None
+    return int.from_bytes(raw, "little") if len(raw) == 8 else None
 
 
 def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
@@ -354,8 +483,7 @@ def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, 
     image rows' digests, from the pieces, give that file's checksum)."""
     with shard_lock(ctx.staging, task.index):
         keep = [slot not in skips for slot in range(len(records))]
-        shard = writer.ShardWriter(ctx.staging, task.index, ctx.columns, slots={"image": keep},
-                                   digests={"image": digests})
+        shard = ctx.shard_writer(task.index, slots={"image": keep}, digests={"image": digests})
         try:
             shard.extend([_image_fields(record) for (_, record), kept in zip(records, keep) if kept])
         except BaseException:
@@ -434,10 +562,13 @@ def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterato
     cores idle between batches."""
     tok = _tokenizer(spec)
 
-    def encode(batch: list) -> list[np.ndarray]:
+    def encode(batch: list) -> list:
         texts = [(p if isinstance(p, Document) else p[0]).text for p in batch if not isinstance(p, fmt.Skip)]
-        return encode_batch(tok, texts, dtype=spec.dtype, eos_id=spec.eos_id,
-                            add_special_tokens=spec.add_special_tokens)
+        args = dict(dtype=spec.dtype, eos_id=spec.eos_id, add_special_tokens=spec.add_special_tokens)
+        try:
+            return encode_batch(tok, texts, **args)
+        except Exception:  # noqa: BLE001 - one document the tokenizer refuses (a lone surrogate): find it
+            return [_encode_one(tok, text, args) for text in texts]
 
     def samples(batch: list, encoding: Future) -> Iterator:
         encoded = iter(encoding.result())
@@ -447,7 +578,9 @@ def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterato
                 continue
             doc, extra = (p, {}) if isinstance(p, Document) else p
             tokens = next(encoded)
-            if tokens.size == 0:
+            if isinstance(tokens, Exception):
+                yield fmt.Skip(doc.key, "tokenize", f"{type(tokens).__name__}: {str(tokens).splitlines()[0][:200]}")
+            elif tokens.size == 0:
                 yield fmt.Skip(doc.key, "tokenize", "no tokens")
             else:
                 yield {**extra, "tokens": tokens, "key": _key_bytes(doc.key)}
@@ -464,6 +597,14 @@ def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterato
             yield from samples(*inflight.popleft())
     finally:  # also when the shard is dropped half-way (a full disk): no batch is started after
         encoder.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode_one(tok, text: str, args: dict):
+    """One document's ids, or the exception the tokenizer raised for it."""
+    try:
+        return encode_batch(tok, [text], **args)[0]
+    except Exception as exc:  # noqa: BLE001
+        return exc
 
 
 def _batches(items: Iterator, size: int) -> Iterator[list]:

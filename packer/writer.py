@@ -25,10 +25,14 @@ from . import format as fmt
 from .system import linux_libc
 
 
-def checksum_file(path: Path) -> str:
-    """The format's checksum (fmt.CHECKSUM) of a whole column file, hex."""
+def checksum_file(path: Path, algo: str = fmt.CHECKSUM) -> str:
+    """The checksum of a whole column file by `algo` (this writer's, or any readable version's), hex."""
+    digest = fmt.hasher(algo)
+    if digest is None:
+        raise errors.IntegrityError(f"{path}: checksum algorithm {algo!r} is not known to this mmpack; "
+                                    "use the release that wrote it, or a newer one")
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, fmt.FileChecksum).hexdigest()
+        return hashlib.file_digest(f, lambda: digest).hexdigest()
 
 
 @contextlib.contextmanager
@@ -41,25 +45,6 @@ def naming(path: Path) -> Iterator[None]:
         if exc.filename is None:
             raise OSError(exc.errno, exc.strerror, str(path)) from None
         raise
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """A small text file (manifest, plan, sidecar) that is either whole or absent: written to a
-    temp name (per process: several parts may write the same file), fsynced, renamed."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    with naming(tmp), open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.rename(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _NpyStream:
@@ -266,7 +251,9 @@ def partial_dir(staging: Path, index: int, *, fresh: bool = False) -> Path:
 
 
 class ShardWriter:
-    """Writes shard `index` of a dataset under `staging`; use as a context manager.
+    """Writes shard `index` into `staging`/shard-k.partial, then renames it whole to `final_dir`
+    (the shard's dir in its generation, `rel_dir` relative to the dataset dir); use as a context
+    manager.
 
     On an exception inside the `with` block the partial shard is deleted and nothing is renamed:
     a shard dir without the `.partial` suffix is always whole. `slots`: columns already written
@@ -274,10 +261,12 @@ class ShardWriter:
     the dir is kept and the other columns are added sample by sample as usual.
     """
 
-    def __init__(self, staging: Path, index: int, columns: tuple[fmt.Column, ...],
-                 slots: dict[str, list[bool]] | None = None, digests: dict[str, dict[int, bytes]] | None = None):
+    def __init__(self, staging: Path, index: int, columns: tuple[fmt.Column, ...], *, final_dir: Path | None = None,
+                 rel_dir: str | None = None, slots: dict[str, list[bool]] | None = None,
+                 digests: dict[str, dict[int, bytes]] | None = None):
         self.index = index
-        self.final_dir = staging / fmt.shard_dir_name(index)
+        self.final_dir = final_dir or staging / fmt.shard_dir_name(index)
+        self.rel_dir = rel_dir or fmt.shard_dir_name(index)
         self.dir = partial_dir(staging, index, fresh=not slots)
         slots, digests = slots or {}, digests or {}
         self._columns = [_SlotColumn(self.dir, c, slots[c.name], digests.get(c.name, {})) if c.name in slots
@@ -302,9 +291,9 @@ class ShardWriter:
         files = []
         for writer in self._columns:
             for path in writer.paths:
-                rel = f"{fmt.shard_dir_name(self.index)}/{path.name}"
                 checksum = writer.checksums.get(path) or checksum_file(path)
-                files.append(fmt.FileEntry(rel, path.stat().st_size, checksum))
+                files.append(fmt.FileEntry(f"{self.rel_dir}/{path.name}", path.stat().st_size, checksum))
+        self.final_dir.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(self.final_dir, ignore_errors=True)
         os.rename(self.dir, self.final_dir)
         return fmt.Shard(self.index, self.num_samples, tuple(files))
@@ -320,51 +309,3 @@ class ShardWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
-
-
-def staging_dir(out: Path) -> Path:
-    return out / fmt.STAGING_DIR
-
-
-def unpublish(out: Path) -> None:
-    """Make OUT stop being a dataset before it is rebuilt: manifest first, then old shards."""
-    manifest = out / fmt.MANIFEST_NAME
-    if manifest.exists():
-        manifest.unlink()
-        _fsync_dir(out)
-    for child in out.iterdir():
-        if child.name.startswith("shard-"):
-            shutil.rmtree(child)
-
-
-def publish(out: Path, manifest: fmt.Manifest, moved: list[int] | None = None) -> None:
-    """Move whole shards (`moved`: these indexes; default all) from staging into OUT, then write
-    the manifest last, atomically. Until that rename OUT holds its previous manifest (or none)."""
-    staging = staging_dir(out)
-    for index in moved if moved is not None else [s.index for s in manifest.shards]:
-        name = fmt.shard_dir_name(index)
-        if (out / name).exists():  # left by a publish that was killed before its manifest
-            shutil.rmtree(out / name)
-        os.rename(staging / name, out / name)
-    _fsync_dir(out)
-    write_atomic(out / fmt.MANIFEST_NAME, manifest.to_json())
-    _fsync_dir(out)
-    shutil.rmtree(staging, ignore_errors=True)
-
-
-def fresh_dir(path: Path, overwrite: bool, marker: str) -> None:
-    """Make `path` an empty dir to write into: refused when it holds anything unless
-    `overwrite`, and even then only when it holds `marker` (it is ours); stale staging goes."""
-    if path.exists() and not path.is_dir():
-        raise errors.ConfigError(f"{path}: exists and is not a directory")
-    if path.is_dir() and any(p.name != fmt.STAGING_DIR for p in path.iterdir()):
-        if not overwrite:
-            raise errors.ConfigError(f"{path}: already exists and is not empty; pass --overwrite to replace it")
-        if not (path / marker).exists():
-            raise errors.ConfigError(f"{path}: not made by mmpack (no {marker}); refusing to overwrite it")
-        (path / marker).unlink()  # first: from here on it is no longer a dataset / archive
-        _fsync_dir(path)
-        for child in path.iterdir():
-            shutil.rmtree(child) if child.is_dir() else child.unlink()
-    shutil.rmtree(path / fmt.STAGING_DIR, ignore_errors=True)
-    path.mkdir(parents=True, exist_ok=True)

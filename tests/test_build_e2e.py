@@ -6,6 +6,7 @@ import json
 import math
 import os
 import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -86,14 +87,27 @@ def test_image_pixels_labels_and_keys(built, image_raw):
     assert checked_exact > 20 and checked_jpeg > 5
 
 
-def test_sixteen_bit_images_are_rescaled_not_clipped(built):
+def test_sixteen_bit_images_are_rescaled_by_their_real_depth_not_clipped(built):
     ds = MMapDataset(built["images"])
     by_key = {ds[i]["key"]: i for i in range(len(ds))}
     img = ds[by_key["hostile/16bit.cropped.tif"]]["image"].numpy()
     raw16 = np.asarray(Image.open(Path(ds.manifest.build["raw"]) / "hostile/16bit.cropped.tif"), dtype=np.int64)
     assert Image.open(Path(ds.manifest.build["raw"]) / "hostile/16bit.cropped.tif").convert("RGB").getextrema()[0][0] == 255
     assert img.max() < 255  # plain convert("RGB") gives an all-white image here
-    assert abs(float(img.mean()) - float(raw16.mean()) * 255 / 65535) < 1.0
+    assert 512 <= raw16.max() < 1024  # a dark 16-bit image: its values use 10 bits
+    assert abs(float(img.mean()) - float(raw16.mean()) * 255 / 1023) < 1.0  # (a 65535 scale: a mean of 1.7)
+
+
+def test_twelve_bit_data_keeps_its_picture_in_a_12_or_a_16_bit_file():
+    """Pillow's 12-bit TIFF and the same pixels in a 16-bit TIFF: the same bytes, not black."""
+    from bench import data
+    from packer.images import decode_image
+
+    a = decode_image(data.fetch(data.PILLOW_EXTRA) / "12bit.cropped.tif", None)
+    b = decode_image(data.fetch(data.PILLOW_TESTS) / "12in16bit.tif", None)
+    raw = np.asarray(Image.open(data.fetch(data.PILLOW_TESTS) / "12in16bit.tif"), dtype=np.int64)
+    assert np.array_equal(a, b) and len(np.unique(a)) > 10  # a 65535 (or 4095) scale: 1-3 levels
+    assert np.array_equal(a[..., 0], raw)  # values under 256 are 8-bit data: kept as they are
 
 
 def test_exif_orientation_is_applied(built):
@@ -289,8 +303,12 @@ def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypa
 
     shutil.copy(photo, raw / "a" / "big.jpg")
     shutil.copy(data.fetch(data.PILLOW_TESTS) / "hopper.png", raw / "a" / "small.png")  # 128 x 128
-    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200_000)  # big.jpg is 1.37x: warning range
-    m = build(BuildConfig(raw, tmp_path / "out", image_size=32))
+    # big.jpg is 1.37x the limit set here: the warning range. The limit is set in the command's
+    # process, whose pool workers fork from it and decode with the same limit
+    code = ("from PIL import Image; Image.MAX_IMAGE_PIXELS = 200_000; import sys, packer.cli; "
+            f"sys.exit(packer.cli.main(['build', {str(raw)!r}, {str(tmp_path / 'out')!r}, '--image-size', '32', '-q']))")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+    m = load_manifest(tmp_path / "out")
     assert [(s.key, s.stage) for s in m.skipped] == [("a/big.jpg", "decode")]
     assert "decompression bomb" in m.skipped[0].reason and m.counts["packed"] == 1
 

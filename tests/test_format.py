@@ -99,7 +99,7 @@ def test_extend_writes_the_bytes_of_add(tmp_path_factory, docs, dtype, cuts):
             w.extend(samples[a:b])
         runs = w.close()
     assert runs.num_samples == one.num_samples == len(samples)
-    assert [(f.size_bytes, f.xxh3_128_rows) for f in runs.files] == [(f.size_bytes, f.xxh3_128_rows) for f in one.files]
+    assert [(f.size_bytes, f.checksum) for f in runs.files] == [(f.size_bytes, f.checksum) for f in one.files]
     with pytest.raises(KeyError, match="label"), ShardWriter(root, 2, cols) as w:
         w.extend([{"tokens": np.zeros(1, dtype), "image": np.zeros((0, 2, 3), np.uint8)}])
 
@@ -156,13 +156,16 @@ def test_any_flipped_header_byte_is_our_error_or_harmless(tmp_path_factory, posi
 
 
 def test_manifest_json_round_trip_and_validation():
+    hexes = ["ab" * 16, "cd" * 16]
     m = fmt.Manifest(
         kind="images",
         columns=(fmt.Column("image", "|u1", (4, 4, 3)), fmt.Column("label", "<i8", ())),
-        shards=(fmt.Shard(0, 2, (fmt.FileEntry("shard-00000/image.npy", 224, "ab"),)),),
+        shards=(fmt.Shard(0, 2, (fmt.FileEntry("g-0123456789abcdef/shard-00000/image.npy", 224, hexes[0]),
+                                 fmt.FileEntry("g-0123456789abcdef/shard-00000/label.npy", 144, hexes[1]))),),
         counts={"found": 3, "packed": 2, "skipped": 1},
         skipped=(fmt.Skip("a/b.jpg", "decode", "truncated"),),
         classes=("a",),
+        generation="g-0123456789abcdef",
     )
     again = fmt.Manifest.from_json(m.to_json())
     assert again == m

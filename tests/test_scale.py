@@ -28,12 +28,26 @@ from packer.system import available_cores
 from .procs import kill_mid_build
 
 
+def _in_shard(path: str) -> str:
+    """A file's path from its shard dir on (`shard-k/name`), whatever generation holds it."""
+    return "/".join(path.split("/")[-2:])
+
+
 def tree(out: Path) -> dict[str, str]:
-    """Every shard file of a dataset dir -> sha256, and the manifest without its build timings."""
-    files = {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(out.glob("shard-*/*"))}
+    """Every shard file of a dataset dir -> sha256, and the manifest without its build timings
+    and generation name (what two builds of the same bytes share)."""
     doc = json.loads((out / fmt.MANIFEST_NAME).read_text())
+    paths = [f["path"] for s in doc["shards"] for f in s["files"]]
+    assert paths and all((out / p).is_file() for p in paths)
+    files = {_in_shard(p): hashlib.sha256((out / p).read_bytes()).hexdigest() for p in paths}
     doc.pop("build")
+    doc.pop("generation")
+    inputs = doc.pop("inputs")  # RAW's file table: its bytes, not where it lies (an archive has none)
+    if inputs:
+        files[fmt.INPUTS_NAME] = hashlib.sha256((out / inputs["path"]).read_bytes()).hexdigest()
+    for shard in doc["shards"]:
+        for f in shard["files"]:
+            f["path"] = _in_shard(f["path"])
     return {"files": files, "manifest": doc}
 
 
@@ -108,13 +122,14 @@ def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw, workers):
     out = tmp_path / "resumed"
     kill_mid_build(image_raw, out, args, settle=False)  # resumed while the old workers may still run
     staging = out / fmt.STAGING_DIR
+    generation = json.loads((staging / "plan.json").read_text())["generation"]
     whole = sorted(p.name[:-5] for p in staging.glob("shard-*.json"))
-    inode = (staging / whole[0] / "image.npy").stat().st_ino
+    inode = (out / generation / whole[0] / "image.npy").stat().st_ino
     with pytest.raises(ManifestError, match="incomplete build"):
         MMapDataset(out)
     build(image_raw, out, *args)
     assert tree(out) == tree(tmp_path / "clean")
-    assert (out / whole[0] / "image.npy").stat().st_ino == inode  # reused, not rewritten
+    assert (out / generation / whole[0] / "image.npy").stat().st_ino == inode  # reused, not rewritten
 
 
 def test_resume_refuses_changed_arguments_or_inputs(tmp_path, image_raw, capsys):
@@ -214,7 +229,7 @@ def test_append_text_and_refusals(tmp_path, text_raw, minilm, big_tokenizer, cap
     half = tmp_path / "half"
     half.mkdir()
     for p in sorted(text_raw.iterdir())[::2]:
-        (shutil.copytree if p.is_dir() else shutil.copy)(p, half / p.name)
+        (shutil.copytree if p.is_dir() else shutil.copy2)(p, half / p.name)  # mtimes kept: the same files
     text = ["--tokenizer", minilm, "--append-eos", "--shard-size", "16KB"]
     build(text_raw, tmp_path / "whole", *text)
     build(half, tmp_path / "grown", *text)
@@ -239,9 +254,10 @@ def test_pack_unpack_round_trip_and_a_damaged_byte(tmp_path, built, capsys):
     assert main(["pack", str(src), str(tmp_path / "arc"), "--level", "9"]) == 0
     assert "ratio" in capsys.readouterr().out
     assert main(["unpack", str(tmp_path / "arc"), str(tmp_path / "back")]) == 0
-    assert tree(tmp_path / "back")["files"] == tree(src)["files"]
-    assert load_manifest(tmp_path / "back").shards == load_manifest(src).shards
-    victim = next((tmp_path / "arc").glob("shard-*/image.npy.zst"))
+    src_tree = tree(src)
+    del src_tree["files"][fmt.INPUTS_NAME]
+    assert tree(tmp_path / "back") == src_tree
+    victim = next((tmp_path / "arc").rglob("shard-*/image.npy.zst"))
     raw = bytearray(victim.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     victim.write_bytes(bytes(raw))
@@ -379,8 +395,9 @@ def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, imag
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and "shard-00001" in err, err
     staging = out / fmt.STAGING_DIR
+    generation = out / json.loads((staging / "plan.json").read_text())["generation"]
     assert not list(staging.glob("*.partial")) and not (out / fmt.MANIFEST_NAME).exists()
-    assert (staging / "shard-00000").is_dir() and not (staging / "shard-00002").exists()  # 2 was filled, dropped
+    assert (generation / "shard-00000").is_dir() and not (generation / "shard-00002").exists()  # 2 was filled, dropped
     for lock in staging.glob("*.lock"):
         with open(lock) as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a lock is held
@@ -563,7 +580,7 @@ def test_a_failing_piece_leaves_no_shard_half_done_even_one_waiting_for_its_fini
         engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
     staging = tmp_path / "out" / fmt.STAGING_DIR
     assert len(tasks) > 6 and sorted(p.name for p in staging.glob("*.partial")) == []
-    assert (staging / fmt.shard_dir_name(tasks[0].index) / "image.npy").is_file()  # the running finish ended whole
+    assert (tmp_path / "out" / prep.ctx.generation / fmt.shard_dir_name(tasks[0].index) / "image.npy").is_file()  # the running finish ended whole
 
 
 def test_a_shard_that_fails_to_open_leaves_no_partial_dir(tmp_path, image_raw, monkeypatch):
@@ -693,16 +710,16 @@ def test_workers_fork_only_from_a_single_thread_and_never_for_a_tokenizer():
 @pytest.mark.parametrize("workers", [2, 3])
 def test_an_image_build_forked_from_the_command_gives_the_same_bytes(tmp_path, image_raw, workers):
     """The `packer` command runs one thread, so its image pool forks: every worker before any
-    thread of the pool starts (the piece lane here, the pool's own), with the same bytes as one
-    worker (the in-process builds of the other tests go through the forkserver wherever pytest
-    runs more than one thread, as it does here with numpy's OpenBLAS threads)."""
+    thread of the pool starts, with the same bytes as one worker (the in-process builds of the
+    other tests go through the forkserver wherever pytest runs more than one thread, as it does
+    here with numpy's OpenBLAS threads)."""
     build(image_raw, tmp_path / "one", *IMG, "--workers", 1)
     argv = ["build", str(image_raw), str(tmp_path / "forked"), "-q", *IMG, "--workers", str(workers)]
     code = ("import os, sys, packer.cli; forks = []; "
             "os.register_at_fork(before=lambda: forks.append(len(os.listdir('/proc/self/task')))); "
             f"rc = packer.cli.main({argv!r}); print(forks); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == [1] * (workers - 1)  # this process is the last worker; threads at each fork
+    assert json.loads(out.splitlines()[-1]) == [1] * workers  # threads at each fork
     assert tree(tmp_path / "forked") == tree(tmp_path / "one")
 
 
@@ -715,9 +732,9 @@ def test_the_collector_skips_the_scan_then_its_objects_and_is_restored(tmp_path,
     from packer import builder, engines
 
     seen = []
-    scan, run = builder.scan, engines.run_here
+    scan, run = builder.scan, engines.run_pool
     monkeypatch.setattr(builder, "scan", lambda *a: (seen.append(("scan", gc.isenabled())), scan(*a))[1])
-    monkeypatch.setattr(engines, "run_here", lambda *a: (seen.append(("run", gc.get_freeze_count() > 0)), run(*a))[1])
+    monkeypatch.setattr(engines, "run_pool", lambda *a: (seen.append(("run", gc.get_freeze_count() > 0)), run(*a))[1])
     assert gc.isenabled() and gc.get_freeze_count() == 0
     builder.build(builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, workers=1))
     assert seen == [("scan", False), ("run", True)] and gc.isenabled() and gc.get_freeze_count() == 0
