@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from packer.format import Column, Manifest
-from packer.reader import DatasetReader
+from packer.reader import DatasetReader, decode_text
 
 from .gather import batch_dtype
 
@@ -83,7 +83,7 @@ class MMapDataset(torch.utils.data.Dataset):
             col = self.manifest.column(name)
             value = self.reader.column(shard, name).sample(row)
             if col.encoding:
-                out[name] = bytes(value).decode(col.encoding)
+                out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
             elif value.ndim == 0:  # a scalar column: a 0-d view, not a numpy scalar copy
                 arrays = self.reader.column(shard, name)
                 out[name] = _tensor(arrays.values[row : row + 1]).view(())

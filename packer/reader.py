@@ -192,9 +192,11 @@ class _GenerationLocks:
             try:
                 f = open(root / generation / fmt.READERS_LOCK, "rb")
             except FileNotFoundError:
-                self.close()
+                if (root / generation).is_dir():  # a copy without its hidden files: read unlocked
+                    continue
+                self.close()  # a writer removed the generation since the manifest was read
                 raise
-            except OSError:  # a read-only mount without the file, say: read unlocked
+            except OSError:  # unreadable here (permissions): read unlocked
                 continue
             self.files.append(f)
             _flock(f, shared=True)

@@ -179,3 +179,50 @@ def test_manifest_json_round_trip_and_validation():
     del doc["shards"]
     with pytest.raises(ManifestError, match="x/manifest.json: malformed"):
         fmt.Manifest.from_json(json.dumps(doc), where="x/manifest.json")
+
+
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=8)
+
+
+def _locations(doc, path=()):
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            yield (*path, k)
+            yield from _locations(v, (*path, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield (*path, i)
+            yield from _locations(v, (*path, i))
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_any_change_to_a_manifest_parses_or_is_our_manifest_error(data):
+    """A manifest of the golden datasets with any field replaced by any JSON value, or removed:
+    from_json returns a manifest that passes its own checks, or raises ManifestError, nothing else."""
+    from pathlib import Path
+
+    golden = Path(__file__).parent / "data" / "golden"
+    version = data.draw(st.sampled_from(["1.0", "3.0", "4.0"]))
+    kind = data.draw(st.sampled_from(["images", "text"]))
+    doc = json.loads((golden / f"v{version}-{kind}" / fmt.MANIFEST_NAME).read_text())
+    for _ in range(data.draw(st.integers(1, 3))):
+        locations = list(_locations(doc))
+        path = data.draw(st.sampled_from(locations))
+        parent = doc
+        for step in path[:-1]:
+            parent = parent[step]
+        if data.draw(st.booleans()) and isinstance(parent, dict):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = data.draw(_json_values)
+    try:
+        m = fmt.Manifest.from_json(json.dumps(doc))
+    except ManifestError:
+        return
+    assert m.counts["found"] == m.counts["packed"] + m.counts["skipped"] == m.num_samples + len(m.skipped)
+    for shard in m.shards:
+        assert all(".." not in f.path.split("/") and not f.path.startswith("/") for f in shard.files)

@@ -1,0 +1,134 @@
+"""The fuzz loop of tests/test_fuzz.py, run in a process of its own with its address space capped:
+`python -m tests.fuzz_driver SEED COUNT WORK DATASET...` prints one JSON line per failure.
+
+Each round copies one of the datasets, damages it (a manifest field changed to another type or
+value, a field removed, bytes of the manifest or of a column file flipped, a file cut or grown),
+then does what users do: open it, read every sample, run a Loader epoch (and the token views of a
+text dataset), `packer verify`. Every step must succeed or raise the project's own error
+(MmpackError); and reads that succeed on damaged column bytes must be caught by verify.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import resource
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
+from packer import format as fmt
+from packer.errors import MmpackError
+from packer.verify import verify
+
+ODD_VALUES = [None, -1, 0, 10**18, -(10**18), 1.5, "x", "", "../../etc/passwd", [], {}, True, [1, 2], {"a": 1},
+              "\udcff", "g-" + "0" * 16, "<u2", "|O", 2**63]
+
+
+def _paths(doc, prefix=()):
+    """Every (container, key) pair of a JSON document."""
+    items = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    for key, value in items:
+        yield doc, key
+        yield from _paths(value, (*prefix, key))
+
+
+def damage(root: Path, rng: random.Random) -> str:
+    """Damage the dataset dir in place; returns what was done."""
+    manifest = root / fmt.MANIFEST_NAME
+    kind = rng.choice(["field", "field", "field", "drop", "manifest-bytes", "file-bytes", "file-bytes", "file-size"])
+    if kind in ("field", "drop"):
+        doc = json.loads(manifest.read_text())
+        container, key = rng.choice(list(_paths(doc)))
+        if kind == "drop" and isinstance(container, dict):
+            del container[key]
+        else:
+            container[key] = rng.choice(ODD_VALUES)
+        manifest.write_text(json.dumps(doc))
+        return f"{kind} {key!r} of a {type(container).__name__}"
+    if kind == "manifest-bytes":
+        raw = bytearray(manifest.read_bytes())
+        for _ in range(rng.randint(1, 4)):
+            raw[rng.randrange(len(raw))] = rng.randrange(256)
+        manifest.write_bytes(bytes(raw))
+        return "manifest bytes"
+    files = sorted(p for p in root.rglob("*.npy"))
+    victim = rng.choice(files)
+    raw = bytearray(victim.read_bytes())
+    if kind == "file-bytes":
+        header = rng.random() < 0.5
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(min(len(raw), fmt.NPY_HEADER_BYTES) if header else len(raw))
+            raw[at] ^= 1 << rng.randrange(8)
+        victim.write_bytes(bytes(raw))
+        return f"bytes of {victim.name} ({'header' if header else 'anywhere'})"
+    cut = rng.choice([0, 10, fmt.NPY_HEADER_BYTES, len(raw) // 2, len(raw) - 1, len(raw) + 8])
+    victim.write_bytes(bytes(raw[:cut]) + b"\0" * max(0, cut - len(raw)))
+    return f"size of {victim.name} to {cut}"
+
+
+def use(root: Path, text: bool) -> dict:
+    """Everything a user does with a dataset; the values read, for comparison."""
+    ds = MMapDataset(root)
+    values = {}
+    for i in range(len(ds)):
+        sample = ds[i]
+        values[i] = {k: (v if isinstance(v, str) else v.numpy().tobytes()) for k, v in sample.items()}
+    names = [n for n in ds.columns if n != "image" or not ds.columns[n].ragged]
+    for batch in Loader(ds, 5, seed=1, num_threads=2, columns=names):
+        pass
+    if text:
+        for batch in Loader(TokenWindows(root, 32), 4, num_threads=1):
+            pass
+        for batch in Loader(PackedDocuments(root, 64), 4, num_threads=1):
+            pass
+    return values
+
+
+def main() -> None:
+    seed, count, work = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    datasets = [Path(p) for p in sys.argv[4:]]
+    reference = {p: use(p, "text" in p.name) for p in datasets}
+    # allocations past this process's size plus 1.5 GB fail: a damaged size may not ask for more
+    with open("/proc/self/statm") as f:
+        vm = int(f.read().split()[0]) * resource.getpagesize()
+    resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 29), resource.RLIM_INFINITY))
+    rng = random.Random(seed)
+    outcomes = {"ok": 0, "refused": 0}
+    for n in range(count):
+        source = rng.choice(datasets)
+        root = work / f"case-{n}"
+        shutil.copytree(source, root)
+        what = damage(root, rng)
+        step = "use"
+        try:
+            values = use(root, "text" in source.name)
+            step = "verify"
+            verified = True
+            try:
+                verify(root)
+            except MmpackError:
+                verified = False
+            if verified and values != reference[source] and "field" not in what and "drop" not in what:
+                print(json.dumps({"case": n, "damage": what, "failure": "read wrong values and verify passed"}))
+            outcomes["ok"] += 1
+        except MmpackError:
+            outcomes["refused"] += 1
+        except BaseException as exc:  # noqa: BLE001 - what the test is looking for
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            print(json.dumps({"case": n, "damage": what, "step": step,
+                              "failure": f"{type(exc).__name__}: {str(exc)[:200]}",
+                              "at": f"{Path(where.filename).name}:{where.lineno}"}))
+        shutil.rmtree(root, ignore_errors=True)
+    print(json.dumps({"done": outcomes}))
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,26 @@
+"""A seeded fuzz loop over damaged and hostile datasets (tests/fuzz_driver.py, its own process
+with its address space capped): every read, Loader epoch and verify either works or is the
+project's own one-line error; nothing asks for memory the files do not back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_four_hundred_damaged_datasets_give_our_errors_or_right_values(tmp_path, built):
+    work = tmp_path / "work"
+    work.mkdir()
+    out = subprocess.run([sys.executable, "-m", "tests.fuzz_driver", "20261124", "400", str(work),
+                          str(built["images"]), str(built["text"]), str(built["pairs"])],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    failures = [line for line in lines if "failure" in line]
+    assert out.returncode == 0 and lines and "done" in lines[-1], out.stderr[-3000:]
+    assert failures == []
+    done = lines[-1]["done"]
+    assert done["ok"] + done["refused"] == 400 and done["refused"] > 100  # the damage was real
