@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 _EXPORTS = {
     "BuildConfig": "builder", "build": "builder", "verify": "verify",
