@@ -22,7 +22,7 @@ import torch
 
 from .gather import Memory
 from .ring import Ring
-from .sampler import EpochPlan, Order, Pass, worker_batches
+from .sampler import EpochPlan, Order, Pass, Resumable, worker_batches
 
 
 class BatchSource(Protocol):
@@ -59,7 +59,7 @@ def default_threads() -> int:
     return max(1, min(4, cores))
 
 
-class Loader:
+class Loader(Resumable):
     """Batches of a packed dataset (or TokenWindows / PackedDocuments) at memory bandwidth.
 
     Iterating it again starts the next epoch; `state_dict()` / `load_state_dict()` resume
@@ -111,22 +111,6 @@ class Loader:
     def world_size(self) -> int:
         return self._plan.world_size
 
-    @property
-    def epoch(self) -> int:
-        return self._plan.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch of the next pass; the epoch the loader is in keeps its cursor (a resumed one)."""
-        self._plan.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        """Where the batches handed over so far end: load it into a Loader built the same way
-        (any thread or rank count, any process) and iterating goes on with the next batch."""
-        return self._plan.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._plan.load_state_dict(state)
-
     def __len__(self) -> int:
         """Batches left in the current epoch."""
         return self._plan.num_batches()
@@ -139,20 +123,6 @@ class Loader:
 
             batches = to_device(batches, self.device)
         return self._hand_over(p, batches)
-
-    def _hand_over(self, p: Pass, batches):
-        """Count each batch as taken when the caller gets it (not when it is made or copied)."""
-        taken = 0
-        try:
-            for batch in batches:
-                taken += 1
-                self._plan.taken(p, taken)
-                yield batch
-                del batch  # the caller's reference is the only one left
-            if taken == 0:
-                self._plan.taken(p, 0)
-        finally:
-            batches.close()
 
     def _gathered(self, p: Pass):
         plan = self._plan

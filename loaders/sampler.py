@@ -183,3 +183,43 @@ class EpochPlan:
             raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
                               f"{self.num_samples} samples")
         self.epoch, self.cursor = epoch, cursor
+
+
+class Resumable:
+    """The resume contract every loader keeps (`Loader`, `StatefulDataLoader`), around its
+    `_plan`: set_epoch, state_dict / load_state_dict, and the count of batches handed over."""
+
+    _plan: EpochPlan
+
+    @property
+    def epoch(self) -> int:
+        return self._plan.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass; the epoch the loader is in keeps its cursor (a resumed one)."""
+        self._plan.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        """Where the batches handed over so far end: load it into a loader built the same way
+        (any thread, worker or rank count, any process) and iterating goes on with the next batch."""
+        return self._plan.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._plan.load_state_dict(state)
+
+    def _hand_over(self, p: Pass, batches):
+        """Yield `batches` of pass `p`, each counted as taken when the caller gets it (not when it
+        is made, prefetched or copied); the pass's end moves the plan to the next epoch."""
+        taken = 0
+        try:
+            for batch in batches:
+                taken += 1
+                self._plan.taken(p, taken)
+                yield batch
+                del batch  # the caller's reference is the only one left
+            if taken == 0:
+                self._plan.taken(p, 0)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()

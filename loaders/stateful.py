@@ -17,7 +17,7 @@ from packer.errors import ConfigError
 
 from .batches import BatchedDataset
 from .iterable import MMapIterableDataset
-from .sampler import EpochPlan, Pass
+from .sampler import EpochPlan, Pass, Resumable
 
 
 def _as_is(batch):
@@ -49,7 +49,7 @@ class _PassKeys(torch.utils.data.Sampler):
         return ((p, b) for b in range(p.num_batches))
 
 
-class StatefulDataLoader(torch.utils.data.DataLoader):
+class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
     """`StatefulDataLoader(ds.batched(256, seed=0), num_workers=2, pin_memory=True)`.
 
     Iterating it again starts the next epoch (`set_epoch(e)` picks one; for the epoch it is in,
@@ -74,23 +74,6 @@ class StatefulDataLoader(torch.utils.data.DataLoader):
     def _plan(self) -> EpochPlan:
         return self.batches._plan
 
-    def set_epoch(self, epoch: int) -> None:
-        self._plan.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        return self._plan.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._plan.load_state_dict(state)
-
     def __iter__(self):
         batches = super().__iter__()  # takes the pass from the plan (the sampler is iterated here)
-        p = self._keys.current
-        taken = 0
-        for batch in batches:
-            taken += 1
-            self._plan.taken(p, taken)
-            yield batch
-            del batch
-        if taken == 0:
-            self._plan.taken(p, 0)
+        return self._hand_over(self._keys.current, batches)

@@ -154,7 +154,14 @@ class _Pool:
                                    initargs=self.initargs)
 
     def submit(self, fn, *args, **kwargs) -> Future:
-        return self.executor.submit(fn, *args, **kwargs)
+        """The call's future; one failed with BrokenProcessPool when the pool broke since the
+        last look (its caller then recovers that call with the others)."""
+        try:
+            return self.executor.submit(fn, *args, **kwargs)
+        except BrokenProcessPool as exc:
+            failed: Future = Future()
+            failed.set_exception(exc)
+            return failed
 
     def renew(self) -> None:
         self.executor.shutdown(wait=True, cancel_futures=True)
@@ -229,7 +236,7 @@ def _run_pieces(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, dr
     jobs = _with_last(jobs)
     pending: dict = {}  # future -> _Piece, or None for a finish
     opened: set[int] = set()  # shards this run started (a failure removes their partial dirs)
-    tries: dict[tuple[int, int], int] = {}  # (shard, first slot) -> times its process died
+    tries: dict = {}  # (shard, first slot) -> times its process died; "start": pools that died starting
     finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
 
     def submit(piece: _Piece) -> None:
@@ -265,18 +272,25 @@ def _run_pieces(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, dr
         broken = [pending.pop(f) for f in list(pending) if pending[f] is not None
                   and isinstance(f.exception(), BrokenProcessPool)]
         pool.renew()
-        for piece in broken:
-            key = (piece.index, piece.first)
-            tries[key] = tries.get(key, 0) + 1
+        started = {piece: read_progress(ctx, piece.index, piece.first) for piece in broken}
+        if all(slot is None for slot in started.values()):  # nothing was decoding: the workers died starting
+            tries["start"] = tries.get("start", 0) + 1
+            if tries["start"] >= RETRIES:
+                raise SourceError(f"{ctx.out}: worker processes die before they decode anything; if a script "
+                                  "of yours calls packer.build(), put the call under `if __name__ == \"__main__\":` "
+                                  "(workers that start from a forkserver import the script again)")
+        for piece, slot in started.items():
             crashed = set(piece.crashed)
-            slot = read_progress(ctx, piece.index, piece.first)
-            record = shards[piece.index].records[slot][1] if slot is not None else None
-            if record is not None and slot not in crashed and pool.crashes(decode_image, record.path, ctx.image_size):
-                crashed.add(slot)
-            elif tries[key] >= RETRIES:
-                raise SourceError(f"{ctx.out}: a decoder process died {RETRIES} times on "
-                                  f"{fmt.shard_dir_name(piece.index)} (records {piece.first}..{piece.stop - 1}); "
-                                  f"last started: {ctx.raw / record.key if record else 'none'}")
+            if slot is not None:
+                record = shards[piece.index].records[slot][1]
+                key = (piece.index, piece.first)
+                tries[key] = tries.get(key, 0) + 1
+                if slot not in crashed and pool.crashes(decode_image, record.path, ctx.image_size):
+                    crashed.add(slot)
+                elif tries[key] >= RETRIES:
+                    raise SourceError(f"{ctx.out}: a decoder process died {RETRIES} times on "
+                                      f"{fmt.shard_dir_name(piece.index)} (records {piece.first}..{piece.stop - 1}); "
+                                      f"last started: {ctx.raw / record.key}")
             submit(_Piece(piece.index, piece.first, piece.stop, tuple(sorted(crashed))))
 
     try:

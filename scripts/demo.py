@@ -1,9 +1,11 @@
-"""The main job on built-in sample data: build, open, load, compare.
+"""The main job on built-in sample data: build, open, load, and compare with decoding on the fly.
 
-Builds an image dataset from crops of real photos (scikit-image / scikit-learn sample images) and
-a text dataset from Python's own library sources with a real pretrained tokenizer (MiniLM's
-tokenizer.json), through the real `packer` CLI; opens both; then times reading shuffled samples
-from the packed images against decoding the same JPEG/PNG files with Pillow, in one run.
+Builds an image dataset from crops of real photos (scikit-image / scikit-learn sample images)
+and a text dataset from Python's own library sources with a real pretrained tokenizer (MiniLM's
+tokenizer.json), through the real `packer` command; opens both; then times the product path,
+`Loader` (whole shuffled batches, warm page cache), against what training does without mmpack,
+decoding and resizing the same files with Pillow, each in this one process, in the same run.
+Everything it writes goes into a temporary dir that it removes at the end (unless --work).
 
     python scripts/demo.py [--images 2000] [--text-mb 8] [--work DIR]
 """
@@ -17,63 +19,67 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from bench import data
-from loaders import MMapDataset
+from loaders import Loader, MMapDataset, TokenWindows
 from packer.cli import main as packer
 from packer.images import decode_image
-
-
-def timed_rate(fn, items) -> float:
-    start = time.perf_counter()
-    for item in items:
-        fn(item)
-    return len(items) / (time.perf_counter() - start)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--images", type=int, default=2000)
     ap.add_argument("--text-mb", type=float, default=8)
-    ap.add_argument("--work", type=Path, default=None, help="keep RAW and OUT here (default: a temp dir)")
+    ap.add_argument("--work", type=Path, default=None, help="keep RAW and the datasets here (default: removed)")
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="mmpack-demo-"))
-    raw_img, raw_txt = work / "raw-images", work / "raw-text"
-    out_img, out_txt = work / "out-images", work / "out-text"
+    try:
+        return run(work, args)
+    finally:
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+        print(f"   work dir {'kept: ' + str(work) if args.work else 'removed'}; the sample packages stay cached "
+              f"in {data.cache_dir()}")
+
+
+def run(work: Path, args) -> int:
+    raw_img, raw_txt, out_img, out_txt = work / "raw-images", work / "raw-text", work / "images", work / "text"
     for p in (raw_img, raw_txt, out_img, out_txt):
         shutil.rmtree(p, ignore_errors=True)
-
     print(f"== sample data: {args.images} crops of real photos, {args.text_mb} MB of Python sources")
     data.make_image_folders(raw_img, args.images)
     data.make_text(raw_txt, int(args.text_mb * 1024**2))
-    tokenizer = data.minilm_tokenizer()
-
     print("== packer build (images, 224x224)")
     if packer(["build", str(raw_img), str(out_img), "-q"]):
         return 1
     print("== packer build (text, MiniLM tokenizer, EOS appended)")
-    if packer(["build", str(raw_txt), str(out_txt), "--tokenizer", str(tokenizer), "--append-eos", "-q"]):
+    if packer(["build", str(raw_txt), str(out_txt), "--tokenizer", str(data.minilm_tokenizer()), "--append-eos", "-q"]):
         return 1
     for out in (out_img, out_txt):
         print(f"== packer info {out.name}")
         packer(["info", str(out)])
 
-    images = MMapDataset(out_img)
-    text = MMapDataset(out_txt)
-    tokens = sum(int(text.reader.column(k, "tokens").offsets[-1]) for k in range(len(text.manifest.shards)))
-    print(f"== opened: {len(images)} images {tuple(images[0]['image'].shape)}, "
-          f"{len(text)} documents / {tokens:,} tokens ({text.columns['tokens'].dtype})")
+    images = MMapDataset(out_img, columns=["image", "label"])
+    loader = Loader(images, 256, seed=0)
+    for _ in loader:  # a first epoch warms the page cache, as every later training epoch finds it
+        pass
+    start, count = time.perf_counter(), 0
+    for _ in range(3):
+        for batch in loader:
+            count += len(batch["label"])
+    loaded = count / (time.perf_counter() - start)
+    files = sorted(p for p in raw_img.rglob("*") if p.is_file())[:300]
+    start = time.perf_counter()
+    for path in files:
+        decode_image(path, 224)
+    decoded = len(files) / (time.perf_counter() - start)
+    print(f"== loading 224x224 images, shuffled, in this one process: Loader {loaded:,.0f} images/s "
+          f"({loader.num_threads} threads), Pillow decode + resize {decoded:,.0f} images/s: {loaded / decoded:,.0f}x")
 
-    order = np.random.default_rng(0).permutation(len(images))[:min(len(images), 1000)].tolist()
-    for i in order:  # warm the page cache, as training epochs after the first do
-        images[i]
-    packed = timed_rate(lambda i: images[i]["image"].clone(), order)
-    files = [out_img.parent / "raw-images" / images[i]["key"] for i in order]
-    decoded = timed_rate(lambda p: decode_image(p, 224), files[:300])
-    print(f"== loading speed, one process, shuffled, warm cache: packed {packed:,.0f} images/s vs "
-          f"Pillow decode+resize {decoded:,.0f} images/s: {packed / decoded:.0f}x")
-    print(f"   (full comparison: bench loaders --quick)  work dir: {work}")
+    windows = TokenWindows(out_txt, 1024)
+    x, y = next(iter(Loader(windows, 8)))
+    print(f"== text: {windows.num_tokens:,} tokens, {len(windows):,} windows of 1024; a batch: x {tuple(x.shape)} "
+          f"{x.dtype}, y = x shifted by one")
+    print("   every figure against peers and the machine's memcpy: bench loaders --quick")
     return 0
 
 

@@ -357,3 +357,22 @@ def test_token_ids_reach_the_model_as_int64_on_every_path(built):
     check(next(iter(Loader(PackedDocuments(text, 128), 2)))["tokens"])
     pairs = MMapDataset(built["pairs"])
     check(next(iter(Loader(pairs, 2, columns=["tokens"])))["tokens"])
+
+
+def test_stateful_dataloader_follows_epochs_with_persistent_workers_as_loader_does(built):
+    """Its workers get (pass, batch) keys from the main process: epochs advance and a loaded
+    state takes effect even in workers that live across epochs; the batches are Loader's."""
+    ds = MMapDataset(built["images"], columns=["label", "key"])
+    ref = Loader(ds, 8, seed=1)
+    want = [[tuple(b["key"]) for b in ref] for _ in range(3)]
+    assert want[0] != want[1] != want[2]
+    dl = StatefulDataLoader(ds.batched(8, seed=1), num_workers=2, persistent_workers=True)
+    it = iter(dl)
+    got = [[tuple(next(it)["key"]) for _ in range(3)]]
+    state = dl.state_dict()
+    got[0] += [tuple(b["key"]) for b in it]
+    got.append([tuple(b["key"]) for b in dl])
+    dl.load_state_dict(state)  # back into epoch 0, in the same live workers
+    assert [tuple(b["key"]) for b in dl] == want[0][3:]
+    got.append([tuple(b["key"]) for b in dl])  # and on: epoch 1 follows the resumed epoch 0
+    assert got == [want[0], want[1], want[1]]

@@ -1,0 +1,78 @@
+"""Train on your own image folder: pack it once with `packer build` (RAW/<class>/<image>), then
+train a small CNN from `Loader`, saving the model and the loader's state, so that a run that is
+stopped goes on with the next batch when started again. Runs on a GPU when there is one.
+
+    python scripts/train_folder.py RAW [--out DIR] [--epochs 2] [--image-size 64] [--batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from loaders import Loader, MMapDataset
+from loaders.augment import normalize, random_flip
+from packer.cli import main as packer
+
+
+def small_cnn(num_classes: int) -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, num_classes))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("raw", type=Path, help="image folder: RAW/<class>/<image>")
+    ap.add_argument("--out", type=Path, default=None, help="the dataset dir (default: RAW.mmpack beside RAW)")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--image-size", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (as if preempted)")
+    args = ap.parse_args(argv)
+    out = args.out or args.raw.with_name(args.raw.name + ".mmpack")
+    if not (out / "manifest.json").exists():
+        if packer(["build", str(args.raw), str(out), "--image-size", str(args.image_size)]) != 0:
+            return 2
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ds = MMapDataset(out)
+    loader = Loader(ds, args.batch_size, seed=0, columns=["image", "label"], device=device)
+    model = small_cnn(len(ds.classes)).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    checkpoint = out / "train.ckpt"
+    start, steps = 0, 0
+    if checkpoint.exists():
+        state = torch.load(checkpoint)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        loader.load_state_dict(state["loader"])
+        start, steps = state["loader"]["epoch"], state["steps"]
+        print(f"resumed at epoch {start}, step {steps}")
+    for epoch in range(start, args.epochs):
+        loader.set_epoch(epoch)
+        total, count = 0.0, 0
+        for batch in loader:
+            x = random_flip(normalize(batch["image"]))
+            loss = F.cross_entropy(model(x), batch["label"])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+            total, count = total + loss.item(), count + 1
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "loader": loader.state_dict(),
+                        "steps": steps}, checkpoint)
+            if steps == args.stop_after:
+                print(f"stopped after step {steps} (run again to go on)")
+                return 0
+        print(f"epoch {epoch}: {count} steps, mean loss {total / max(count, 1):.3f}")
+    print(f"done: {steps} steps over {args.epochs} epochs of {len(ds)} images")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The scripts a user starts from, run as a user runs them: the demo, training on a folder
+(stopped and started again), and DDP with torchrun on two CPU processes."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import data
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args, cwd=ROOT, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *map(str, args)], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_on_a_folder_stops_and_goes_on(tmp_path):
+    raw = data.make_image_folders(tmp_path / "photos", 40, seed=7, max_side=160)
+    first = run("scripts/train_folder.py", raw, "--epochs", "2", "--batch-size", "8", "--stop-after", "7")
+    assert first.returncode == 0 and "stopped after step 7" in first.stdout, first.stderr[-2000:]
+    assert (tmp_path / "photos.mmpack" / "manifest.json").exists()
+    again = run("scripts/train_folder.py", raw, "--epochs", "2", "--batch-size", "8")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed at epoch 1, step 7" in again.stdout  # 5 batches an epoch: the 3rd of epoch 1 is next
+    assert "done: 10 steps over 2 epochs of 40 images" in again.stdout
+
+
+def test_ddp_with_torchrun_on_two_processes_splits_every_epoch(tmp_path):
+    from packer.cli import main
+
+    raw = data.make_image_folders(tmp_path / "raw", 30, seed=8, max_side=120)
+    assert main(["build", str(raw), str(tmp_path / "out"), "--image-size", "32", "-q"]) == 0
+    out = run("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "scripts/ddp.py", tmp_path / "out", "--epochs", "2", "--batch-size", "4", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    epochs = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [e["epoch"] for e in epochs] == [0, 1]
+    for e in epochs:
+        assert e["per_rank"] == [15, 15] and e["distinct"] == e["dataset"] == 30 and e["shared"] == 0
+
+
+def test_the_demo_runs_and_cleans_up(tmp_path):
+    import tempfile
+
+    before = set(Path(tempfile.gettempdir()).glob("mmpack-demo-*"))
+    out = run("scripts/demo.py", "--images", "120", "--text-mb", "0.5")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Loader" in out.stdout and "Pillow decode + resize" in out.stdout and "work dir removed" in out.stdout
+    assert set(Path(tempfile.gettempdir()).glob("mmpack-demo-*")) == before
+    shutil.rmtree(tmp_path, ignore_errors=True)
