@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from packer.errors import ColumnError
 from packer.format import Column, Manifest
 from packer.reader import DatasetReader, decode_text
 
@@ -49,7 +50,7 @@ class MMapDataset(torch.utils.data.Dataset):
         names = [c.name for c in self._reader.manifest.columns]
         unknown = sorted(set(columns or ()) - set(names))
         if unknown:
-            raise KeyError(f"{self.root}: no column(s) {', '.join(unknown)}; columns are {', '.join(names)}")
+            raise ColumnError(f"{self.root}: no column(s) {', '.join(unknown)}; columns are {', '.join(names)}")
         self._names = list(columns) if columns else names
 
     @property

@@ -154,7 +154,16 @@ class PackedDocuments:
         lengths = np.concatenate([np.diff(o) for o in offsets]) if offsets else np.zeros(0, np.int64)
         self._doc_shard = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
         self._doc_start = np.concatenate([o[:-1] for o in offsets]) if offsets else np.zeros(0, np.int64)
-        self.packing = pack_documents(lengths, self.seq_len, policy=self.policy, truncate=self.truncate)
+        self.packing = pk = pack_documents(lengths, self.seq_len, policy=self.policy, truncate=self.truncate)
+        # per piece, what every batch would otherwise recompute: where it starts in its row, in
+        # its shard's flat tokens, and which shard that is; per row, its real tokens
+        per_row = np.diff(pk.row_ptr)
+        ends = np.cumsum(pk.length)
+        row_start = np.repeat(ends[pk.row_ptr[:-1]] - pk.length[pk.row_ptr[:-1]], per_row) if len(ends) else ends
+        self._within = ends - pk.length - row_start
+        self._src = self._doc_start[pk.doc] + pk.start
+        self._shard = self._doc_shard[pk.doc]
+        self._row_used = pk.row_tokens()
         self.num_tokens = int(lengths.sum())
         self.num_truncated_tokens = self.packing.truncated_tokens
         self._max_pieces = int(np.diff(self.packing.row_ptr).max(initial=1))
@@ -191,35 +200,30 @@ class PackedDocuments:
         B, L = len(ids), self.seq_len
         pk = self.packing
         rows = np.asarray(ids, dtype=np.int64)
-        first, per_row = pk.row_ptr[rows], pk.row_ptr[rows + 1] - pk.row_ptr[rows]
+        first = pk.row_ptr[rows]
+        per_row = pk.row_ptr[rows + 1] - first
         p = _ranges(first, per_row)  # the batch's pieces, row after row
         length = pk.length[p]
-        row_of = np.repeat(np.arange(B, dtype=np.int64), per_row)
-        ends = np.cumsum(length)
-        at = ends - length  # each piece's start in the batch's pieces, concatenated
-        row_first = np.cumsum(per_row) - per_row
-        within = at - at[row_first][row_of] if len(p) else at  # ... and in its row
-        dst = row_of * L + within  # in the flattened [B, L] tokens
-        used = np.bincount(row_of, weights=length, minlength=B).astype(np.int64)
+        dst = np.repeat(np.arange(0, B * L, L, dtype=np.int64), per_row) + self._within[p]  # in the flat [B, L]
+        used = self._row_used[rows]
 
         tokens, positions = buffers["tokens"][:B], buffers["position_ids"][:B]
         t, pos = tokens.numpy().reshape(-1), positions.numpy().reshape(-1)
-        for r in np.flatnonzero(used < L).tolist():  # the rows' padding: zeros
-            t[r * L + used[r]:(r + 1) * L] = 0
-            pos[r * L + used[r]:(r + 1) * L] = 0
-        doc = pk.doc[p]
-        src = self._doc_start[doc] + pk.start[p]
-        shard = self._doc_shard[doc]
+        for r, u in enumerate(used.tolist()):  # the rows' padding: zeros
+            if u < L:
+                t[r * L + u:(r + 1) * L] = 0
+                pos[r * L + u:(r + 1) * L] = 0
+        src, shard = self._src[p], self._shard[p]
         long = length >= SLICE_TOKENS
-        arange = self._arange
+        values, arange = self._values, self._arange
         for d, s, n, k in zip(dst[long].tolist(), src[long].tolist(), length[long].tolist(), shard[long].tolist()):
-            t[d:d + n] = self._values[k][s:s + n]  # long pieces: a slice copy each
+            t[d:d + n] = values[k][s:s + n]  # long pieces: a slice copy each
             pos[d:d + n] = arange[:n]
-        short = np.flatnonzero(~long)
-        if len(short):  # short pieces: one fancy-index copy per shard
+        if not long.all():  # short pieces: one fancy-index copy per shard
+            short = np.flatnonzero(~long)
             for k in np.unique(shard[short]).tolist():
                 sel = short[shard[short] == k]
-                t[_ranges(dst[sel], length[sel])] = self._values[k][_ranges(src[sel], length[sel])]
+                t[_ranges(dst[sel], length[sel])] = values[k][_ranges(src[sel], length[sel])]
             pos[_ranges(dst[short], length[short])] = _ranges(np.zeros(len(short), np.int64), length[short])
 
         out_lengths = buffers["lengths"][:B]

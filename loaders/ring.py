@@ -19,9 +19,15 @@ import torch
 POLL_S = (5e-5, 2e-3)  # first and longest wait between two looks while every buffer is held
 
 
-def use_count(tensor: torch.Tensor) -> int:
-    """References to the tensor's storage: every tensor (view) over it, and a storage object."""
-    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+def storage_of(tensor: torch.Tensor) -> int:
+    """The address of the tensor's storage object, to ask its reference count without making a
+    Python storage object each time (valid while the tensor lives: the ring keeps it)."""
+    return tensor.untyped_storage()._cdata
+
+
+def use_count(storage: int) -> int:
+    """References to a storage: every tensor (view) over it."""
+    return torch._C._storage_Use_Count(storage)
 
 
 class Ring:
@@ -31,7 +37,7 @@ class Ring:
         self._make, self._keep = make, keep
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._buffers: list[tuple[dict, list[tuple[torch.Tensor, int]]]] = []
+        self._buffers: list[tuple[dict, list[tuple[int, int]]]] = []  # (buffers, [(storage, its count)])
         self._filling: set[int] = set()  # ids of buffers taken and not yet given back by `filled`
         for _ in range(keep):
             self._grow()
@@ -46,13 +52,17 @@ class Ring:
 
     def _grow(self) -> dict:
         buffers = self._make()
-        self._buffers.append((buffers, [(t, use_count(t)) for t in buffers.values()]))
+        storages = [storage_of(t) for t in buffers.values()]
+        self._buffers.append((buffers, [(s, use_count(s)) for s in storages]))
         return buffers
 
     def _unused(self, entry) -> bool:
-        return id(entry[0]) not in self._filling and all(use_count(t) == count for t, count in entry[1])
+        return id(entry[0]) not in self._filling and all(use_count(s) == count for s, count in entry[1])
 
     def _take_unused(self) -> dict | None:
+        if len(self._buffers) <= self._keep:  # the usual case: the first unused one
+            entry = next((entry for entry in self._buffers if self._unused(entry)), None)
+            return self._fill(entry[0]) if entry is not None else None
         unused = [entry for entry in self._buffers if self._unused(entry)]
         if not unused:
             return None

@@ -27,6 +27,7 @@ from .reader import DatasetReader
 from .system import available_cores
 
 _CHUNK = 1 << 20
+FILE_LIKE = (".zst", ".tar", ".tgz", ".gz", ".zip", ".xz", ".bz2")  # names users give archive files
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
     import zstandard
 
     root, archive = Path(root), Path(archive)
+    if archive.name.endswith(FILE_LIKE) and not archive.is_dir():
+        raise ConfigError(f"{archive}: an archive is a directory (its column files zstd-compressed beside "
+                          f"{fmt.ARCHIVE_NAME}); give it a directory's name, e.g. {archive.name.split('.')[0]}.archive")
     opened = DatasetReader(root)  # open until the copy is done: its generation stays
     manifest = dataclasses.replace(opened.manifest, inputs=None)  # RAW's file table stays with RAW's dataset
     if not 1 <= level <= 22:

@@ -220,6 +220,9 @@ def info_dict(root: Path) -> dict:
 def _cmd_info(args) -> int:
     d = info_dict(args.out)
     if args.json:
+        if args.skipped:
+            d["skipped"] = [{"key": s.key, "stage": s.stage, "reason": s.reason}
+                            for s in DatasetReader(args.out).manifest.skipped]
         print(json.dumps(d, indent=1))
         return 0
     cols = "; ".join(f"{n} {c['dtype']} {tuple(c['shape'])}" for n, c in d["columns"].items())
@@ -295,7 +298,10 @@ COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "info": _cmd_info, "veri
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's: that is where the typo is
+        parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return COMMANDS[args.command](args)
     except MmpackError as exc:
@@ -310,7 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"packer {args.command}: error: {where}{exc.strerror or exc}{hint}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"packer {args.command}: interrupted", file=sys.stderr)
+        hint = ("; whole shards are kept: run the same command again to go on"
+                if args.command == "build" else "")
+        print(f"packer {args.command}: interrupted{hint}", file=sys.stderr)
         return 130
 
 

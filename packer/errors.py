@@ -22,3 +22,10 @@ class ManifestError(MmpackError):
 
 class IntegrityError(MmpackError):
     """Column files disagree with the manifest: size, checksum, header, offsets or row counts."""
+
+
+class ColumnError(ConfigError, KeyError):
+    """A column the dataset does not have (also a KeyError, for code that catches one)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

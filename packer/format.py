@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import ManifestError
+from .errors import ColumnError, ManifestError
 
 # -- 1. Identity and versioning ------------------------------------------------------------
 FORMAT_NAME = "mmpack"
@@ -293,7 +293,7 @@ class Manifest:
         for c in self.columns:
             if c.name == name:
                 return c
-        raise KeyError(name)
+        raise ColumnError(f"no column {name!r}; this {self.kind} dataset has {', '.join(c.name for c in self.columns)}")
 
     def to_json(self) -> str:
         doc = {"format": FORMAT_NAME, **asdict(self)}

@@ -48,12 +48,14 @@ def gc_paused() -> Iterator[None]:
 def gc_frozen() -> Iterator[None]:
     """Every object that exists now kept out of the collector's passes until the block ends,
     in this process and in the processes it forks (whose passes would otherwise write to each
-    object and copy its page). Nested in another freeze (ours or the caller's), it leaves the
-    unfreezing to that one."""
-    outer = gc.get_freeze_count() > 0
+    object and copy its page). Where objects are frozen already (an outer freeze of ours, the
+    caller's, or an interpreter that starts so), it changes nothing: the collector has no partial
+    unfreeze, so only the one who froze first may unfreeze."""
+    if gc.get_freeze_count() > 0:
+        yield
+        return
     gc.freeze()
     try:
         yield
     finally:
-        if not outer:
-            gc.unfreeze()
+        gc.unfreeze()

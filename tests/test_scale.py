@@ -734,10 +734,13 @@ def test_the_collector_skips_the_scan_then_its_objects_and_is_restored(tmp_path,
     seen = []
     scan, run = builder.scan, engines.run_pool
     monkeypatch.setattr(builder, "scan", lambda *a: (seen.append(("scan", gc.isenabled())), scan(*a))[1])
-    monkeypatch.setattr(engines, "run_pool", lambda *a: (seen.append(("run", gc.get_freeze_count() > 0)), run(*a))[1])
-    assert gc.isenabled() and gc.get_freeze_count() == 0
+    frozen = gc.get_freeze_count()  # some interpreters (a distribution's) start with objects frozen
+    monkeypatch.setattr(engines, "run_pool",
+                        lambda *a: (seen.append(("run", gc.get_freeze_count() > frozen)), run(*a))[1])
+    assert gc.isenabled()
     builder.build(builder.BuildConfig(image_raw, tmp_path / "out", image_size=32, workers=1))
-    assert seen == [("scan", False), ("run", True)] and gc.isenabled() and gc.get_freeze_count() == 0
+    # (an interpreter that starts with objects frozen keeps its freeze as it is)
+    assert seen == [("scan", False), ("run", frozen == 0)] and gc.isenabled() and gc.get_freeze_count() == frozen
     (tmp_path / "empty").mkdir()
     with pytest.raises(SourceError):
         builder.build(builder.BuildConfig(tmp_path / "empty", tmp_path / "out2", workers=1))
@@ -758,14 +761,15 @@ def test_forked_workers_leave_the_parents_objects_out_of_their_garbage_collector
 import gc, os
 from concurrent.futures import ProcessPoolExecutor
 from packer import engines
+frozen = gc.get_freeze_count()  # some interpreters (a distribution's) start with objects frozen
 held = [[i] for i in range(100_000)]
 with ProcessPoolExecutor(1, mp_context=engines._context("fork")) as pool:
     engines._fork_now(pool)
-    print(pool.submit(os.getppid).result() == os.getpid(), pool.submit(gc.get_freeze_count).result() > len(held),
-          gc.get_freeze_count())
+    print(pool.submit(os.getppid).result() == os.getpid(),
+          frozen > 0 or pool.submit(gc.get_freeze_count).result() > len(held), gc.get_freeze_count() == frozen)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "True", "0"]
+    assert out.split() == ["True", "True", "True"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forkserver is Linux's start method here")
