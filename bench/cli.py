@@ -28,13 +28,14 @@ def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="bench", description="mmpack benchmarks (tables, JSON, PNG)")
     sub = ap.add_subparsers(dest="command", required=True)
 
-    def common(p, images, text_mb):
+    def common(p, images, text_mb, *, plot: bool = True):
         p.add_argument("--images", type=int, default=images, help="sample photo crops to use")
         p.add_argument("--text-mb", type=float, default=text_mb, help="MB of real text (Python sources)")
         p.add_argument("--quick", action="store_true", help="small sizes: well within 3 minutes on 2 cores")
         p.add_argument("--work", type=Path, help="keep the raw and built data here and reuse them")
         p.add_argument("--json", type=Path, help="write every figure and the machine's description here")
-        p.add_argument("--plot", type=Path, help="write a PNG plot here (needs mmpack[plot])")
+        if plot:
+            p.add_argument("--plot", type=Path, help="write a PNG plot here (needs mmpack[plot])")
 
     def stall_args(p, default_ms):
         p.add_argument("--step-ms", type=float, default=default_ms,
@@ -63,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     # 24 MB of text (most of the ~30 MB of distinct sample text): a text build of about 3.7 s. At 8 MB
     # it lasted 1.2 s, 7% of which passed before the first document was encoded (imports, tokenizer
     # load, scan): start-up latency, not throughput
-    common(pk, 6000, 24)
+    common(pk, 6000, 24, plot=False)
     pk.add_argument("--workers-list", type=_ints, default=sorted({1, cores}))
     pk.add_argument("--shard-size", default="64MB", help="shard size for the builds (default 64MB)")
     pk.add_argument("--text-shard-size", default=None,
@@ -81,7 +82,6 @@ def _parser() -> argparse.ArgumentParser:
     sa.add_argument("--batch-size", type=int, default=256)
     sa.add_argument("--json", type=Path, help="write every figure here")
     sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only")
-    sa.add_argument("--plot", type=Path, help=argparse.SUPPRESS)
     return ap
 
 
@@ -92,6 +92,8 @@ QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if getattr(args, "plot", None):
+        report._plt()  # before the run, not after it: matplotlib is there, or say so now
     if args.quick:
         for k, v in QUICK[args.command].items():
             cur = getattr(args, k)
@@ -115,12 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     print(text(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1, default=str))
-    if args.plot:
-        if plot is None:
-            print(f"bench {args.command} has no plot; its figures are in the table and --json", file=sys.stderr)
-        else:
-            plot(result, args.plot)
-            print(f"plot: {args.plot}")
+    if getattr(args, "plot", None):
+        plot(result, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 

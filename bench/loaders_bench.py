@@ -18,7 +18,7 @@ import torch
 
 from . import data, peers
 from .peers import MP_CONTEXT
-from .measure import dir_bytes, files_under, measure, memcpy_rate, stall
+from .measure import MemcpyLimit, dir_bytes, files_under, measure, stall
 
 PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
 
@@ -110,7 +110,7 @@ def bench_loaders(args) -> dict:
     bs, passes, workers = args.batch_size, args.passes, args.workers
     cores = os.cpu_count() or 1
     sample_bytes = ds.columns["image"].sample_nbytes
-    memcpy = memcpy_rate(bs * sample_bytes)
+    memcpy = MemcpyLimit(bs * sample_bytes)  # by thread count, measured again before each row
     files = [ds.reader.root / f.path for s in ds.manifest.shards for f in s.files]
     raw_files = sorted(p for p in raw.rglob("*") if p.is_file())
     classes = sorted({p.parent.name for p in raw_files})
@@ -120,8 +120,10 @@ def bench_loaders(args) -> dict:
     raw_conv = {"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)}
     results: list[dict] = []
 
-    def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes):
-        r = {"system": name, "family": family, "kind": kind, **conversion}
+    def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes,
+            threads=min(workers, cores) or 1):
+        r = {"system": name, "family": family, "kind": kind, "threads": threads, **conversion}
+        memcpy.measure(threads)
         try:
             r.update(measure(make_iter, count_of, passes=n_passes, limit=limit,
                              cold_files=cold_files if args.cold else None))
@@ -132,7 +134,6 @@ def bench_loaders(args) -> dict:
             r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         if "samples_per_s" in r and kind == "images":
             r["mb_per_s"] = r["samples_per_s"] * sample_bytes / 1e6
-            r["pct_memcpy"] = 100 * r["samples_per_s"] * sample_bytes / memcpy
         results.append(r)
         _progress(r)
         return r
@@ -140,7 +141,7 @@ def bench_loaders(args) -> dict:
     for threads in sorted({1, min(4, cores)}):
         loader = Loader(ds, bs, num_threads=threads)
         run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
-            lambda b: len(b["label"]), mmpack_conv, files)
+            lambda b: len(b["label"]), mmpack_conv, files, threads=threads)
     batched = StatefulDataLoader(ds.batched(bs), num_workers=workers, pin_memory=PIN,
                                  multiprocessing_context=MP_CONTEXT if workers else None)
     run(f"mmpack batched + StatefulDataLoader({workers} worker processes)", "mmpack", lambda: batched,
@@ -191,15 +192,21 @@ def bench_loaders(args) -> dict:
                                             collate_fn=torch.cat, multiprocessing_context=MP_CONTEXT if workers else None),
         lambda b: b.numel(), {"convert_s": 0.0, "disk_bytes": sum(len(t.encode()) for t in texts)},
         files_under(text_raw), kind="tokens", n_passes=1)
-    for r in results:
-        if r.get("kind") == "tokens" and "samples_per_s" in r:
+    for r in results:  # against the best memcpy of the row's thread count seen over the whole run
+        if "samples_per_s" not in r:
+            continue
+        limit = memcpy(r["threads"])
+        if r.get("kind") == "tokens":
             r["tokens_per_s"] = r.pop("samples_per_s")
-            r["pct_memcpy"] = 100 * r["tokens_per_s"] * 8 / memcpy  # int64 tokens written
+            r["pct_memcpy"] = 100 * r["tokens_per_s"] * 8 / limit  # int64 tokens written
+        else:
+            r["pct_memcpy"] = 100 * r["samples_per_s"] * sample_bytes / limit
 
     _ratios(results)
     return {
-        "command": "bench loaders", "machine": machine(), "memcpy_bytes_per_s": memcpy,
-        "memcpy_images_per_s": memcpy / sample_bytes, "batch_size": bs, "workers": workers,
+        "command": "bench loaders", "machine": machine(), "memcpy_bytes_per_s": memcpy(1),
+        "memcpy_by_threads": {str(k): v for k, v in sorted(memcpy.best.items())},
+        "memcpy_images_per_s": memcpy(1) / sample_bytes, "batch_size": bs, "workers": workers,
         "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
         "peers": peer_state, "step_ms": args.step_ms, "step_mode": "model" if args.model else args.step_mode,
         "cache": ("warm for every rate; cold = one pass right after evicting the system's files from the page "
@@ -272,12 +279,14 @@ def bench_sweep(args) -> dict:
         for t in args.threads_list:
             make = lambda t=t, bs=bs: Loader(ds, bs, num_threads=t)  # noqa: E731
             points.append(_point("mmpack Loader", "threads", t, bs, make, args))
-    best = min(points, key=lambda p: (round(p["stall_fraction"], 2), -p["samples_per_s"]))
-    rec = (f"recommendation: {best['system']} with {best['axis']}={best['value']}, batch_size={best['batch_size']}: "
-           f"{best['samples_per_s']:,.0f} samples/s, the step waits for data {100 * best['stall_fraction']:.0f}% "
-           f"of the time at a {args.step_ms:g} ms step")
+    # the batch size is the training's choice: the best loader setting for each one
+    best = {bs: min((p for p in points if p["batch_size"] == bs),
+                    key=lambda p: (round(p["stall_fraction"], 2), -p["samples_per_s"])) for bs in args.batch_sizes}
+    rec = "recommendation: " + "; ".join(
+        f"batch {bs}: {p['system']} with {p['axis']}={p['value']} ({p['samples_per_s']:,.0f} samples/s, waits "
+        f"{100 * p['stall_fraction']:.0f}% of a {args.step_ms:g} ms step)" for bs, p in best.items())
     return {"command": "bench sweep", "machine": machine(), "step_ms": args.step_ms, "points": points,
-            "recommendation": rec, "best": best}
+            "recommendation": rec, "best": {str(bs): p for bs, p in best.items()}}
 
 
 def _point(system, axis, value, bs, make, args) -> dict:

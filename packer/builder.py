@@ -81,6 +81,7 @@ class BuildConfig:
     append: bool = False
     allow_changed: bool = False  # --append: keep the samples of RAW files deleted or changed since
     max_skipped: float | None = None  # fail a build that skips more than this fraction of what it found
+    background: tuple[int, int, int] | None = None  # composite transparent images over this colour
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", Path(self.raw))
@@ -101,6 +102,9 @@ class BuildConfig:
             raise ConfigError(f"--part: {self.part[0]}/{self.part[1]} needs 0 <= i < N")
         if self.append and (self.overwrite or self.part):
             raise ConfigError("--append cannot be combined with --overwrite or --part")
+        if self.background is not None and (len(self.background) != 3 or not all(
+                isinstance(v, int) and 0 <= v <= 255 for v in self.background)):
+            raise ConfigError(f"--background: {self.background} is not three values 0..255 (R,G,B)")
         if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
             raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
 
@@ -218,8 +222,8 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     if existing is not None:
         _check_unchanged(config, existing, found)
         found = _only_new(found, existing)
-    tokenizer = _tokenizer_for(config, found.kind)
-    columns = _columns(config, found.kind, tokenizer)
+    tokenizer = _tokenizer_for(config, found.kind, found.why)
+    columns = _columns(config, found.kind, tokenizer, labeled=found.classes is not None)
     if base is not None:
         _check_compatible(config, base, found.kind, columns, tokenizer)
     itemsize = np.dtype(tokenizer[1].dtype).itemsize if tokenizer else 2
@@ -243,14 +247,15 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         "classes": list(found.classes) if found.classes is not None else None,
         "tokenizer": asdict(tokenizer[1]) if tokenizer else None,
         "skipped": [asdict(s) for s in skipped], "shards": [t.index for t in the_plan.tasks],
-        "items": the_plan.items, "base": base_sha,
+        "items": the_plan.items, "base": base_sha, "layout": found.why,
     }
     published = _claim_staging(config, doc)
     if published is None and not (outdir.staging_dir(config.out) / inputs.STAGED).is_file():
         inputs.write(outdir.staging_dir(config.out), found,
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
     ctx = ShardContext(config.out, doc["generation"], fingerprint, found.kind, columns, config.image_size,
-                       config.text_key, tokenizer[1] if tokenizer else None, config.strict, config.raw)
+                       config.text_key, tokenizer[1] if tokenizer else None, config.strict, config.raw,
+                       config.background)
     return Prepared(config, found, the_plan, ctx, base, published)
 
 
@@ -321,11 +326,12 @@ def _inputs_digest(found: Scan) -> str:
     return digest.hexdigest()
 
 
-def _tokenizer_for(config: BuildConfig, kind: str):
+def _tokenizer_for(config: BuildConfig, kind: str, why: str = ""):
     if kind == "images":
         return None
     if config.tokenizer is None:
-        raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind} (RAW {config.raw})")
+        raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind}: RAW {config.raw} holds "
+                          f"{why}; if it is not {kind}, pass --kind")
     tok = load_tokenizer(config.tokenizer)
     sha256 = file_sha256(config.tokenizer)
     eos_id = resolve_eos(tok, config.append_eos)
@@ -341,12 +347,12 @@ def _tokenizer_for(config: BuildConfig, kind: str):
     return tok, spec
 
 
-def _columns(config: BuildConfig, kind: str, tokenizer) -> tuple[fmt.Column, ...]:
+def _columns(config: BuildConfig, kind: str, tokenizer, *, labeled: bool) -> tuple[fmt.Column, ...]:
     size = config.image_size
     image = fmt.Column("image", "|u1", (size, size, 3) if size else (None, None, 3))
     key = fmt.Column("key", "|u1", (None,), encoding="utf-8")
-    if kind == "images":
-        return (image, fmt.Column("label", "<i8", ()), key)
+    if kind == "images":  # a flat folder has no classes: no label column
+        return (image, fmt.Column("label", "<i8", ()), key) if labeled else (image, key)
     tokens = fmt.Column("tokens", tokenizer[1].dtype, (None,))
     return (image, tokens, key) if kind == "pairs" else (tokens, key)
 
@@ -364,6 +370,7 @@ def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> 
         "shard_rows": config.shard_rows,
         "shard_bytes": config.shard_bytes,
         "strict": config.strict,
+        "background": list(config.background) if config.background else None,
     }
 
 
@@ -532,7 +539,7 @@ def _commit(out: Path, *, seconds: float | None = None, workers: int | str | Non
     build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
                   "seconds": round(seconds, 3) if seconds is not None else None,
                   "workers": workers, "cores_used": cores, "created_unix": round(time.time(), 3),
-                  "mmpack_version": _version()}
+                  "mmpack_version": _version(), "layout": f"{doc['kind']}: {doc.get('layout', '')}"}
     if base is not None:  # the append's own counts in its entry, the dataset's in `counts`
         build_info["appended"] = [*base.build.get("appended", []),
                                   {**{k: build_info[k] for k in ("raw", "created_unix", "seconds")}, **counts}]

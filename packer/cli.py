@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("out", type=Path, help="dataset dir to create")
     b.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
     b.add_argument("--image-size", default="224", help="shorter side resized to S, centre-cropped SxS; 'keep' for own sizes")
+    b.add_argument("--background", default=None, metavar="R,G,B",
+                   help="composite transparent images over this colour (default: alpha dropped, as Pillow's convert)")
     b.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer.json (required for text and pairs)")
     b.add_argument("--text-key", default="text", help="JSONL key / Parquet column holding the text")
     b.add_argument("--append-eos", nargs="?", const="auto", default=None, metavar="ID",
@@ -138,13 +140,19 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         except ValueError:
             raise ConfigError(f"--image-size: {args.image_size!r} is neither a number nor 'keep'") from None
     rows, nbytes = parse_shard_size(args.shard_size)
+    background = None
+    if args.background is not None:
+        try:
+            background = tuple(int(v) for v in args.background.split(","))
+        except ValueError:
+            raise ConfigError(f"--background: {args.background!r} is not R,G,B (e.g. 255,255,255)") from None
     return BuildConfig(
         raw=args.raw, out=args.out, kind=args.kind, image_size=size, tokenizer=args.tokenizer,
         text_key=args.text_key, append_eos=args.append_eos, special_tokens=args.special_tokens,
         shard_rows=rows, shard_bytes=nbytes, overwrite=args.overwrite, strict=args.strict,
         workers=args.workers, engine=args.engine, ray_address=args.ray_address,
         part=parse_part(args.part) if args.part else None, append=args.append, max_skipped=args.max_skipped,
-        allow_changed=args.allow_changed,
+        allow_changed=args.allow_changed, background=background,
     )
 
 
@@ -180,6 +188,8 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
         if len(skips) > SKIPS_SHOWN:
             print(f"... and {len(skips) - SKIPS_SHOWN} more (packer info {out} --skipped)")
     rate = f"{new.get('packed', 0) / max(seconds, 1e-9):,.0f} samples/s"
+    if not quiet and manifest.build.get("layout") and not appended:
+        print(f"layout {manifest.build['layout']}")
     if appended:
         print(f"appended {new.get('found', 0):,} new records = packed {new.get('packed', 0):,} + skipped "
               f"{new.get('skipped', 0):,} in {seconds:.1f} s ({rate}); {out} now holds found {c['found']:,} = "

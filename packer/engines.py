@@ -25,7 +25,6 @@ from itertools import islice
 
 from . import format as fmt
 from .errors import ConfigError, SourceError
-from .images import decode_image
 from .plan import ShardTask
 from .sources import prefetch
 from .system import gc_frozen
@@ -285,7 +284,7 @@ def _run_pieces(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, dr
                 record = shards[piece.index].records[slot][1]
                 key = (piece.index, piece.first)
                 tries[key] = tries.get(key, 0) + 1
-                if slot not in crashed and pool.crashes(decode_image, record.path, ctx.image_size):
+                if slot not in crashed and pool.crashes(ctx.decode, record.path):
                     crashed.add(slot)
                 elif tries[key] >= RETRIES:
                     raise SourceError(f"{ctx.out}: a decoder process died {RETRIES} times on "

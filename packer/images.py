@@ -34,10 +34,14 @@ def bit_depth(top: int) -> int:
     return next(d for d in DEPTHS if top < 1 << d)
 
 
-def _to_rgb(img: Image.Image) -> Image.Image:
+def _to_rgb(img: Image.Image, background: tuple[int, int, int] | None = None) -> Image.Image:
     """Any Pillow mode to RGB. High-bit-depth integer data is scaled by its real depth
     (`bit_depth`): plain convert("RGB") clips 16-bit values to 255, which turns most such images
-    white, and a fixed 65535 scale turns 12-bit data black."""
+    white, and a fixed 65535 scale turns 12-bit data black. Transparency is dropped (Pillow's
+    convert("RGB")), or, with a `background`, composited over that colour first."""
+    if background is not None and (img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info):
+        rgba = img.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         data = np.asarray(img, dtype=np.int64)
         if data.size and data.min() < 0:
@@ -82,9 +86,11 @@ def rgb_pixels(img: Image.Image, box: tuple[int, int, int, int]) -> np.ndarray:
     return np.asarray(img.crop(box), dtype=np.uint8)
 
 
-def decode_image(path, size: int | None, *, writable: bool = True) -> np.ndarray:
+def decode_image(path, size: int | None, *, writable: bool = True,
+                 background: tuple[int, int, int] | None = None) -> np.ndarray:
     """HxWx3 uint8 pixels of one file (size x size when `size` is given); `writable` False:
-    read-only, one copy fewer (a build writes them to a file and lets go).
+    read-only, one copy fewer (a build writes them to a file and lets go); `background`: the
+    colour transparent pixels are composited over (default: alpha dropped).
 
     Raises SourceError with a short reason for anything Pillow cannot decode cleanly.
     """
@@ -98,7 +104,7 @@ def decode_image(path, size: int | None, *, writable: bool = True) -> np.ndarray
                 img = ImageOps.exif_transpose(img)
                 if img.width == 0 or img.height == 0:
                     raise SourceError(f"empty image ({img.width}x{img.height})")
-                img = _to_rgb(img)
+                img = _to_rgb(img, background)
                 box = (0, 0, *img.size)
                 if size is not None:
                     img, box = resize_box(img, size)

@@ -55,6 +55,11 @@ class ShardContext:
     tokenizer: TokenizerSpec | None
     strict: bool
     raw: Path
+    background: tuple[int, int, int] | None = None  # --background: composite transparency over it
+
+    def decode(self, path: str):
+        """A record's pixels, as this build decodes them (read-only)."""
+        return decode_image(path, self.image_size, writable=False, background=self.background)
 
     @property
     def staging(self) -> Path:
@@ -446,7 +451,7 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
             else:
                 os.pwrite(progress, slot.to_bytes(8, "little"), 0)
                 try:
-                    digests[slot] = slots.put(slot, decode_image(record.path, ctx.image_size, writable=False))
+                    digests[slot] = slots.put(slot, ctx.decode(record.path))
                     skip = None
                 except SourceError as exc:
                     skip = fmt.Skip(record.key, "decode", str(exc))
@@ -530,14 +535,16 @@ def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
 
 def _image_sample(ctx: ShardContext, record: Record):
     try:
-        pixels = decode_image(record.path, ctx.image_size, writable=False)
+        pixels = ctx.decode(record.path)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return {"image": pixels, **_image_fields(record)}
 
 
 def _image_fields(record: Record) -> dict:
-    return {"label": np.int64(record.label), "key": _key_bytes(record.key)}
+    """Label (not in a flat folder's dataset) and key of an image record."""
+    key = {"key": _key_bytes(record.key)}
+    return key if record.label is None else {"label": np.int64(record.label), **key}
 
 
 def _pair_item(ctx: ShardContext, record: Record):
@@ -546,7 +553,7 @@ def _pair_item(ctx: ShardContext, record: Record):
     except SourceError as exc:
         return fmt.Skip(record.key, "caption", str(exc))
     try:
-        pixels = decode_image(record.path, ctx.image_size, writable=False)
+        pixels = ctx.decode(record.path)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return Document(record.key, caption), {"image": pixels}

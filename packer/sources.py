@@ -48,6 +48,7 @@ class Scan:
     classes: tuple[str, ...] | None = None
     stats: Mapping[str, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
     """(size, mtime_ns) of each file listed, by its path: taken once, by the scan's stat."""
+    why: str = ""  # what in RAW made the layout this one (for messages)
 
 
 def list_files(raw: Path) -> tuple[list[tuple[str, str]], list[Skip], dict[str, tuple[int, int]]]:
@@ -112,17 +113,23 @@ def _stem(rel: str) -> str:
     return os.path.splitext(rel)[0]
 
 
-def detect_kind(files: list[tuple[str, str]]) -> str:
+def detect_kind(files: list[tuple[str, str]]) -> tuple[str, str]:
+    """(kind, why) of a RAW's files: the layout, and what in RAW made it so ("" when none)."""
     exts = [(rel, _ext(rel)) for rel, _ in files]
     stems_with_caption = {_stem(r) for r, ext in exts if ext in CAPTION_EXTS}
     images = [r for r, ext in exts if ext in IMAGE_EXTS]
-    if stems_with_caption and any(_stem(r) in stems_with_caption for r in images):
-        return "pairs"
-    if any("/" in r for r in images):
-        return "images"
-    if any(ext in TEXT_EXTS for _, ext in exts):
-        return "text"
-    return ""
+    texts = sum(ext in TEXT_EXTS for _, ext in exts)
+    captioned = sum(_stem(r) in stems_with_caption for r in images) if stems_with_caption else 0
+    if captioned:
+        return "pairs", f"{captioned:,} images have a caption beside them (<stem>.txt or <stem>.json)"
+    folders = {r.split("/", 1)[0] for r in images if "/" in r}
+    if folders:
+        return "images", f"{len(images):,} images in {len(folders):,} class folders"
+    if images and len(images) >= texts:
+        return "images", f"{len(images):,} images in one flat folder (no classes, no labels)"
+    if texts:
+        return "text", f"{texts:,} .txt/.jsonl/.parquet files and {len(images):,} images"
+    return "", ""
 
 
 def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | None = None) -> Scan:
@@ -134,7 +141,8 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
     files, skipped, stats = list_files(raw)
     if not files:
         raise SourceError(f"{raw}: no input files found (empty RAW)")
-    kind = kind or detect_kind(files)
+    detected, why = detect_kind(files)
+    kind, why = (kind, "forced with --kind") if kind else (detected, why)
     if not kind:
         exts = sorted({_ext(r) or "(none)" for r, _ in files})[:8]
         raise SourceError(
@@ -143,22 +151,28 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
             "*.jsonl/*.txt/*.parquet; use --kind to force one"
         )
     if kind == "images":
-        found = _scan_images(files, skipped, classes or ())
+        found = _scan_images(files, skipped, classes)
     else:
         found = {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
-    return replace(found, stats=stats)
+    return replace(found, stats=stats, why=why)
 
 
-def _scan_images(files, skipped, known: tuple[str, ...]) -> Scan:
+def _scan_images(files, skipped, known: tuple[str, ...] | None) -> Scan:
+    """Class folders (labels index the sorted folder names, after `known` ones: an append), or,
+    when no image is in a folder, one flat folder of unlabeled images (classes None)."""
+    flat = known is None and not any("/" in rel for rel, _ in files if _ext(rel) in IMAGE_EXTS)
     images = []  # (rel, path, class name)
     for rel, path in files:
         ext = _ext(rel)
         if ext not in IMAGE_EXTS:
             skipped.append(Skip(rel, "scan", f"not an image extension ({ext or 'none'})"))
-        elif "/" not in rel:
+        elif "/" not in rel and not flat:
             skipped.append(Skip(rel, "scan", "image outside a class folder"))
         else:
-            images.append((rel, path, rel.split("/", 1)[0]))
+            images.append((rel, path, None if flat else rel.split("/", 1)[0]))
+    if flat:
+        return Scan("images", tuple(Record(rel, path) for rel, path, _ in images), tuple(skipped), None)
+    known = known or ()
     classes = [*known, *sorted({name for _, _, name in images} - set(known))]
     index = {name: i for i, name in enumerate(classes)}
     records = [Record(rel, path, label=index[name]) for rel, path, name in images]

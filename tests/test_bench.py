@@ -116,3 +116,25 @@ def test_stall_on_any_iterable():
 
     r = bench.stall(Starving(), step_ms=1, warmup=0, steps=8)
     assert r["steps"] == 8 and r["stall_fraction"] > 0.5  # re-iterated for a second epoch
+
+
+def test_plot_is_checked_before_the_run_and_offered_only_where_there_is_one(tmp_path, monkeypatch, capsys):
+    import time
+
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    started = time.monotonic()
+    with pytest.raises(SystemExit, match="--plot needs matplotlib"):
+        main(["loaders", "--quick", "--plot", str(tmp_path / "x.png")])
+    assert time.monotonic() - started < 5  # said at once, not after the whole run
+    for command in ("packer", "sampler"):
+        with pytest.raises(SystemExit):
+            main([command, "--plot", str(tmp_path / "x.png")])
+        assert "unrecognized arguments: --plot" in capsys.readouterr().err
+
+
+def test_memcpy_limit_is_the_best_seen_per_thread_count():
+    from bench.measure import MemcpyLimit
+
+    limit = MemcpyLimit(8 << 20)
+    first = limit.measure(1)
+    assert limit.measure(1) >= first and limit(1) == limit.best[1] and limit(2) > 0

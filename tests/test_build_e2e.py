@@ -394,3 +394,32 @@ def test_prefetch_leaves_unreadable_inputs_to_the_reader(tmp_path):
     done.start()
     done.join(timeout=10)
     assert not done.is_alive(), "prefetch blocked (on the FIFO)"
+
+
+def test_a_flat_folder_packs_as_unlabeled_images_and_the_layout_says_why(tmp_path, capsys):
+    from bench import data
+
+    raw = tmp_path / "flat"
+    for i, path in enumerate(sorted(data.make_image_folders(tmp_path / "classes", 9, seed=4).glob("*/*"))):
+        raw.mkdir(exist_ok=True)
+        path.rename(raw / f"{i}{path.suffix}")
+    out = tmp_path / "out"
+    assert main(["build", str(raw), str(out), "--image-size", "16"]) == 0
+    assert "layout images: 9 images in one flat folder (no classes, no labels)" in capsys.readouterr().out
+    ds = MMapDataset(out)
+    assert ds.classes is None and set(ds[0]) == {"image", "key"} and len(ds) == 9
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("buy milk\n")
+    assert main(["build", str(notes), str(tmp_path / "n")]) == 2
+    err = capsys.readouterr().err
+    assert "required to pack text" in err and "1 .txt/.jsonl/.parquet files and 0 images" in err and "--kind" in err
+
+
+def test_background_is_part_of_what_the_bytes_depend_on(tmp_path, image_raw, capsys):
+    out = tmp_path / "out"
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q", "--background", "255,255,255"]) == 0
+    assert load_manifest(out).build["background"] == [255, 255, 255]
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 2  # another dataset now
+    assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q", "--background", "1,2"]) == 2
+    assert "--background" in capsys.readouterr().err

@@ -46,3 +46,21 @@ def test_decode_image_writable_or_not(tmp_path, size):
     assert mine.flags.writeable and not shared.flags.writeable
     np.testing.assert_array_equal(mine, shared)
     assert mine.shape == ((20, 30, 3) if size is None else (16, 16, 3))
+
+
+def test_background_composites_transparency_before_alpha_is_dropped(tmp_path):
+    """Default: alpha dropped as Pillow's convert("RGB") does (the colour under a transparent
+    pixel shows); --background R,G,B: composited over that colour."""
+    from bench import data
+    from packer.images import decode_image
+
+    photo = Image.open(data.fetch(data.SKIMAGE) / "astronaut.png").convert("RGBA").resize((40, 40))
+    alpha = np.zeros((40, 40), np.uint8)
+    alpha[:, 20:] = 255  # the left half fully transparent
+    photo.putalpha(Image.fromarray(alpha))
+    path = tmp_path / "half.png"
+    photo.save(path)
+    plain = decode_image(path, None)
+    white = decode_image(path, None, background=(255, 255, 255))
+    assert np.array_equal(plain, np.asarray(photo.convert("RGB")))
+    assert (white[:, :20] == 255).all() and np.array_equal(white[:, 20:], plain[:, 20:])
