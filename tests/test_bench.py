@@ -62,7 +62,7 @@ def test_missing_or_broken_peer_is_a_reason_not_an_error(monkeypatch):
 
     assert peers.availability("json") is None
     monkeypatch.setitem(peers.PIP, "no_such_peer_mod", "no-such-peer")
-    assert peers.availability("no_such_peer_mod").startswith("not installed: pip install no-such-peer")
+    assert peers.availability("no_such_peer_mod").startswith("not installed: pip install -r bench/peers-requirements.txt")
     monkeypatch.setitem(sys.modules, "broken_peer_mod", None)  # import raises ImportError
     monkeypatch.setitem(peers.PIP, "broken_peer_mod", "broken")
     assert peers.availability("broken_peer_mod") is not None
