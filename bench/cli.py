@@ -50,7 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--passes", type=int, default=3, help="timed passes after a warm-up (median)")
     lo.add_argument("--workers", type=int, default=2, help="DataLoader worker processes for every DataLoader row")
     lo.add_argument("--cold", action="store_true", help="also one pass after evicting the files from the page cache")
-    lo.add_argument("--model", action="store_true", help="with CUDA: a real small model step instead of --step-ms")
+    lo.add_argument("--model", action="store_true",
+                    help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
+                         "CUDA when there is one) instead of --step-ms")
     stall_args(lo, None)
 
     sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput and stall fraction")

@@ -119,6 +119,12 @@ def bench_loaders(args) -> dict:
     mmpack_conv = {"convert_s": build_s, "disk_bytes": dir_bytes(out)}
     raw_conv = {"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)}
     results: list[dict] = []
+    if args.model:  # real networks: a ResNet-18 for images, a small transformer for tokens
+        from .models import model_steps
+
+        from packer.text import load_tokenizer
+
+        model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024)
 
     def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes,
             threads=min(workers, cores) or 1):
@@ -128,8 +134,9 @@ def bench_loaders(args) -> dict:
             r.update(measure(make_iter, count_of, passes=n_passes, limit=limit,
                              cold_files=cold_files if args.cold else None))
             if args.step_ms is not None or args.model:
+                step = (model[1] if kind == "images" else model[2]) if args.model else None
                 r["stall"] = stall(make_iter(), args.step_ms or 0, steps=args.stall_steps, mode=args.step_mode,
-                                   step=_model_step(args) if args.model else None)
+                                   step=step)
         except Exception as exc:  # noqa: BLE001 - a system that breaks is a row with its error
             r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         if "samples_per_s" in r and kind == "images":
@@ -209,6 +216,7 @@ def bench_loaders(args) -> dict:
         "memcpy_images_per_s": memcpy(1) / sample_bytes, "batch_size": bs, "workers": workers,
         "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
         "peers": peer_state, "step_ms": args.step_ms, "step_mode": "model" if args.model else args.step_mode,
+        "model": (f"ResNet-18 (images), a 4-layer transformer (tokens) on {model[0]}") if args.model else None,
         "cache": ("warm for every rate; cold = one pass right after evicting the system's files from the page "
                   "cache with posix_fadvise(DONTNEED)") if args.cold else "warm (run with --cold for cold passes)",
         "notes": ["conversion for mmpack = packer build from the raw files (decode included); for a peer's "
@@ -236,29 +244,6 @@ def _ratios(results: list[dict]) -> None:
 def _progress(r: dict) -> None:
     state = r.get("skipped") or r.get("error") or f"{r.get('samples_per_s', 0):,.0f}/s"
     print(f"  measured {r['system']}: {state}", file=sys.stderr, flush=True)
-
-
-def _model_step(args):
-    """A real step on CUDA: a small conv net forward + backward on the batch's images."""
-    if not torch.cuda.is_available():
-        raise RuntimeError("--model needs CUDA; use --step-ms T to simulate a step instead")
-    from loaders.augment import normalize
-
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, stride=2), torch.nn.ReLU(), torch.nn.Conv2d(32, 64, 3, stride=2),
-                              torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                              torch.nn.Linear(64, 1000)).cuda()
-    opt = torch.optim.SGD(net.parameters(), lr=0.01)
-
-    def step(batch):
-        images = batch["image"] if isinstance(batch, dict) else batch[0]
-        x = normalize(images.cuda(non_blocking=True))
-        loss = net(x).logsumexp(1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        torch.cuda.synchronize()
-
-    return step
 
 
 # -- sweep -----------------------------------------------------------------------------------

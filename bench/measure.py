@@ -215,9 +215,9 @@ def stall(loader: Iterable, step_ms: float, *, steps: int | None = None, mode: s
     while steps is None or count < steps:
         t0 = time.perf_counter()
         batch = next(it, None)
-        if batch is None and steps is not None and count and not isinstance(loader, Iterator):
+        if batch is None and steps is not None and not isinstance(loader, Iterator):
             it = iter(loader)  # a re-iterable loader (DataLoader, Loader): next epoch, as training would
-            batch = next(it, None)
+            batch = next(it, None)  # (an empty one ends the loop here)
         t1 = time.perf_counter()
         if batch is None:
             break

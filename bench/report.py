@@ -41,7 +41,10 @@ def loaders_table(report: dict) -> str:
     lines.append("%memcpy: against memcpy on as many threads as the row uses (Loader threads, else DataLoader "
                  "workers); x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) "
                  "with default collate; RSS/PSS: peak of the whole process tree; CPUs/1k: CPU seconds per 1000 samples")
-    if stall:
+    if stall and report.get("model"):
+        lines.append(f"GPU util: share of wall time spent in a training step of {report['model']}, i.e. not "
+                     "waiting for data")
+    elif stall:
         lines.append(f"GPU util: share of wall time spent in the {report['step_ms']} ms step "
                      f"({report['step_mode']}), i.e. not waiting for data")
     return "\n".join(lines)

@@ -138,3 +138,16 @@ def test_memcpy_limit_is_the_best_seen_per_thread_count():
     limit = MemcpyLimit(8 << 20)
     first = limit.measure(1)
     assert limit.measure(1) >= first and limit(1) == limit.best[1] and limit(2) > 0
+
+
+def test_bench_loaders_model_runs_a_real_step_for_every_row_on_cpu(work, tmp_path):
+    """--model: ResNet-18 on image batches, a small transformer on token batches, every row (on
+    the CPU here: the code path a GPU run takes, its step on another device)."""
+    out = tmp_path / "model.json"
+    assert main(["loaders", *TINY, "--batch-size", "4", "--passes", "1", "--work", str(work), "--json", str(out),
+                 "--model", "--stall-steps", "2"]) == 0
+    report = json.loads(out.read_text())
+    rows = [r for r in report["results"] if r["family"] != "peer"]
+    assert rows and all("error" not in r for r in rows), [r.get("error") for r in rows]
+    assert all(r["stall"]["mode"] == "model" and r["stall"]["steps"] == 2 for r in rows)
+    assert "ResNet-18" in report["model"] and report["step_mode"] == "model"
