@@ -43,7 +43,7 @@ class TinyGPT(nn.Module):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(context, width)
         layer = nn.TransformerEncoderLayer(width, heads, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
-        self.body = nn.TransformerEncoder(layer, layers)
+        self.body = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)  # pre-norm: no nested tensors
         self.head = nn.Linear(width, vocab)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
