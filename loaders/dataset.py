@@ -14,7 +14,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from packer.errors import ColumnError
 from packer.format import Column, Manifest
 from packer.reader import DatasetReader, decode_text
 
@@ -47,11 +46,8 @@ class MMapDataset(torch.utils.data.Dataset):
     def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None):
         self.root = resolve_root(root, cache_dir)
         self._reader: DatasetReader | None = DatasetReader(self.root)
-        names = [c.name for c in self._reader.manifest.columns]
-        unknown = sorted(set(columns or ()) - set(names))
-        if unknown:
-            raise ColumnError(f"{self.root}: no column(s) {', '.join(unknown)}; columns are {', '.join(names)}")
-        self._names = list(columns) if columns else names
+        self._reader.check_columns(columns or ())
+        self._names = list(columns) if columns else [c.name for c in self._reader.manifest.columns]
 
     @property
     def reader(self) -> DatasetReader:

@@ -82,6 +82,7 @@ class ColumnGather:
     """Gathers the named columns of a dataset into batch buffers (see `alloc` / `gather`)."""
 
     def __init__(self, reader: DatasetReader, names: list[str]):
+        reader.check_columns(names)
         self.reader = reader
         self.source_id = reader.fingerprint
         self.columns = [reader.manifest.column(n) for n in names]

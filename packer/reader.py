@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import format as fmt
-from .errors import IntegrityError, ManifestError
+from .errors import ColumnError, IntegrityError, ManifestError
 
 OPEN_ATTEMPTS = 5  # manifest reads while a writer swaps it, before giving up
 
@@ -275,6 +275,13 @@ class DatasetReader:
             raise IndexError(f"sample {sample_id} out of range for a dataset of {n} samples")
         k = bisect.bisect_right(self._ends, sample_id)
         return k, sample_id - (self._ends[k - 1] if k else 0)
+
+    def check_columns(self, names) -> None:
+        """ColumnError naming what is missing and what there is, for columns a caller asks for."""
+        have = [c.name for c in self.manifest.columns]
+        unknown = sorted(set(names) - set(have))
+        if unknown:
+            raise ColumnError(f"{self.root}: no column(s) {', '.join(unknown)}; columns are {', '.join(have)}")
 
     def column(self, shard_pos: int, name: str) -> ColumnArrays:
         key = (shard_pos, name)

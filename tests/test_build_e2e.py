@@ -423,3 +423,23 @@ def test_background_is_part_of_what_the_bytes_depend_on(tmp_path, image_raw, cap
     assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q"]) == 2  # another dataset now
     assert main(["build", str(image_raw), str(out), "--image-size", "16", "-q", "--background", "1,2"]) == 2
     assert "--background" in capsys.readouterr().err
+
+
+def test_cli_edges_say_what_to_do(tmp_path, built, capsys):
+    """Skips in `info --json`, the subcommand's usage on a typo, an archive named like a file,
+    the columns listed for an unknown one."""
+    from loaders import Loader
+    from packer.errors import ColumnError
+
+    assert main(["info", str(built["images"]), "--json", "--skipped"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["counts"]["skipped"] == len(doc["skipped"]) > 0 and {"key", "stage", "reason"} <= set(doc["skipped"][0])
+    with pytest.raises(SystemExit):
+        main(["build", str(built["images"]), str(tmp_path / "o"), "--imagesize", "3"])
+    err = capsys.readouterr().err
+    assert "usage: packer build" in err and "unrecognized arguments: --imagesize" in err
+    assert main(["pack", str(built["images"]), str(tmp_path / "x.tar.zst")]) == 2
+    assert "an archive is a directory" in capsys.readouterr().err and not (tmp_path / "x.tar.zst").exists()
+    with pytest.raises(ColumnError, match="columns are image, label, key") as caught:
+        Loader(MMapDataset(built["images"]), 8, columns=["img"])
+    assert isinstance(caught.value, KeyError)

@@ -376,3 +376,30 @@ def test_stateful_dataloader_follows_epochs_with_persistent_workers_as_loader_do
     assert [tuple(b["key"]) for b in dl] == want[0][3:]
     got.append([tuple(b["key"]) for b in dl])  # and on: epoch 1 follows the resumed epoch 0
     assert got == [want[0], want[1], want[1]]
+
+
+def test_a_plain_dataloader_over_batched_advances_epochs_where_it_can_and_warns_where_it_cannot(built):
+    """In this process (no workers) and in persistent workers the dataset object that iterates
+    is the one that advances; non-persistent workers start from the main process's object, which
+    they cannot advance: a shuffled one that was never given an epoch warns there."""
+    import warnings
+
+    from loaders.batches import warn_if_epochs_repeat
+
+    ds = MMapDataset(built["images"], columns=["label", "key"])
+    ref = Loader(ds, 8, seed=4)
+    want = [[tuple(b["key"]) for b in ref] for _ in range(2)]
+    for workers, persistent in ((0, False), (2, True)):
+        dl = torch.utils.data.DataLoader(ds.batched(8, seed=4), batch_size=None, num_workers=workers,
+                                         persistent_workers=persistent)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = [[tuple(b["key"]) for b in dl] for _ in range(2)]
+        assert got == want, (workers, persistent)
+    batched = ds.batched(8, seed=4)  # what a non-persistent worker starts from
+    with pytest.warns(UserWarning, match="set_epoch"):
+        warn_if_epochs_repeat(batched._plan, batched._epoch_given)
+    batched.set_epoch(0)  # the README's loop: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_if_epochs_repeat(batched._plan, batched._epoch_given)

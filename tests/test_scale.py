@@ -116,11 +116,12 @@ def test_image_rows_are_hashed_where_they_are_written_not_read_back(tmp_path, im
 
 
 @pytest.mark.parametrize("workers", [1, 2])  # shards closed on a thread / image pieces in a pool
-def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw, workers):
+@pytest.mark.parametrize("group", [False, True], ids=["parent-only", "whole-group"])
+def test_killed_build_resumes_to_the_same_dataset(tmp_path, image_raw, workers, group):
     args = ["--image-size", "96", "--shard-size", "4", "--workers", str(workers)]
     build(image_raw, tmp_path / "clean", *args)
     out = tmp_path / "resumed"
-    kill_mid_build(image_raw, out, args, settle=False)  # resumed while the old workers may still run
+    kill_mid_build(image_raw, out, args, settle=False, group=group)  # resumed while the old workers may still run
     staging = out / fmt.STAGING_DIR
     generation = json.loads((staging / "plan.json").read_text())["generation"]
     whole = sorted(p.name[:-5] for p in staging.glob("shard-*.json"))
