@@ -1,8 +1,8 @@
 """`packer build`: RAW --scan--> records --plan--> shard tasks --run--> whole shards in
-OUT/.staging --commit--> manifest, published last.
+OUT/<generation> --commit--> manifest, published last (`packer.outdir`).
 
-The shard is the unit of work (`packer.shards.run_shard`): run in this process, in a pool of
-spawned worker processes, or as Ray tasks, the bytes are the same. Each finished shard leaves a
+The shard is the unit of work (`packer.shards.run_shard`): run in this process (text), in a pool
+of worker processes, or as Ray tasks, the bytes are the same. Each finished shard leaves a
 sidecar in staging, so a killed build started again with the same arguments reuses what is whole
 (sizes and checksums checked) and redoes the rest; a build with other arguments or changed inputs
 is refused unless --overwrite. `--part i/N` runs a share of the shards into a shared OUT and

@@ -1,9 +1,8 @@
-"""Writes shards and publishes a dataset dir (pairs with `packer.reader`).
+"""Writes a shard's column files (pairs with `packer.reader`; publishing is `packer.outdir`'s).
 
 A shard's columns are streamed to `.npy` files behind a fixed-length header that is rewritten
 once the row count is known, so memory stays bounded by one sample. A shard is written into
-`OUT/.staging/shard-k.partial/` and renamed to `OUT/.staging/shard-k/` when whole; `publish`
-moves whole shards into OUT and writes the manifest last, with an atomic rename.
+`OUT/.staging/shard-k.partial/` and renamed whole into its generation, `OUT/<generation>/shard-k/`.
 """
 
 from __future__ import annotations
