@@ -3,8 +3,9 @@
 
 `ds[i]` is a dict of tensors that share memory with the mapped files: `torch.from_numpy` over
 copy-on-write maps, so there is no copy and no non-writable warning; token ids (uint16 / uint32
-on disk) are the exception, copied as int64 (`loaders.gather.batch_dtype`). Pickles as its path;
-each DataLoader worker re-maps lazily and shares the page cache with every other process.
+on disk) are the exception, copied as int64 (`loaders.gather.batch_dtype`). Pickles as its path
+and generation; each DataLoader worker re-maps that very build lazily (a rebuild of the dir
+meanwhile does not change what it reads) and shares the page cache with every other process.
 """
 
 from __future__ import annotations
@@ -46,13 +47,14 @@ class MMapDataset(torch.utils.data.Dataset):
     def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None):
         self.root = resolve_root(root, cache_dir)
         self._reader: DatasetReader | None = DatasetReader(self.root)
+        self._generation = self._reader.generation  # what a worker re-opens: this very build
         self._reader.check_columns(columns or ())
         self._names = list(columns) if columns else [c.name for c in self._reader.manifest.columns]
 
     @property
     def reader(self) -> DatasetReader:
         if self._reader is None:  # first use after unpickling in a worker
-            self._reader = DatasetReader(self.root)
+            self._reader = DatasetReader(self.root, self._generation)
         return self._reader
 
     @property
@@ -101,10 +103,11 @@ class MMapDataset(torch.utils.data.Dataset):
         return BatchedDataset(self, batch_size, **kwargs)
 
     def __getstate__(self) -> dict:
-        return {"root": str(self.root), "names": self._names}
+        return {"root": str(self.root), "names": self._names, "generation": self._generation}
 
     def __setstate__(self, state: dict) -> None:
         self.root, self._names, self._reader = Path(state["root"]), state["names"], None
+        self._generation = state.get("generation")
 
     def __repr__(self) -> str:
         return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"

@@ -142,10 +142,12 @@ class PackedDocuments:
                  truncate: bool = False):
         self.root, self.seq_len, self.column = Path(root), seq_len, column
         self.policy, self.truncate = policy, truncate
+        self.generation: str | None = None  # set at open: a pickled copy re-opens this very build
         self._open()
 
     def _open(self) -> None:
-        reader = DatasetReader(self.root)
+        self._reader = reader = DatasetReader(self.root, self.generation)  # held: its generation stays
+        self.generation = reader.generation
         shards = range(len(reader.manifest.shards))
         columns = [reader.column(k, self.column) for k in shards]
         self._values = [c.values for c in columns]
@@ -179,7 +181,7 @@ class PackedDocuments:
 
     def __getstate__(self) -> dict:
         return {"root": self.root, "seq_len": self.seq_len, "column": self.column, "policy": self.policy,
-                "truncate": self.truncate}
+                "truncate": self.truncate, "generation": self.generation}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

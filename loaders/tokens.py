@@ -41,11 +41,13 @@ class TokenWindows:
             raise ValueError("seq_len and stride must be positive")
         self.root, self.seq_len, self.stride = Path(root), seq_len, stride or seq_len
         self.order, self.seed, self.column = order, seed, column
+        self.generation: str | None = None  # set at open: a pickled copy re-opens this very build
         self._reader: DatasetReader | None = None
         self._open()
 
     def _open(self) -> None:
-        self._reader = DatasetReader(self.root)
+        self._reader = DatasetReader(self.root, self.generation)
+        self.generation = self._reader.generation
         shards = range(len(self._reader.manifest.shards))
         self._values = [self._reader.column(k, self.column).values for k in shards]
         counts = [len(v) for v in self._values]

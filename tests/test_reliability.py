@@ -437,3 +437,22 @@ def test_append_refuses_deleted_or_changed_files_and_reports_what_is_new(tmp_pat
     assert main([*args, "--allow-changed"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("appended 0 new records")
     assert len(MMapDataset(out)) == before + 2 and main(["verify", str(out)]) == 0
+
+
+def test_a_pickled_reader_reopens_the_build_it_was_opened_on(tmp_path, text_raw, minilm):
+    """What a DataLoader worker gets: a dataset, token view or packed view pickled before an
+    --overwrite and unpickled after it reads the build the main process opened."""
+    import pickle
+
+    from loaders import PackedDocuments, TokenWindows
+
+    out = tmp_path / "out"
+    args = ["--tokenizer", str(minilm), "-q", "--shard-size", "64KB"]
+    assert main(["build", str(text_raw), str(out), *args]) == 0
+    views = [MMapDataset(out), TokenWindows(out, 64), PackedDocuments(out, 128)]
+    pickled = [pickle.dumps(v) for v in views]
+    before = [views[0][3]["tokens"].tolist(), views[1][5][0].tolist(), views[2].packing.row_tokens().tolist()]
+    assert main(["build", str(text_raw), str(out), *args, "--append-eos", "--overwrite"]) == 0  # other tokens
+    assert MMapDataset(out)[3]["tokens"].tolist() != before[0]
+    again = [pickle.loads(p) for p in pickled]
+    assert [again[0][3]["tokens"].tolist(), again[1][5][0].tolist(), again[2].packing.row_tokens().tolist()] == before
