@@ -37,7 +37,7 @@ def availability(module: str) -> str | None:
         importlib.import_module(module)
     except ModuleNotFoundError as exc:
         if exc.name == module:
-            return f"not installed: pip install -r bench/peers-requirements.txt (in a venv of its own: see that file)"
+            return "not installed: pip install -r bench/peers-requirements.txt (in a venv of its own: see that file)"
         return f"installed, but import fails: {exc}"
     except Exception as exc:  # noqa: BLE001 - a broken peer install is a row, not a crash
         return f"installed, but import fails: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"

@@ -18,8 +18,6 @@ publish that turns a finished build into the dataset.
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import os
 import secrets
@@ -31,6 +29,7 @@ from pathlib import Path
 
 from . import format as fmt
 from .errors import ConfigError
+from .system import flock, process_alive
 
 DEAD_HOLDER_WAIT_S = 30.0  # how long a dead writer's last worker processes may keep OUT locked
 
@@ -54,7 +53,7 @@ def locked(out: Path, *, shared: bool = False) -> Iterator[None]:
     while True:
         f = open(path, "a+")
         try:
-            got = _try_lock(f, shared)
+            got = flock(f, shared=shared, block=False)
         except BaseException:
             f.close()
             raise
@@ -64,7 +63,8 @@ def locked(out: Path, *, shared: bool = False) -> Iterator[None]:
         if got:  # the file was replaced between open and lock: lock the new one
             continue
         holder = _holder(path)
-        if _alive(holder.get("pid")):
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or pid <= 0 or process_alive(pid):  # an unknown holder counts as alive
             raise ConfigError(f"{out}: another mmpack process is writing it (pid {holder.get('pid')}: "
                               f"{holder.get('command', '?')}); wait for it to end, or stop it, then run this again")
         waited_since = waited_since or time.monotonic()  # its holder is dead: its workers are going
@@ -79,18 +79,6 @@ def locked(out: Path, *, shared: bool = False) -> Iterator[None]:
         if made and out.is_dir() and {p.name for p in out.iterdir()} == {fmt.LOCK_NAME}:
             shutil.rmtree(out, ignore_errors=True)  # before the unlock: whoever comes next makes it anew
         f.close()
-
-
-def _try_lock(f, shared: bool) -> bool:
-    try:
-        fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        return True
-    except OSError as exc:
-        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-            return False
-        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):  # no flock here: go unlocked
-            return True
-        raise
 
 
 def _same_file(f, path: Path) -> bool:
@@ -116,18 +104,6 @@ def _holder(path: Path) -> dict:
         return doc if isinstance(doc, dict) else {}
     except (OSError, ValueError):
         return {}
-
-
-def _alive(pid) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return True  # unknown holder: assume it lives
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -212,7 +188,7 @@ def _remove_if_unread(generation: Path) -> bool:
         shutil.rmtree(generation, ignore_errors=True)
         return True
     with f:
-        if not _try_lock(f, shared=False):
+        if not flock(f, block=False):
             return False
         shutil.rmtree(generation, ignore_errors=True)
         return True

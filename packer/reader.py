@@ -15,7 +15,6 @@ Every failure on a damaged or hostile dataset is an MmpackError naming the file.
 from __future__ import annotations
 
 import bisect
-import errno
 import functools
 import hashlib
 import json
@@ -29,6 +28,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import ColumnError, IntegrityError, ManifestError
+from .system import flock
 
 OPEN_ATTEMPTS = 5  # manifest reads while a writer swaps it, before giving up
 
@@ -199,22 +199,12 @@ class _GenerationLocks:
             except OSError:  # unreadable here (permissions): read unlocked
                 continue
             self.files.append(f)
-            _flock(f, shared=True)
+            flock(f, shared=True)
 
     def close(self) -> None:
         for f in self.files:
             f.close()
         self.files = []
-
-
-def _flock(f, *, shared: bool) -> None:
-    import fcntl
-
-    try:
-        fcntl.flock(f, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-            raise
 
 
 class DatasetReader:

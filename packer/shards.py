@@ -11,7 +11,6 @@ manifest from. Partial shards are written in `OUT/.staging/shard-k.partial/`.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
 import sys
@@ -32,7 +31,7 @@ from .outdir import write_atomic
 from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record, read_ahead
-from .system import linux_libc
+from .system import flock, linux_libc, process_alive
 from .text import (Document, TokenizerSpec, encode_batch, file_sha256, iter_documents, load_tokenizer,
                    read_caption)
 
@@ -171,7 +170,7 @@ def die_with(pid: int) -> None:
         if fd is not None:
             select.select([fd], [], [])  # readable once the process has exited
         else:
-            while _alive(pid):
+            while process_alive(pid):
                 time.sleep(WATCH_S)
         kill_me()
 
@@ -181,52 +180,29 @@ def die_with(pid: int) -> None:
 WATCH_S = 0.2
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
-
 def workers_lock_path(staging: Path) -> Path:
     return staging / "workers.lock"
 
 
 def hold_workers_lock(staging: Path):
     """A shared flock on the staging's workers lock, held until this process ends."""
-    import fcntl
-
     f = open(workers_lock_path(staging), "a")
-    with contextlib.suppress(OSError):
-        fcntl.flock(f, fcntl.LOCK_SH)
+    flock(f, shared=True)
     return f
 
 
 def wait_for_old_workers(staging: Path, timeout_s: float = 30.0) -> None:
     """Before a build writes: no worker of an earlier build of this OUT (killed, its workers
     not yet gone) is alive. They hold the workers lock shared; this takes it exclusively once."""
-    import fcntl
-
     staging.mkdir(parents=True, exist_ok=True)
     with open(workers_lock_path(staging), "a") as f:
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ConfigError(f"{staging.parent}: worker processes of an earlier build still run after "
-                                      f"{timeout_s:.0f} s; stop them (fuser {workers_lock_path(staging)}), then "
-                                      "run this again") from None
-                time.sleep(0.05)
-            except OSError as exc:
-                if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                    return
-                raise
+        while not flock(f, block=False):
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{staging.parent}: worker processes of an earlier build still run after "
+                                  f"{timeout_s:.0f} s; stop them (fuser {workers_lock_path(staging)}), then "
+                                  "run this again")
+            time.sleep(0.05)
 
 
 # -- sidecars ------------------------------------------------------------------------------
@@ -295,16 +271,10 @@ def _flock(path: Path) -> Iterator[None]:
     if sys.platform == "win32":
         yield
         return
-    import fcntl
-
     with writer.naming(path):
         f = open(path, "a")
     with f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
-                raise
+        flock(f)
         yield
 
 

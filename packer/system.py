@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import os
 import sys
@@ -59,3 +60,33 @@ def gc_frozen() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # file systems without flock (some NFS)
+
+
+def flock(f, *, shared: bool = False, block: bool = True) -> bool:
+    """An flock on the open file `f`; False only when `block` is False and another process holds
+    it. Where the file system has no flock, True: every lock of mmpack goes unlocked there."""
+    import fcntl
+
+    try:
+        fcntl.flock(f, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if block else fcntl.LOCK_NB))
+        return True
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and not block:
+            return False
+        if exc.errno in NO_FLOCK:
+            return True
+        raise
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process `pid` runs (one of another user's counts as running)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -294,7 +294,6 @@ def test_mmapdataset_is_zero_copy_and_quiet(built):
 def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypatch):
     """Between 1x and 2x Pillow's pixel limit Pillow only warns; the packer skips the file."""
     from bench import data
-    from packer import BuildConfig, build
 
     raw = tmp_path / "raw"
     (raw / "a").mkdir(parents=True)
