@@ -182,9 +182,34 @@ class Loader(Resumable):
             self._pool.shutdown()
 
 
-class BatchedDataset(torch.utils.data.IterableDataset):
-    """Whole batches for a DataLoader, no per-sample collate: worker w makes batches w, w+k, ...,
-    which DataLoader takes round-robin, so the order is the same for any k.
+class EpochDataset(torch.utils.data.IterableDataset):
+    """What the datasets a DataLoader iterates (`BatchedDataset`, `MMapIterableDataset`) share
+    around their `_plan`: set_epoch, and the batches of a pass that each worker makes."""
+
+    _plan: EpochPlan
+    _epoch_given = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self._plan.set_epoch(epoch)
+        self._epoch_given = True
+
+    def _worker_pass(self):
+        """(pass, batch number) of this worker's share of the next pass: worker w makes batches
+        w, w+k, ..., which DataLoader takes round-robin, so the order is the same for any k. At
+        the pass's end the plan moves on (in-process, or in a persistent worker's copy)."""
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if info is not None and info.id == 0:
+            warn_if_epochs_repeat(self._plan, self._epoch_given)
+        p = self._plan.start()
+        for b in worker_batches(p.num_batches, worker, workers):
+            yield p, b
+        self._plan.taken(p, p.num_batches)
+
+
+class BatchedDataset(EpochDataset):
+    """Whole batches for a DataLoader, no per-sample collate, in the same order for any number of
+    workers.
 
     `loaders.StatefulDataLoader(ds.batched(256), num_workers=k)` advances epochs by itself and
     resumes (`state_dict`). A plain `DataLoader(ds.batched(256), batch_size=None, num_workers=k)`
@@ -198,11 +223,6 @@ class BatchedDataset(torch.utils.data.IterableDataset):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
-        self._epoch_given = False
-
-    def set_epoch(self, epoch: int) -> None:
-        self._plan.set_epoch(epoch)
-        self._epoch_given = True
 
     def __len__(self) -> int:
         return self._plan.num_batches()
@@ -215,14 +235,8 @@ class BatchedDataset(torch.utils.data.IterableDataset):
         return self.source.gather(ids, self.source.alloc(len(ids), memory))
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        if info is not None and info.id == 0:
-            warn_if_epochs_repeat(self._plan, self._epoch_given)
-        p = self._plan.start()
-        for b in worker_batches(p.num_batches, worker, workers):
+        for p, b in self._worker_pass():
             yield self.make(p, b)
-        self._plan.taken(p, p.num_batches)  # in-process, or a persistent worker's copy: next epoch
 
 
 def warn_if_epochs_repeat(plan: EpochPlan, epoch_given: bool) -> None:

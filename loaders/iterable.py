@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from .batches import warn_if_epochs_repeat
+from .batches import EpochDataset
 from .dataset import MMapDataset
-from .sampler import EpochPlan, Order, Pass, worker_batches
+from .sampler import EpochPlan, Order, Pass
 
 
-class MMapIterableDataset(torch.utils.data.IterableDataset):
+class MMapIterableDataset(EpochDataset):
     def __init__(self, root: str | Path, *, shuffle: bool = True, seed: int = 0, order: Order | None = None,
                  chunk: int = 1, drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None, cache_dir: str | Path | None = None):
@@ -26,11 +26,6 @@ class MMapIterableDataset(torch.utils.data.IterableDataset):
         self._plan = EpochPlan(len(self.dataset), chunk, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size,
                                source=self.dataset.reader.fingerprint)
-        self._epoch_given = False
-
-    def set_epoch(self, epoch: int) -> None:
-        self._plan.set_epoch(epoch)
-        self._epoch_given = True
 
     def __len__(self) -> int:
         """Samples of this rank left in the current epoch."""
@@ -42,12 +37,6 @@ class MMapIterableDataset(torch.utils.data.IterableDataset):
         return torch.utils.data.default_collate([self.dataset[i] for i in ids.tolist()])
 
     def __iter__(self):
-        info = torch.utils.data.get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        if info is not None and info.id == 0:
-            warn_if_epochs_repeat(self._plan, self._epoch_given)
-        p = self._plan.start()
-        for c in worker_batches(p.num_batches, worker, workers):
+        for p, c in self._worker_pass():
             for i in self._plan.batch_ids(p, c).tolist():
                 yield self.dataset[i]
-        self._plan.taken(p, p.num_batches)

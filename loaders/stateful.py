@@ -15,7 +15,7 @@ import torch
 
 from packer.errors import ConfigError
 
-from .batches import BatchedDataset
+from .batches import BatchedDataset, EpochDataset
 from .iterable import MMapIterableDataset
 from .sampler import EpochPlan, Pass, Resumable
 
@@ -60,7 +60,7 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
     def __init__(self, dataset: BatchedDataset | MMapIterableDataset, *, num_workers: int = 0,
                  pin_memory: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  prefetch_factor: int | None = None, persistent_workers: bool = False):
-        if not isinstance(dataset, (BatchedDataset, MMapIterableDataset)):
+        if not isinstance(dataset, EpochDataset):
             raise ConfigError(f"StatefulDataLoader takes ds.batched(...) or an MMapIterableDataset, not "
                               f"{type(dataset).__name__}")
         self.batches = dataset
