@@ -11,7 +11,6 @@ lock, so many processes opening the same archive at once unpack it exactly once.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import os
 import shutil
@@ -24,7 +23,7 @@ from . import format as fmt
 from . import outdir, writer
 from .errors import ConfigError, IntegrityError
 from .reader import DatasetReader
-from .system import available_cores
+from .system import available_cores, flock
 
 _CHUNK = 1 << 20
 FILE_LIKE = (".zst", ".tar", ".tgz", ".gz", ".zip", ".xz", ".bz2")  # names users give archive files
@@ -218,7 +217,7 @@ def materialize(archive: str | Path, cache_dir: str | Path | None = None) -> tup
         return target, False
     cache.mkdir(parents=True, exist_ok=True)
     with open(cache / f"{ident}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        flock(lock)
         if (target / fmt.MANIFEST_NAME).is_file():
             return target, False
         if target.exists():  # a killed unpack: staging only, never a manifest
