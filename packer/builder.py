@@ -82,6 +82,8 @@ class BuildConfig:
     allow_changed: bool = False  # --append: keep the samples of RAW files deleted or changed since
     max_skipped: float | None = None  # fail a build that skips more than this fraction of what it found
     background: tuple[int, int, int] | None = None  # composite transparent images over this colour
+    keep_aspect: bool = False  # shorter side to image_size, the whole image (no centre crop)
+    max_side: int | None = None  # keep-aspect: cap of the longer side (default 2 x image_size)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", Path(self.raw))
@@ -105,8 +107,19 @@ class BuildConfig:
         if self.background is not None and (len(self.background) != 3 or not all(
                 isinstance(v, int) and 0 <= v <= 255 for v in self.background)):
             raise ConfigError(f"--background: {self.background} is not three values 0..255 (R,G,B)")
+        if self.keep_aspect and self.image_size is None:
+            raise ConfigError("--keep-aspect needs a number for --image-size (the shorter side), not 'keep'")
+        if self.max_side is not None and not self.keep_aspect:
+            raise ConfigError("--max-side caps keep-aspect images: add --keep-aspect")
+        if self.max_side is not None and not self.image_size <= self.max_side <= 65535:
+            raise ConfigError(f"--max-side: {self.max_side} must lie between --image-size ({self.image_size}) and 65535")
         if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
             raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
+
+    @property
+    def side_cap(self) -> int | None:
+        """The longer side's cap of a keep-aspect build (None: not one)."""
+        return (self.max_side or 2 * self.image_size) if self.keep_aspect else None
 
     @property
     def num_workers(self) -> int:
@@ -228,7 +241,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         _check_compatible(config, base, found.kind, columns, tokenizer)
     itemsize = np.dtype(tokenizer[1].dtype).itemsize if tokenizer else 2
     first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
-    the_plan = plan(found, image_size=config.image_size, token_itemsize=itemsize,
+    the_plan = plan(found, image_size=config.image_size, max_side=config.side_cap, token_itemsize=itemsize,
                     shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first)
     skipped = (*found.skipped, *the_plan.skipped)
     if config.strict and skipped:
@@ -255,7 +268,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
     ctx = ShardContext(config.out, doc["generation"], fingerprint, found.kind, columns, config.image_size,
                        config.text_key, tokenizer[1] if tokenizer else None, config.strict, config.raw,
-                       config.background)
+                       config.background, config.side_cap)
     return Prepared(config, found, the_plan, ctx, base, published)
 
 
@@ -348,7 +361,7 @@ def _tokenizer_for(config: BuildConfig, kind: str, why: str = ""):
 
 
 def _columns(config: BuildConfig, kind: str, tokenizer, *, labeled: bool) -> tuple[fmt.Column, ...]:
-    size = config.image_size
+    size = None if config.keep_aspect else config.image_size
     image = fmt.Column("image", "|u1", (size, size, 3) if size else (None, None, 3))
     key = fmt.Column("key", "|u1", (None,), encoding="utf-8")
     if kind == "images":  # a flat folder has no classes: no label column
@@ -363,6 +376,7 @@ def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> 
         "raw": str(config.raw.resolve()),
         "kind": kind,
         "image_size": config.image_size,
+        "max_side": config.side_cap,
         "tokenizer_sha256": tokenizer.sha256 if tokenizer else None,
         "text_key": config.text_key,
         "append_eos": config.append_eos,
@@ -422,7 +436,8 @@ def _check_compatible(config, base: fmt.Manifest, kind: str, columns, tokenizer)
         raise ConfigError(f"{where}: columns differ ({fmt.columns_text(columns)} vs the dataset's {fmt.columns_text(base.columns)}); "
                           "use the dataset's --image-size")
     old = base.build
-    for name, new in (("text_key", config.text_key), ("append_eos", config.append_eos),
+    for name, new in (("image_size", config.image_size), ("max_side", config.side_cap),
+                      ("text_key", config.text_key), ("append_eos", config.append_eos),
                       ("special_tokens", config.special_tokens)):
         if name in old and old[name] != new:
             raise ConfigError(f"{where}: {name} is {new!r}, the dataset was built with {old[name]!r}")

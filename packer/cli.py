@@ -17,7 +17,9 @@ from . import _one_blas_thread  # noqa: F401  first: before numpy is imported
 from . import format as fmt
 from .builder import BuildConfig, build, build_part, commit, parse_part, parse_shard_size
 from .errors import ConfigError, IntegrityError, MmpackError
+from .plan import SIZES_SAMPLE, size_report
 from .reader import DatasetReader
+from .sources import scan
 from .verify import verify
 
 SKIPS_SHOWN = 10
@@ -75,6 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("out", type=Path, help="dataset dir to create")
     b.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
     b.add_argument("--image-size", default="224", help="shorter side resized to S, centre-cropped SxS; 'keep' for own sizes")
+    b.add_argument("--keep-aspect", action="store_true",
+                   help="with --image-size S: the whole image, shorter side S, no centre crop (for training-time crops)")
+    b.add_argument("--max-side", type=int, default=None, metavar="N",
+                   help="with --keep-aspect: the longer side at most N (default 2 x S; the image shrinks to fit)")
     b.add_argument("--background", default=None, metavar="R,G,B",
                    help="composite transparent images over this colour (default: alpha dropped, as Pillow's convert)")
     b.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer.json (required for text and pairs)")
@@ -121,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=None)
     up.add_argument("--overwrite", action="store_true")
 
+    sz = sub.add_parser("sizes", help="what RAW's images would take on disk under each --image-size policy")
+    sz.add_argument("raw", type=Path)
+    sz.add_argument("--image-size", type=int, default=256, metavar="S", help="the S to compare at (default 256)")
+    sz.add_argument("--max-side", type=int, default=None, metavar="N", help="keep-aspect cap (default 2 x S)")
+    sz.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
+    sz.add_argument("--sample", type=int, default=SIZES_SAMPLE, metavar="K",
+                    help=f"read the headers of K images spread over RAW and scale up (default {SIZES_SAMPLE}; 0: all)")
+    sz.add_argument("--json", action="store_true", help="print the figures as JSON")
+
     i = sub.add_parser("info", help="describe a dataset dir")
     i.add_argument("out", type=Path)
     i.add_argument("--json", action="store_true", help="print the figures as JSON")
@@ -152,7 +167,8 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         shard_rows=rows, shard_bytes=nbytes, overwrite=args.overwrite, strict=args.strict,
         workers=args.workers, engine=args.engine, ray_address=args.ray_address,
         part=parse_part(args.part) if args.part else None, append=args.append, max_skipped=args.max_skipped,
-        allow_changed=args.allow_changed, background=background,
+        allow_changed=args.allow_changed, background=background, keep_aspect=args.keep_aspect,
+        max_side=args.max_side,
     )
 
 
@@ -207,6 +223,36 @@ def _cmd_commit(args) -> int:
     started = time.perf_counter()
     manifest = commit(args.out, max_skipped=args.max_skipped)
     _summary(manifest, args.out, time.perf_counter() - started, quiet=True)
+    return 0
+
+
+def _cmd_sizes(args) -> int:
+    size, cap = args.image_size, args.max_side or 2 * args.image_size
+    if not 1 <= size <= cap:
+        raise ConfigError(f"--image-size {size} and --max-side {cap}: need 1 <= S <= N")
+    found = scan(args.raw, args.kind)
+    if found.kind == "text":
+        raise ConfigError(f"{args.raw}: holds text ({found.why}); 'packer sizes' compares image storage")
+    bar = ProgressBar("reading headers", enabled=not args.json, unit="images")
+    try:
+        report = size_report(found, size, cap, sample=args.sample or None, on_progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    n, read = report["records"], report["headers_read"]
+    print(f"{args.raw}: {n:,} images; sizes from the headers of {read:,}"
+          + (" (all)" if read == n else " spread over RAW, scaled up") + "; no pixel decoded")
+    rows = [(f"--image-size {size}", f"{size} x {size} centre crops", "fixed"),
+            (f"--image-size {size} --keep-aspect", f"shorter side {size}, longer <= {cap}", "keep_aspect"),
+            ("--image-size keep", "each image at its own size", "keep"),
+            ("(the source files)", "JPEG, PNG ... as they are", "source")]
+    for flag, what, key in rows:
+        b = report["bytes"][key]
+        print(f"  {flag:<36} {what:<36} {_human_bytes(b):>10}  {b / max(n, 1):>12,.0f} B/image")
+    if report["unreadable"]:
+        print(f"  ({report['unreadable']:,} of those headers unreadable: the build would skip them)")
     return 0
 
 
@@ -303,7 +349,7 @@ def _cmd_unpack(args) -> int:
     return 0
 
 
-COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "info": _cmd_info, "verify": _cmd_verify,
+COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "sizes": _cmd_sizes, "info": _cmd_info, "verify": _cmd_verify,
             "merge": _cmd_merge, "pack": _cmd_pack, "unpack": _cmd_unpack}
 
 

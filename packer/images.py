@@ -2,7 +2,8 @@
 
 Policy (FORMAT.md, "Image pixels"): EXIF orientation applied; any mode becomes RGB, with
 16-bit and 32-bit integer data rescaled to 8 bits by their real bit depth (never clipped); the shorter side resized to
-S with Pillow's antialiased bilinear filter, then a centre crop of S x S. JPEGs are decoded in
+S with Pillow's antialiased bilinear filter, then a centre crop of S x S (or, keep-aspect, the
+whole image with its longer side capped: `keep_aspect_size`). JPEGs are decoded in
 draft mode at the smallest DCT scale that still leaves both sides >= 2*S (Pillow's own
 `reducing_gap` for thumbnails: at 1*S the DCT-scaled pixels alias visibly, 22 dB vs 34 dB). Pillow's
 decompression-bomb warning is an error for that file.
@@ -55,6 +56,17 @@ def _to_rgb(img: Image.Image, background: tuple[int, int, int] | None = None) ->
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
+def keep_aspect_size(w: int, h: int, size: int, max_side: int) -> tuple[int, int]:
+    """(width, height) of a keep-aspect sample: torchvision's `Resize(size, max_size=max_side)`
+    rule, shorter side to `size`, the longer one int(size * long / short), and when that exceeds
+    `max_side` the longer side `max_side` and the shorter int(max_side * short / long), at least 1."""
+    short, long_ = (w, h) if w <= h else (h, w)
+    new_short, new_long = size, int(size * long_ / short)
+    if new_long > max_side:
+        new_short, new_long = max(1, int(max_side * new_short / new_long)), max_side
+    return (new_short, new_long) if w <= h else (new_long, new_short)
+
+
 def resize_box(img: Image.Image, size: int) -> tuple[Image.Image, tuple[int, int, int, int]]:
     """Shorter side to `size` (rounded); returns that image and its centre size x size box
     (left/top = floor)."""
@@ -87,8 +99,9 @@ def rgb_pixels(img: Image.Image, box: tuple[int, int, int, int]) -> np.ndarray:
 
 
 def decode_image(path, size: int | None, *, writable: bool = True,
-                 background: tuple[int, int, int] | None = None) -> np.ndarray:
-    """HxWx3 uint8 pixels of one file (size x size when `size` is given); `writable` False:
+                 background: tuple[int, int, int] | None = None, max_side: int | None = None) -> np.ndarray:
+    """HxWx3 uint8 pixels of one file (size x size when `size` is given; with `max_side` too,
+    the whole image at `keep_aspect_size`, no crop); `writable` False:
     read-only, one copy fewer (a build writes them to a file and lets go); `background`: the
     colour transparent pixels are composited over (default: alpha dropped).
 
@@ -106,7 +119,12 @@ def decode_image(path, size: int | None, *, writable: bool = True,
                     raise SourceError(f"empty image ({img.width}x{img.height})")
                 img = _to_rgb(img, background)
                 box = (0, 0, *img.size)
-                if size is not None:
+                if size is not None and max_side is not None:
+                    new = keep_aspect_size(*img.size, size, max_side)
+                    if new != img.size:
+                        img = img.resize(new, RESAMPLE)
+                    box = (0, 0, *new)
+                elif size is not None:
                     img, box = resize_box(img, size)
                 pixels = rgb_pixels(img, box)
                 return pixels.copy() if writable else pixels  # writable: callers may wrap it in a tensor

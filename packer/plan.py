@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from .format import Skip
+from .images import keep_aspect_size
 from .sources import JSONL, PARQUET, Record, Scan
 
 TEXT_BYTES_PER_TOKEN = 4  # UTF-8 bytes per token for English BPE/WordPiece, to size text shards
@@ -101,15 +102,16 @@ class _Cutter:
 
 
 def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows: int | None,
-         shard_bytes: int | None, first_index: int = 0) -> Plan:
-    """Cut the records of a scan into shard tasks numbered from `first_index`."""
+         shard_bytes: int | None, first_index: int = 0, max_side: int | None = None) -> Plan:
+    """Cut the records of a scan into shard tasks numbered from `first_index` (`max_side`: a
+    keep-aspect build's cap, whose samples' sizes come from each file's header)."""
     cutter = _Cutter(shard_rows, shard_bytes, first_index)
     skipped: list[Skip] = []
-    if found.kind in ("images", "pairs") and image_size is not None:
+    if found.kind in ("images", "pairs") and image_size is not None and max_side is None:
         _plan_fixed(cutter, len(found.records), _image_bytes(None, image_size))
     elif found.kind in ("images", "pairs"):
         for i, record in enumerate(found.records):
-            cutter.add(Span(i), 1, _image_bytes(record, image_size))
+            cutter.add(Span(i), 1, _image_bytes(record, image_size, max_side))
     else:
         for i, record in enumerate(found.records):
             ext = os.path.splitext(record.path)[1].lower()
@@ -144,16 +146,26 @@ def _plan_fixed(cutter: _Cutter, n: int, nbytes: int) -> None:
         first += take
 
 
-def _image_bytes(record: Record | None, size: int | None) -> int:
-    if size is not None:
+def _image_bytes(record: Record | None, size: int | None, max_side: int | None = None) -> int:
+    if size is not None and max_side is None:
         return size * size * 3 + _SAMPLE_OVERHEAD
-    from PIL import Image  # 'keep': the header's size, without decoding
+    dims = header_size(record.path)  # 'keep' and keep-aspect: the header's size, without decoding
+    if dims is None or 0 in dims:  # unreadable now means skipped later; it costs nothing here
+        return _SAMPLE_OVERHEAD
+    w, h = keep_aspect_size(*dims, size, max_side) if size is not None else dims
+    return w * h * 3 + _SAMPLE_OVERHEAD
+
+
+def header_size(path) -> tuple[int, int] | None:
+    """An image file's (width, height) from its header, without decoding; None when Pillow
+    cannot tell (EXIF rotation may swap them, which changes no size in pixels)."""
+    from PIL import Image
 
     try:
-        with Image.open(record.path) as img:
-            return img.width * img.height * 3 + _SAMPLE_OVERHEAD
-    except Exception:  # noqa: BLE001 - unreadable now means skipped later; it costs nothing here
-        return _SAMPLE_OVERHEAD
+        with Image.open(path) as img:
+            return img.width, img.height
+    except Exception:  # noqa: BLE001 - any file Pillow cannot open: the build skips it later
+        return None
 
 
 def _text_bytes(raw_bytes: int, token_itemsize: int) -> int:
@@ -208,3 +220,35 @@ def records_of(found: Scan, task: ShardTask) -> Iterator[tuple[Span, Record]]:
                 yield Span(r), found.records[r]
         else:
             yield span, found.records[span.record]
+
+
+SIZES_SAMPLE = 2000  # headers read for `packer sizes` by default: a 1% error bar on the mean
+
+
+def size_report(found: Scan, size: int, max_side: int, sample: int | None = SIZES_SAMPLE,
+                on_progress=None) -> dict:
+    """What RAW's images would take under each storage policy (`packer sizes`): bytes for
+    `--image-size size` (S x S crops), `--keep-aspect` with `max_side`, `--image-size keep`, and
+    the source files themselves, from the headers of `sample` records drawn evenly (all of them
+    when None or when RAW holds fewer), scaled to every record. No pixel is decoded."""
+    records = found.records
+    n = len(records)
+    step = 1.0 if sample is None or n <= sample else n / sample
+    picked = [records[int(k * step)] for k in range(n if step == 1.0 else sample)]
+    total = {"fixed": 0, "keep_aspect": 0, "keep": 0, "source": 0}
+    unreadable = 0
+    for done, record in enumerate(picked, 1):
+        total["source"] += found.stats.get(record.path, (0, 0))[0]
+        dims = header_size(record.path)
+        if dims is None or 0 in dims:
+            unreadable += 1
+        else:
+            w, h = keep_aspect_size(*dims, size, max_side)
+            total["fixed"] += size * size * 3
+            total["keep_aspect"] += w * h * 3
+            total["keep"] += dims[0] * dims[1] * 3
+        if on_progress is not None:
+            on_progress(done, len(picked))
+    scale = n / max(len(picked), 1)
+    return {"records": n, "headers_read": len(picked), "unreadable": unreadable, "size": size,
+            "max_side": max_side, "bytes": {k: round(v * scale) for k, v in total.items()}}

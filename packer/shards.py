@@ -55,10 +55,11 @@ class ShardContext:
     strict: bool
     raw: Path
     background: tuple[int, int, int] | None = None  # --background: composite transparency over it
+    max_side: int | None = None  # --keep-aspect: the longer side's cap (None: S x S centre crops)
 
     def decode(self, path: str):
         """A record's pixels, as this build decodes them (read-only)."""
-        return decode_image(path, self.image_size, writable=False, background=self.background)
+        return decode_image(path, self.image_size, writable=False, background=self.background, max_side=self.max_side)
 
     @property
     def staging(self) -> Path:
