@@ -7,7 +7,9 @@ np.take 21k images/s, fancy index + scatter 9k, per-sample copy from np.memmap o
 (2 threads), from plain ndarray views of the same maps 74k, and into a buffer on huge pages
 88k; `bench loaders` re-measures the whole Loader. Small columns (labels) are gathered
 vectorised per shard, strings as one take per shard. Ragged 1-D columns (tokens) come back
-padded, with their lengths, in buffers of the same kind; ragged images as a list.
+padded, with their lengths, in buffers of the same kind; ragged images (keep-aspect and 'keep'
+datasets) as one canvas [B, Hmax, Wmax, C] of the batch's largest sides, each sample top-left
+and zeros around it, with `{name}_size` [B, 2] (h, w): the same per-sample copies, in the pool.
 
 Token ids (uint16 / uint32 columns) come out as int64, the dtype `nn.Embedding` and
 `cross_entropy` take: torch's unsigned 16- and 32-bit types are barely supported by its
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -27,6 +30,7 @@ from packer.reader import ColumnArrays, DatasetReader, decode_text
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
 RAGGED_BUFFER_BYTES = 16 << 20  # a ragged column's batch buffer: up to B x its longest sample, at most this
+CANVAS_BUFFER_BYTES = 512 << 20  # an image canvas buffer: B x the dataset's largest sides, at most this
 SHORT_PIECES = 256  # ragged samples up to this long on average are gathered vectorised, longer ones one by one
 
 
@@ -91,6 +95,7 @@ class ColumnGather:
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._by_column: dict[str, list[ColumnArrays]] = {}
         self._longest_of: dict[str, int] = {}
+        self._largest_of: dict[str, tuple[int, ...]] = {}
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -106,11 +111,18 @@ class ColumnGather:
         """Buffers for the fixed-shape columns; in a Loader's ring (long-lived), also for each
         ragged 1-D column a flat buffer (a batch of width w is its first B x w elements: a
         contiguous [B, w] tensor) of B x its longest sample, at most RAGGED_BUFFER_BYTES (a
-        wider batch gets a fresh plain one), and its `{name}_lengths`."""
+        wider batch gets a fresh plain one), and its `{name}_lengths`; for each ragged image
+        column a flat canvas buffer of B x its largest height x largest width, at most
+        CANVAS_BUFFER_BYTES, and its `{name}_size`."""
         out = {}
         for c in self.columns:
             if not c.ragged:
                 out[c.name] = empty((batch_size, *c.shape), batch_dtype(c.dtype), memory)
+            elif len(c.shape) > 1 and memory in ("ring", "pinned"):
+                dtype = np.dtype(c.dtype)
+                most = max(1, CANVAS_BUFFER_BYTES // dtype.itemsize)
+                out[c.name] = empty((min(batch_size * int(np.prod(self._largest(c.name))), most),), dtype, memory)
+                out[f"{c.name}_size"] = empty((batch_size, len(c.shape) - 1), np.int64, memory)
             elif len(c.shape) == 1 and memory in ("ring", "pinned"):
                 dtype = batch_dtype(c.dtype)
                 most = max(1, RAGGED_BUFFER_BYTES // dtype.itemsize)
@@ -124,27 +136,42 @@ class ColumnGather:
             self._longest_of[name] = max((int(np.diff(a.offsets).max(initial=0)) for a in self._arrays(name)), default=0)
         return self._longest_of[name]
 
+    def _largest(self, name: str) -> tuple[int, ...]:
+        """A ragged column's largest size along each axis (height, width, channels), from its
+        shapes: once, not per ring buffer."""
+        if name not in self._largest_of:
+            tops = [a.shapes.max(axis=0) for a in self._arrays(name) if a.shapes is not None and len(a.shapes)]
+            self._largest_of[name] = tuple(int(v) for v in np.max(tops, axis=0)) if tops else (0,)
+        return self._largest_of[name]
+
     def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor], pool: ThreadPoolExecutor | None = None,
                num_threads: int = 1) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]
         out: dict = {}
-        jobs, rest = [], []
+        jobs, canvases, rest = [], [], []
         for col in self.columns:
             if not col.ragged and not col.encoding and (col.sample_nbytes or 0) >= BIG_SAMPLE_BYTES:
                 out[col.name] = buffers[col.name][:n]
                 jobs.append((out[col.name].numpy(), [a.values for a in self._arrays(col.name)]))
+            elif col.ragged and len(col.shape) > 1:
+                canvases.append(col)
             else:
                 rest.append(col)
         # the big copies start first (in the pool they release the GIL); small columns meanwhile
-        pending = _copy_samples(jobs, shard, rows, pool, num_threads) if jobs else []
+        order = np.lexsort((rows, shard)).tolist()  # (shard, row) order, for locality
+        pending = _split(partial(_copy_rows, jobs, shard.tolist(), rows.tolist()), order, pool, num_threads) if jobs else []
+        for col in canvases:
+            fill, batch = _canvas(col.name, self._arrays(col.name), shard, rows, buffers)
+            out.update(batch)
+            pending += _split(fill, order, pool, num_threads)
         for col in rest:
             arrays = self._arrays(col.name)
             if col.encoding:
                 out[col.name] = _gather_strings(arrays, shard, rows, col.encoding, f"{self.reader.root}: column {col.name}")
             elif col.ragged:
-                out.update(_gather_ragged(col.name, arrays, shard, rows, len(col.shape), buffers))
+                out.update(_gather_ragged(col.name, arrays, shard, rows, buffers))
             else:
                 buf = buffers[col.name][:n]
                 dst = buf.numpy()
@@ -163,17 +190,46 @@ def _copy_rows(jobs, shard, rows, positions) -> None:
             dst[p] = values[shard[p]][rows[p]]
 
 
-def _copy_samples(jobs, shard, rows, pool, num_threads: int) -> list:
-    """Copy in (shard, row) order for locality, each sample to its place in the batch: contiguous
-    runs of that order, one per pool thread (returns their futures), or here without a pool."""
-    positions = np.lexsort((rows, shard)).tolist()
-    shard, rows = shard.tolist(), rows.tolist()
+def _split(copy, positions: list[int], pool, num_threads: int) -> list:
+    """Run copy(positions) as contiguous runs of `positions`, one per pool thread (returns their
+    futures), or here without a pool."""
     if pool is None or num_threads <= 1:
-        _copy_rows(jobs, shard, rows, positions)
+        copy(positions)
         return []
     n = len(positions)
     chunks = [positions[i * n // num_threads:(i + 1) * n // num_threads] for i in range(num_threads)]
-    return [pool.submit(_copy_rows, jobs, shard, rows, c) for c in chunks if c]
+    return [pool.submit(copy, c) for c in chunks if c]
+
+
+def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers):
+    """A batch of ragged images: (fill, {name: canvas [B, Hmax, Wmax, C], name_size: [B, 2]}),
+    the canvas in the batch's buffer when it holds it, fill(positions) copying those samples
+    into its top-left corners and zeroing the rest of their slots (a sample's padding is never
+    stale: the batch is a pure function of its ids)."""
+    n = len(rows)
+    shapes = np.zeros((n, arrays[0].shapes.shape[1] if arrays else 3), np.int64)
+    for k in np.unique(shard):
+        sel = shard == k
+        shapes[sel] = arrays[k].shapes[rows[sel]]
+    top = shapes.max(axis=0, initial=0)
+    need = n * int(np.prod(top))
+    flat, size = buffers.get(name), buffers.get(f"{name}_size")
+    if flat is None or need > flat.numel() or size is None:  # no buffer, or larger than it was sized for
+        flat = torch.from_numpy(np.empty(need, arrays[0].values.dtype if arrays else np.uint8))
+        size = torch.empty(n, 2, dtype=torch.int64)
+    canvas, size = flat[:need].view(n, *top.tolist()), size[:n]
+    size.numpy()[:] = shapes[:, :2]
+    dst = canvas.numpy()
+    sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
+
+    def fill(positions):
+        for i in positions:
+            h, w = shapes[i, 0], shapes[i, 1]
+            dst[i, :h, :w] = sources[i][0].sample(sources[i][1])
+            dst[i, h:] = 0
+            dst[i, :h, w:] = 0
+
+    return fill, {name: canvas, f"{name}_size": size}
 
 
 def _spans(arrays: list[ColumnArrays], shard, rows):
@@ -213,14 +269,12 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
 
 
-def _gather_ragged(name, arrays, shard, rows, ndim, buffers) -> dict:
+def _gather_ragged(name, arrays, shard, rows, buffers) -> dict:
     """Ragged 1-D columns: padded [B, longest in the batch] (zeros after each sample) plus
-    `{name}_lengths`, in the batch's buffers when they hold it; ragged images: a list.
+    `{name}_lengths`, in the batch's buffers when they hold it.
     Random batches of 256 of 78k short documents (about 7 tokens each) on the 2-core machine:
     64 us, against 180 us for a copy per sample into a fresh array; long ones (the bench's
     sources, up to 64k tokens) about the same either way, most of it the padding."""
-    if ndim > 1:
-        return {name: [torch.from_numpy(np.array(arrays[s].sample(r))) for s, r in zip(shard.tolist(), rows.tolist())]}
     starts, lengths, pieces = _spans(arrays, shard, rows)
     n, width = len(rows), int(lengths.max(initial=0))
     flat, lens = buffers.get(name), buffers.get(f"{name}_lengths")
