@@ -3,6 +3,8 @@
     bench loaders  every loader on the same data vs the on-the-fly baseline, peers and memcpy
     bench sweep    DataLoader workers / Loader threads x batch size: throughput and stall, a plot
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
+    bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
+    bench sampler  opening an order over 1e6..1e10 samples: time and memory
 """
 
 from __future__ import annotations
@@ -78,6 +80,14 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--cold", action="store_true",
                     help="also time image builds with the photos evicted from the page cache before each "
                          "(posix_fadvise DONTNEED), against the same cached raw rate")
+    au = sub.add_parser("augment", help="GPU/CPU transforms against a model step; keep-aspect vs fixed storage")
+    common(au, 1500, 0)
+    au.add_argument("--batch-size", type=int, default=256)
+    au.add_argument("--size", type=int, default=224, help="crop size the model sees (and the fixed storage's S)")
+    au.add_argument("--store-size", type=int, default=256, help="keep-aspect storage's shorter side")
+    au.add_argument("--passes", type=int, default=3, help="timed Loader passes after a warm-up (median)")
+    au.add_argument("--reps", type=int, default=None, help="timed calls per transform (default 20 on CUDA, 5 on a CPU)")
+
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
                     help="sample counts (default 1e6,1e8,1e9,1e10)")
@@ -89,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
 
 QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
-         "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]}}
+         "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]},
+         "augment": {"images": 300, "passes": 2, "batch_size": 64}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         from .loaders_bench import bench_sweep
 
         result, text, plot = bench_sweep(args), report.sweep_table, report.plot_sweep
+    elif args.command == "augment":
+        from .augment_bench import bench_augment
+
+        result, text, plot = bench_augment(args), report.augment_table, report.plot_augment
     elif args.command == "sampler":
         from .sampler_bench import bench_sampler
 

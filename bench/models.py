@@ -36,6 +36,60 @@ def resnet18(classes: int = 1000) -> nn.Module:
                          *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, classes))
 
 
+class _Bottleneck(nn.Module):
+    def __init__(self, cin: int, mid: int, stride: int):
+        super().__init__()
+        cout = 4 * mid
+        self.body = nn.Sequential(
+            nn.Conv2d(cin, mid, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(),
+            nn.Conv2d(mid, mid, 3, stride, 1, bias=False), nn.BatchNorm2d(mid), nn.ReLU(),
+            nn.Conv2d(mid, cout, 1, bias=False), nn.BatchNorm2d(cout))
+        self.skip = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                     if stride != 1 or cin != cout else nn.Identity())
+
+    def forward(self, x):
+        return F.relu(self.body(x) + self.skip(x))
+
+
+def resnet50(classes: int = 1000) -> nn.Module:
+    """ResNet-50 (v1.5, stride in the 3x3 conv, as torchvision's): 25.6M parameters."""
+    layers, cin = [], 64
+    for mid, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for b in range(blocks):
+            layers.append(_Bottleneck(cin, mid, stride if b == 0 else 1))
+            cin = 4 * mid
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(3, 2, 1),
+                         *layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(2048, classes))
+
+
+def small_cnn(classes: int = 1000) -> nn.Module:
+    """Four strided 3x3 convolutions (32..256 channels) and a linear head: a CPU-sized image model
+    (the scripts' and `bench augment`'s stand-in for a ResNet where there is no GPU)."""
+    layers, cin = [], 3
+    for cout in (32, 64, 128, 256):
+        layers += [nn.Conv2d(cin, cout, 3, 2, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()]
+        cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes))
+
+
+def trainer(model: nn.Module, device: torch.device):
+    """train(loss_of): one step of `model` (on `device`) on the loss `loss_of()` computes, bf16
+    autocast on CUDA, backward, an SGD step, synchronised."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    cuda = device.type == "cuda"
+
+    def train(loss_of) -> None:
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)):
+            loss = loss_of()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+
+    return train
+
+
 class TinyGPT(nn.Module):
     """A small causal transformer: 4 layers, width 256, context up to `context` tokens."""
 
@@ -73,26 +127,16 @@ def model_steps(vocab: int, context: int):
     context = context if cuda else min(context, 128)
     vision = resnet18().to(device, memory_format=torch.channels_last)
     lm = TinyGPT(vocab, context).to(device)
-    opts = {id(m): torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (vision, lm)}
-
-    def train(model, loss_of):
-        opt = opts[id(model)]
-        with (torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)):
-            loss = loss_of()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
+    train_vision, train_lm = trainer(vision, device), trainer(lm, device)
 
     def image_step(batch) -> None:
         images = (batch["image"] if isinstance(batch, dict) else batch[0]).to(device, non_blocking=True)
         labels = (batch["label"] if isinstance(batch, dict) else batch[1]).to(device, non_blocking=True)
         x = normalize(images).contiguous(memory_format=torch.channels_last)
-        train(vision, lambda: F.cross_entropy(vision(x), labels.long() % 1000))
+        train_vision(lambda: F.cross_entropy(vision(x), labels.long() % 1000))
 
     def token_step(batch) -> None:
         tokens = _as_tokens(batch, context).to(device, non_blocking=True)[:, :context].long() % vocab
-        train(lm, lambda: F.cross_entropy(lm(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()))
+        train_lm(lambda: F.cross_entropy(lm(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()))
 
     return device, image_step, token_step

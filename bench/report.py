@@ -50,6 +50,41 @@ def loaders_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def augment_table(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"bench augment on {report['device']} ({m['gpu'] or str(m['cores']) + ' cores'}), batch "
+             f"{report['batch_size']}, {report['num_images']} real photo crops, output {report['size']} px",
+             f"{'Loader over':16} {'stored as':36} {'images/s':>10} {'canvas of a batch':>22} {'CPU s/1k':>9}"]
+    for r in report["loaders"]:
+        lines.append(f"{r['dataset']:16} {r['flags']:36} {r['images_per_s']:>10,.0f} "
+                     f"{' x '.join(map(str, r['canvas'])):>22} {r['cpu_s_per_1000']:>9.2f}")
+    models = report["model_step_ms"]
+    lines.append(f"{'transform':58} {'ms/batch':>9} " + " ".join(f"{'% of ' + k:>16}" for k in models))
+    for r in report["transforms"]:
+        lines.append(f"{r['transform']:58} {r['ms']:>9.2f} " + " ".join(f"{r['pct_of_step'][k]:>15.1f}%" for k in models))
+    lines.append("model step: one forward + backward + SGD step on the transform's output: "
+                 + ", ".join(f"{k} {v:,.1f} ms" for k, v in models.items())
+                 + ("; targets on an H100: train_transform < 3% of ResNet-50, < 5% of ResNet-18" if "ResNet-50" in models
+                    else "; on CUDA the models are ResNet-18 and ResNet-50 (bf16, channels_last)"))
+    return "\n".join(lines)
+
+
+def plot_augment(report: dict, path: Path) -> None:
+    plt = _plt()
+    rows = report["transforms"]
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.8))
+    ax.barh([r["transform"] for r in rows][::-1], [r["ms"] for r in rows][::-1], color="tab:blue")
+    for (name, ms), style in zip(report["model_step_ms"].items(), ("--", ":")):
+        ax.axvline(ms, color="k", linestyle=style, label=f"one {name} step: {ms:,.1f} ms")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"ms per batch of {report['batch_size']} on {report['device']} (log scale)")
+    ax.set_title("bench augment: transform cost against a training step")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def sampler_table(report: dict) -> str:
     lines = [f"open an order, len(), the first batch of {report['batch_size']} on rank 0 of "
              f"{report['world_size']}, and a resumed state's first batch; each in a fresh process",

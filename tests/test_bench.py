@@ -151,3 +151,24 @@ def test_bench_loaders_model_runs_a_real_step_for_every_row_on_cpu(work, tmp_pat
     assert rows and all("error" not in r for r in rows), [r.get("error") for r in rows]
     assert all(r["stall"]["mode"] == "model" and r["stall"]["steps"] == 2 for r in rows)
     assert "ResNet-18" in report["model"] and report["step_mode"] == "model"
+
+
+def test_bench_augment_smallest(work, tmp_path, capsys):
+    out = tmp_path / "augment.json"
+    argv = ["augment", "--images", "40", "--batch-size", "8", "--passes", "1", "--reps", "1", "--size", "32",
+            "--store-size", "40", "--work", str(work), "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--plot", str(tmp_path / "augment.png")]
+    except ImportError:
+        pass
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert [r["dataset"] for r in report["loaders"]] == ["fixed", "keep-aspect"]
+    assert all(r["images_per_s"] > 0 and r["cpu_s_per_1000"] >= 0 for r in report["loaders"])
+    assert len(report["transforms"]) == 4 and all(r["ms"] > 0 for r in report["transforms"])
+    assert list(report["model_step_ms"]) == ["small CNN"] and all(
+        r["pct_of_step"]["small CNN"] > 0 for r in report["transforms"])
+    assert "% of small CNN" in capsys.readouterr().out
+    if "--plot" in argv:
+        assert (tmp_path / "augment.png").read_bytes()[:4] == b"\x89PNG"

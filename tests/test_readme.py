@@ -49,17 +49,19 @@ finally:
 
 @pytest.fixture(scope="module")
 def readme_dir(tmp_path_factory, image_raw, text_raw, minilm):
-    """A working dir with the datasets the README's blocks open: out/ (images), text-out/ (text)."""
+    """A working dir with the datasets the README's blocks open: out/ (images), text-out/ (text),
+    aspect-out/ (keep-aspect images)."""
     work = tmp_path_factory.mktemp("readme")
     assert main(["build", str(image_raw), str(work / "out"), "--image-size", "48", "-q"]) == 0
     assert main(["build", str(text_raw), str(work / "text-out"), "--tokenizer", str(minilm), "-q"]) == 0
+    assert main(["build", str(image_raw), str(work / "aspect-out"), "--image-size", "40", "--keep-aspect", "-q"]) == 0
     return work
 
 
 def test_the_readme_has_the_blocks_a_user_needs():
     text = "\n".join(BLOCKS)
     for needed in ("load_state_dict", "set_epoch", "StatefulDataLoader", "TokenWindows", "PackedDocuments",
-                   "cu_seqlens", "normalize"):
+                   "cu_seqlens", "normalize", "train_transform", "eval_transform", "image_size"):
         assert needed in text, needed
 
 

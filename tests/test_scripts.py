@@ -52,3 +52,17 @@ def test_the_demo_runs_and_cleans_up(tmp_path):
     assert "Loader" in out.stdout and "Pillow decode + resize" in out.stdout and "work dir removed" in out.stdout
     assert set(Path(tempfile.gettempdir()).glob("mmpack-demo-*")) == before
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_the_imagenet_example_trains_from_keep_aspect_datasets(tmp_path):
+    """scripts/train_imagenet.py: the PyTorch ImageNet example with mmpack's dataset and transform
+    lines, on sample photos (train/ and val/ class folders, packed keep-aspect on first use)."""
+    out = run("scripts/train_imagenet.py", tmp_path / "data", "--sample", "60", "--arch", "small", "--epochs", "2",
+              "-b", "16", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    epochs = [line for line in out.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and all("60 train images" in e and "of 12" in e for e in epochs), out.stdout
+    from loaders import MMapDataset
+
+    train = MMapDataset(tmp_path / "data" / "train.mmpack")
+    assert train.columns["image"].ragged and train.manifest.build["max_side"] == 512

@@ -1,0 +1,93 @@
+"""`bench augment`: what training-faithful augmentation costs, measured in one run on one device.
+
+- `Loader` images/s over the same real photo crops stored two ways: S x S centre crops
+  (`--image-size 224`) and keep-aspect (`--image-size 256 --keep-aspect`, a canvas per batch);
+- milliseconds per batch of `train_transform` and `eval_transform` (and `normalize` alone, the
+  floor) on that device, against one forward + backward + SGD step of an image model there: a
+  small CNN on a CPU; ResNet-18 and ResNet-50 (bf16, channels_last) on CUDA, where the target is
+  a training transform under 3% of a ResNet-50 step and under 5% of a ResNet-18 step.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from . import data
+from .loaders_bench import _prepared, machine
+from .measure import measure
+
+
+def _timed(fn, reps: int, cuda: bool) -> float:
+    """Median milliseconds of fn() over `reps` calls after two warm-up calls."""
+    times = []
+    for i in range(reps + 2):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times)
+
+
+def bench_augment(args) -> dict:
+    from loaders import Loader, MMapDataset
+    from loaders.augment import eval_transform, normalize, train_transform
+
+    from .models import resnet18, resnet50, small_cnn, trainer
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    count, bs, size, store = args.images, args.batch_size, args.size, args.store_size
+    make = lambda raw: data.make_image_folders(raw, count, seed=0)  # noqa: E731  crops up to 640 px, any aspect
+    _, fixed, _ = _prepared(work, "aug-fixed", count, make, ["--image-size", str(size)])
+    _, aspect, _ = _prepared(work, "aug-aspect", count, make, ["--image-size", str(store), "--keep-aspect"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    reps = args.reps or (20 if cuda else 5)
+
+    loaders, batches = [], {}
+    for name, out, flags in (("fixed", fixed, f"--image-size {size}"),
+                             ("keep-aspect", aspect, f"--image-size {store} --keep-aspect")):
+        ds = MMapDataset(out, columns=["image", "label"])
+        loader = Loader(ds, bs, shuffle=True, seed=0, device=device)
+        m = measure(lambda: loader, lambda b: len(b["label"]), passes=args.passes)
+        batch = next(iter(loader))
+        canvas = batch["image"]
+        loaders.append({"dataset": name, "flags": flags, "images_per_s": m["samples_per_s"],
+                        "canvas": list(canvas.shape), "mb_per_batch": canvas.numel() / 1e6,
+                        "cpu_s_per_1000": m["cpu_s_per_1000"]})
+        batches[name] = {k: v.clone() for k, v in batch.items()}  # let the loader's buffers go
+        del loader, batch, canvas
+    g = torch.Generator(device=device).manual_seed(0)
+    a, f = batches["keep-aspect"], batches["fixed"]
+    transforms = [
+        ("train_transform, keep-aspect canvas", lambda: train_transform(a["image"], a["image_size"], size, generator=g)),
+        ("eval_transform, keep-aspect canvas", lambda: eval_transform(a["image"], a["image_size"], size, resize=store)),
+        (f"train_transform, fixed {size} batch", lambda: train_transform(f["image"], None, size, generator=g)),
+        (f"normalize only, fixed {size} batch (no crop: the floor)", lambda: normalize(f["image"])),
+    ]
+    rows = [{"transform": name, "ms": _timed(fn, reps, cuda)} for name, fn in transforms]
+    x = train_transform(a["image"], a["image_size"], size, generator=g, channels_last=True)
+    labels = a["label"].to(device) % 1000
+    models = {}
+    for name, build in ((("ResNet-18", resnet18), ("ResNet-50", resnet50)) if cuda else (("small CNN", small_cnn),)):
+        model = build().to(device, memory_format=torch.channels_last)
+        train = trainer(model, device)
+        models[name] = _timed(lambda: train(lambda: torch.nn.functional.cross_entropy(model(x), labels)),
+                              max(3, reps // 2), cuda)
+        del model, train
+    for r in rows:
+        r["pct_of_step"] = {m: 100 * r["ms"] / ms for m, ms in models.items()}
+    return {"command": "bench augment", "machine": machine(), "device": str(device), "batch_size": bs,
+            "size": size, "store_size": store, "num_images": count, "threads": torch.get_num_threads(),
+            "loaders": loaders, "transforms": rows, "model_step_ms": models,
+            "cores": os.cpu_count()}
