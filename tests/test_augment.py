@@ -200,6 +200,22 @@ def test_eval_transform_matches_resize_then_centre_crop(path):
         assert psnr(out[b], ref) >= 50, (path, b, psnr(out[b], ref))
 
 
+def test_pixels_match_torchvision_itself_where_installed():
+    F_tv = pytest.importorskip("torchvision.transforms.v2.functional")
+    canvas, sizes = photo_canvas(6, seed=5)
+    boxes = rrc_boxes(sizes, generator=torch.Generator().manual_seed(6))
+    flips = torch.tensor([True, False] * 3)
+    ours = train_transform(canvas, sizes, boxes=boxes, flips=flips)
+    evals = eval_transform(canvas, sizes)
+    for b, (top, left, h, w) in enumerate(boxes.tolist()):
+        img = canvas[b, :sizes[b, 0], :sizes[b, 1]].permute(2, 0, 1).float()
+        ref = F_tv.resized_crop(img, top, left, h, w, [224, 224], antialias=True)
+        ref = F_tv.normalize((F_tv.horizontal_flip(ref) if flips[b] else ref) / 255, IMAGENET_MEAN, IMAGENET_STD)
+        assert psnr(ours[b], ref) >= 50
+        ref = F_tv.center_crop(F_tv.resize(img, [256], antialias=True), [224, 224])
+        assert psnr(evals[b], F_tv.normalize(ref / 255, IMAGENET_MEAN, IMAGENET_STD)) >= 50
+
+
 def test_transform_options_dtype_layout_and_errors():
     canvas, sizes = photo_canvas(4, seed=4)
     g = torch.Generator().manual_seed(0)
