@@ -54,21 +54,16 @@ def bench_augment(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     reps = args.reps or (20 if cuda else 5)
 
-    loaders, batches = [], {}
-    for name, out, flags in (("fixed", fixed, f"--image-size {size}"),
-                             ("keep-aspect", aspect, f"--image-size {store} --keep-aspect")):
-        ds = MMapDataset(out, columns=["image", "label"])
-        loader = Loader(ds, bs, shuffle=True, seed=0, device=device)
+    def loader_row(name: str, out: Path, flags: str) -> tuple[dict, dict]:
+        loader = Loader(MMapDataset(out, columns=["image", "label"]), bs, shuffle=True, seed=0, device=device)
         m = measure(lambda: loader, lambda b: len(b["label"]), passes=args.passes)
-        batch = next(iter(loader))
-        canvas = batch["image"]
-        loaders.append({"dataset": name, "flags": flags, "images_per_s": m["samples_per_s"],
-                        "canvas": list(canvas.shape), "mb_per_batch": canvas.numel() / 1e6,
-                        "cpu_s_per_1000": m["cpu_s_per_1000"]})
-        batches[name] = {k: v.clone() for k, v in batch.items()}  # let the loader's buffers go
-        del loader, batch, canvas
+        batch = {k: v.clone() for k, v in next(iter(loader)).items()}  # not the loader's buffers
+        return {"dataset": name, "flags": flags, "images_per_s": m["samples_per_s"], "canvas": list(batch["image"].shape),
+                "mb_per_batch": batch["image"].numel() / 1e6, "cpu_s_per_1000": m["cpu_s_per_1000"]}, batch
+
+    fixed_row, f = loader_row("fixed", fixed, f"--image-size {size}")
+    aspect_row, a = loader_row("keep-aspect", aspect, f"--image-size {store} --keep-aspect")
     g = torch.Generator(device=device).manual_seed(0)
-    a, f = batches["keep-aspect"], batches["fixed"]
     transforms = [
         ("train_transform, keep-aspect canvas", lambda: train_transform(a["image"], a["image_size"], size, generator=g)),
         ("eval_transform, keep-aspect canvas", lambda: eval_transform(a["image"], a["image_size"], size, resize=store)),
@@ -78,16 +73,17 @@ def bench_augment(args) -> dict:
     rows = [{"transform": name, "ms": _timed(fn, reps, cuda)} for name, fn in transforms]
     x = train_transform(a["image"], a["image_size"], size, generator=g, channels_last=True)
     labels = a["label"].to(device) % 1000
-    models = {}
-    for name, build in ((("ResNet-18", resnet18), ("ResNet-50", resnet50)) if cuda else (("small CNN", small_cnn),)):
+
+    def step_ms(build) -> float:
         model = build().to(device, memory_format=torch.channels_last)
         train = trainer(model, device)
-        models[name] = _timed(lambda: train(lambda: torch.nn.functional.cross_entropy(model(x), labels)),
-                              max(3, reps // 2), cuda)
-        del model, train
+        return _timed(lambda: train(lambda: torch.nn.functional.cross_entropy(model(x), labels)), max(3, reps // 2), cuda)
+
+    models = {name: step_ms(build)
+              for name, build in ((("ResNet-18", resnet18), ("ResNet-50", resnet50)) if cuda else (("small CNN", small_cnn),))}
     for r in rows:
         r["pct_of_step"] = {m: 100 * r["ms"] / ms for m, ms in models.items()}
     return {"command": "bench augment", "machine": machine(), "device": str(device), "batch_size": bs,
             "size": size, "store_size": store, "num_images": count, "threads": torch.get_num_threads(),
-            "loaders": loaders, "transforms": rows, "model_step_ms": models,
+            "loaders": [fixed_row, aspect_row], "transforms": rows, "model_step_ms": models,
             "cores": os.cpu_count()}
