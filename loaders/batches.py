@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -23,6 +24,10 @@ import torch
 from .gather import Memory
 from .ring import Ring
 from .sampler import EpochPlan, Order, Pass, Resumable, worker_batches
+
+# A first batch made faster than this keeps the pass in the caller's thread: a thread hands a
+# batch over in about 0.1 ms (a queue put, a wake-up, a GIL switch), more than such a batch costs.
+INLINE_BELOW_S = 100e-6
 
 
 class BatchSource(Protocol):
@@ -97,6 +102,7 @@ class Loader(Resumable):
             raise ValueError("num_buffers must be >= 2")
         self.num_buffers = num_buffers
         self._ring: Ring | None = None
+        self._inline: bool | None = None  # batches made in the caller's thread (see _gathered)
         self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
 
     @property
@@ -125,31 +131,55 @@ class Loader(Resumable):
         return self._hand_over(p, batches)
 
     def _gathered(self, p: Pass):
+        """The batches of pass `p`. The first is made here, timed: when it took less than
+        INLINE_BELOW_S (token windows, small batches) the rest are made here too, on demand,
+        since handing a batch over from a thread costs more than making it; otherwise a producer
+        thread makes them up to num_buffers - 1 ahead. The batches are the same either way."""
         plan = self._plan
         if self._ring is None:
             memory = "pinned" if self.pin_memory else "ring"
             self._ring = Ring(lambda: self.source.alloc(plan.batch_size, memory), self.num_buffers)
         ring = self._ring
-        ready: queue.SimpleQueue = queue.SimpleQueue()
-        ahead = threading.Semaphore(self.num_buffers - 1)  # batches the producer may make before they are asked for
         stop = threading.Event()
         waiting_for = [-1]  # the batch the consumer is blocked on, if any
 
+        def make(b: int, needed):
+            buffers = ring.take(needed, stop)
+            if buffers is None:
+                return None
+            try:
+                batch = self.source.gather(plan.batch_ids(p, b), buffers, self._pool, self.num_threads)
+                if self._inline is None:  # decided once, by the same gather again (buffers made, pages mapped)
+                    started = time.perf_counter()
+                    batch = self.source.gather(plan.batch_ids(p, b), buffers, self._pool, self.num_threads)
+                    self._inline = time.perf_counter() - started < INLINE_BELOW_S
+                return batch
+            finally:
+                ring.filled(buffers)
+
+        if p.num_batches == 0:
+            return
+        first = make(0, lambda: True)  # the caller waits for it
+        if self._inline:
+            yield first
+            del first
+            for b in range(1, p.num_batches):
+                yield make(b, lambda: True)
+            return
+        ready: queue.SimpleQueue = queue.SimpleQueue()
+        ahead = threading.Semaphore(self.num_buffers - 1)  # batches the producer may make before they are asked for
+
         def produce():
             try:
-                for b in range(p.num_batches):
+                for b in range(1, p.num_batches):
                     while not ahead.acquire(timeout=0.1):
                         if stop.is_set():
                             return
-                    buffers = ring.take(lambda: waiting_for[0] == b, stop)
-                    if buffers is None:
+                    batch = make(b, lambda: waiting_for[0] == b)
+                    if batch is None:
                         return
-                    try:
-                        batch = self.source.gather(plan.batch_ids(p, b), buffers, self._pool, self.num_threads)
-                    finally:
-                        ring.filled(buffers)
                     ready.put(batch)
-                    del batch, buffers
+                    del batch
                 ready.put(None)
             except BaseException as exc:  # re-raised in the consumer
                 ready.put(exc)
@@ -157,7 +187,10 @@ class Loader(Resumable):
         producer = threading.Thread(target=produce, daemon=True, name="mmpack-loader")
         producer.start()
         try:
-            for b in range(p.num_batches + 1):  # the batches, then the end (or an error)
+            yield first
+            del first
+            ahead.release()  # the caller asks for the next batch: one more may be made
+            for b in range(1, p.num_batches + 1):  # the batches, then the end (or an error)
                 try:
                     item = ready.get_nowait()
                 except queue.Empty:
@@ -171,7 +204,7 @@ class Loader(Resumable):
                     raise item
                 yield item
                 del item
-                ahead.release()  # the caller asks for the next batch: one more may be made
+                ahead.release()
         finally:
             stop.set()
             ring.wake()

@@ -81,10 +81,12 @@ class TokenWindows:
         dst = buf.numpy()
         span = self.seq_len + 1
         starts = np.asarray(ids, dtype=np.int64) * self.stride
+        if len(self._windows) == 1:  # one shard: every window lies in it, one take (no search)
+            dst[:] = self._windows[0][starts]
+            return buf[:, :-1], buf[:, 1:]
         first = np.searchsorted(self._token_ends, starts, side="right")
-        last = np.searchsorted(self._token_ends, starts + span - 1, side="right")
-        inside = first == last
-        if len(ids) and inside.all() and (first == first[0]).all():  # one shard: no selection to scatter by
+        inside = starts + span <= self._token_ends[first]
+        if inside.all() and (first == first[0]).all():  # one shard: no selection to scatter by
             dst[:] = self._windows[first[0]][starts - self._token_starts[first[0]]]
         else:
             for k in np.unique(first[inside]).tolist():

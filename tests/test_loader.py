@@ -21,8 +21,18 @@ def pass_ids(loader) -> np.ndarray:
     return plan.ids(plan.start(), 0, plan.per_rank())
 
 
+@pytest.fixture(params=["inline", "threaded"])
+def pass_mode(request, monkeypatch):
+    """Loader makes a pass's batches in the caller's thread when the first one is cheap, else in
+    a producer thread: both ways, the same contract."""
+    from loaders import batches
+
+    monkeypatch.setattr(batches, "INLINE_BELOW_S", 1e9 if request.param == "inline" else 0.0)
+    return request.param
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_batches_equal_per_sample_reads(built, threads):
+def test_batches_equal_per_sample_reads(built, threads, pass_mode):
     ds = MMapDataset(built["images"])
     loader = Loader(ds, 7, seed=3, num_threads=threads)
     ids = pass_ids(loader)  # the sample ids this loader will yield, in order
@@ -74,7 +84,7 @@ def test_a_batch_wider_than_its_buffer_gets_a_fresh_one(built):
     assert "tokens" not in source.alloc(4, "shared")  # per-batch buffers: sized by the gather
 
 
-def test_resume_mid_epoch_is_exact(built):
+def test_resume_mid_epoch_is_exact(built, pass_mode):
     ds = MMapDataset(built["images"])
     full = [b["key"][:] for b in Loader(ds, 4, seed=11, columns=["key"])]
     first = Loader(ds, 4, seed=11, columns=["key"])
@@ -126,7 +136,7 @@ def test_iterable_twin_order_independent_of_workers(built):
     assert sorted(direct) == sorted(MMapDataset(built["images"])[i]["key"] for i in range(len(it)))
 
 
-def test_token_windows_match_the_token_stream(built):
+def test_token_windows_match_the_token_stream(built, pass_mode):
     ds = MMapDataset(built["text"])
     stream = np.concatenate([ds[i]["tokens"].numpy() for i in range(len(ds))]).astype(np.int64)
     for seq_len, stride in [(16, None), (50, 7), (300, 300)]:
@@ -194,7 +204,7 @@ def test_real_torch_distributed_gloo_two_ranks(built, tmp_path):
     assert len(a) + len(b) - n < 2
 
 
-def test_abandoning_an_epoch_near_its_end_does_not_hang(built):
+def test_abandoning_an_epoch_near_its_end_does_not_hang(built, pass_mode):
     """The consumer stops while the producer is handing over the end of the epoch: the next
     epoch starts at once (the producer never blocks on a queue nobody reads)."""
     import threading
@@ -242,7 +252,7 @@ def test_batched_dataset_resumes_mid_epoch_with_another_worker_count(built):
 
 
 @pytest.mark.parametrize("num_buffers", [2, 3])
-def test_a_held_batch_is_never_refilled(built, num_buffers):
+def test_a_held_batch_is_never_refilled(built, num_buffers, pass_mode):
     """The producer runs ahead while the caller holds a batch: the ring must not reuse it."""
     import time
 
@@ -282,7 +292,7 @@ def test_string_column_gather_keeps_non_ascii_keys(tmp_path):
 
 
 @pytest.mark.parametrize("threads,num_buffers", [(1, 2), (2, 2), (2, 3)])
-def test_kept_batches_stay_what_they_were(built, threads, num_buffers):
+def test_kept_batches_stay_what_they_were(built, threads, num_buffers, pass_mode):
     """`list(loader)`: every batch equals the per-sample reads of its ids, keys and tensors
     alike, after the whole epoch was gathered; then the ring lets the extra buffers go."""
     ds = MMapDataset(built["images"])
@@ -301,7 +311,7 @@ def test_kept_batches_stay_what_they_were(built, threads, num_buffers):
     assert len(loader._ring) == num_buffers
 
 
-def test_a_view_held_one_step_longer_is_not_overwritten(built):
+def test_a_view_held_one_step_longer_is_not_overwritten(built, pass_mode):
     """Code that keeps the previous batch's labels (or a numpy view of a tensor) for one more
     step: the ring fills another buffer meanwhile."""
     ds = MMapDataset(built["images"], columns=["image", "label"])
@@ -319,7 +329,7 @@ def test_a_view_held_one_step_longer_is_not_overwritten(built):
 
 
 @pytest.mark.parametrize("step_s", [0.0, 0.01])
-def test_the_usual_loop_reuses_its_buffers_without_allocating(built, step_s):
+def test_the_usual_loop_reuses_its_buffers_without_allocating(built, step_s, pass_mode):
     import time
 
     ds = MMapDataset(built["images"])
