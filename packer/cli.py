@@ -270,7 +270,20 @@ def info_dict(root: Path) -> dict:
         "classes": list(m.classes) if m.classes is not None else None,
         "counts": m.counts,
         "tokenizer": m.tokenizer,
+        "images": _image_policy(m),
     }
+
+
+def _image_policy(m: fmt.Manifest) -> str | None:
+    """How the build sized its images, in the flags' words (None: no image column)."""
+    if not any(c.name == "image" for c in m.columns) or "image_size" not in m.build:
+        return None  # no images, or a build that did not record how (a merge)
+    size, cap = m.build.get("image_size"), m.build.get("max_side")
+    if size is None:
+        return "--image-size keep: each image at its own size"
+    if cap:
+        return f"--image-size {size} --keep-aspect: whole images, shorter side {size}, longer <= {cap}"
+    return f"--image-size {size}: {size} x {size} centre crops"
 
 
 def _cmd_info(args) -> int:
@@ -285,6 +298,8 @@ def _cmd_info(args) -> int:
     print(f"dataset   {d['path']} ({d['format']}, kind {d['kind']})")
     print(f"samples   {d['num_samples']:,} in {d['num_shards']} shards, {_human_bytes(d['size_bytes'])}")
     print(f"columns   {cols}")
+    if d["images"]:
+        print(f"images    {d['images']}")
     if d["classes"] is not None:
         shown = ", ".join(d["classes"][:10]) + (" ..." if len(d["classes"]) > 10 else "")
         print(f"classes   {len(d['classes'])}: {shown}")

@@ -286,6 +286,13 @@ def test_keep_aspect_stores_the_whole_image_at_torchvisions_resize(photos_raw, a
     assert keep_aspect_size(10000, 1, 256, 512) == (512, 1)
 
 
+def test_info_says_how_images_were_sized(aspect_out, capsys):
+    assert main(["info", str(aspect_out)]) == 0
+    assert "images    --image-size 64 --keep-aspect: whole images, shorter side 64, longer <= 128" in capsys.readouterr().out
+    assert main(["info", str(aspect_out), "--json"]) == 0
+    assert "--keep-aspect" in json.loads(capsys.readouterr().out)["images"]
+
+
 def test_keep_aspect_flags_and_append_are_checked(photos_raw, aspect_out, tmp_path, capsys):
     for argv, words in ((["--image-size", "keep", "--keep-aspect"], "--keep-aspect needs a number"),
                         (["--image-size", "64", "--max-side", "100"], "add --keep-aspect"),
