@@ -43,6 +43,8 @@ def rrc_boxes(sizes, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator: torch.G
     if not (0 < scale[0] <= scale[1]) or not (0 < ratio[0] <= ratio[1]):
         raise ValueError(f"rrc_boxes: scale {tuple(scale)} and ratio {tuple(ratio)} must be positive (low, high) pairs")
     sizes = torch.as_tensor(sizes)
+    if sizes.dim() != 2 or sizes.shape[1] != 2 or bool((sizes <= 0).any()):
+        raise ValueError(f"rrc_boxes: sizes must be [B, 2] rows of positive (h, w), got shape {tuple(sizes.shape)}")
     dev = generator.device if generator is not None else torch.device("cpu")
     hw = sizes.to(dev, torch.float64)
     H, W = hw[:, 0:1], hw[:, 1:2]

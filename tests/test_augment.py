@@ -111,6 +111,8 @@ def test_rrc_boxes_fall_back_exactly_as_torchvision():
     assert rrc_boxes(torch.tensor([[50, 50]]), scale=(1, 1), ratio=(1, 1)).tolist() == [[0, 0, 50, 50]]
     with pytest.raises(ValueError):
         rrc_boxes(torch.tensor([[50, 50]]), scale=(0.9, 0.1))
+    with pytest.raises(ValueError, match="positive"):
+        rrc_boxes(torch.tensor([[50, 0]]))
 
 
 def test_rrc_boxes_match_torchvision_itself_where_installed():
