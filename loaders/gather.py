@@ -19,6 +19,7 @@ operators. The widening is part of the copy (`token_dtype`), here and in every t
 from __future__ import annotations
 
 import mmap
+import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import Literal
@@ -26,11 +27,13 @@ from typing import Literal
 import numpy as np
 import torch
 
+from packer.errors import ConfigError, IntegrityError
 from packer.reader import ColumnArrays, DatasetReader, decode_text
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
 RAGGED_BUFFER_BYTES = 16 << 20  # a ragged column's batch buffer: up to B x its longest sample, at most this
 CANVAS_BUFFER_BYTES = 512 << 20  # an image canvas buffer: B x the dataset's largest sides, at most this
+CANVAS_RAM_SHARE = 4  # a batch's canvas may take at most 1/this of the machine's memory
 SHORT_PIECES = 256  # ragged samples up to this long on average are gathered vectorised, longer ones one by one
 
 
@@ -163,7 +166,7 @@ class ColumnGather:
         order = np.lexsort((rows, shard)).tolist()  # (shard, row) order, for locality
         pending = _split(partial(_copy_rows, jobs, shard.tolist(), rows.tolist()), order, pool, num_threads) if jobs else []
         for col in canvases:
-            fill, batch = _canvas(col.name, self._arrays(col.name), shard, rows, buffers)
+            fill, batch = _canvas(col.name, self._arrays(col.name), shard, rows, buffers, f"{self.reader.root}: column {col.name}")
             out.update(batch)
             pending += _split(fill, order, pool, num_threads)
         for col in rest:
@@ -201,7 +204,7 @@ def _split(copy, positions: list[int], pool, num_threads: int) -> list:
     return [pool.submit(copy, c) for c in chunks if c]
 
 
-def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers):
+def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers, where: str):
     """A batch of ragged images: (fill, {name: canvas [B, Hmax, Wmax, C], name_size: [B, 2]}),
     the canvas in the batch's buffer when it holds it, fill(positions) copying those samples
     into its top-left corners and zeroing the rest of their slots (a sample's padding is never
@@ -211,11 +214,21 @@ def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers):
     for k in np.unique(shard):
         sel = shard == k
         shapes[sel] = arrays[k].shapes[rows[sel]]
+    if n and not shapes[:, :2].all():
+        raise IntegrityError(f"{where}: a sample with an empty image ({tuple(shapes[np.flatnonzero(~shapes[:, :2].all(1))[0]])}); "
+                             "run 'packer verify'")
     top = shapes.max(axis=0, initial=0)
     need = n * int(np.prod(top))
+    too_big = ConfigError(f"{where}: a batch of {n} images of up to {top[0]} x {top[1]} px needs a {need / 1e9:,.1f} GB "
+                          "canvas; use a smaller batch, or a dataset built with --keep-aspect (its --max-side caps the sides)")
+    if need > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // CANVAS_RAM_SHARE:
+        raise too_big
     flat, size = buffers.get(name), buffers.get(f"{name}_size")
     if flat is None or need > flat.numel() or size is None:  # no buffer, or larger than it was sized for
-        flat = torch.from_numpy(np.empty(need, arrays[0].values.dtype if arrays else np.uint8))
+        try:
+            flat = torch.from_numpy(np.empty(need, np.uint8))
+        except MemoryError:
+            raise too_big from None
         size = torch.empty(n, 2, dtype=torch.int64)
     canvas, size = flat[:need].view(n, *top.tolist()), size[:n]
     size.numpy()[:] = shapes[:, :2]

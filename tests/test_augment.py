@@ -348,6 +348,15 @@ def test_loader_canvas_holds_each_sample_top_left_with_zeros_around(aspect_out):
     assert first["image"].shape[0] == 8 and first["image_size"].shape == (8, 2)
 
 
+def test_a_canvas_too_large_for_the_machine_is_refused_with_a_reason(aspect_out, monkeypatch):
+    from loaders import gather
+    from packer.errors import ConfigError
+
+    monkeypatch.setattr(gather, "CANVAS_RAM_SHARE", 10 ** 12)  # as if the batch's sides were enormous
+    with pytest.raises(ConfigError, match="use a smaller batch, or a dataset built with --keep-aspect"):
+        next(iter(Loader(MMapDataset(aspect_out), 8)))
+
+
 _KEYS: dict = {}
 
 

@@ -12,11 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_four_hundred_damaged_datasets_give_our_errors_or_right_values(tmp_path, built):
+def test_four_hundred_damaged_datasets_give_our_errors_or_right_values(tmp_path, built, image_raw):
+    from packer.cli import main
+
+    aspect = tmp_path / "aspect-images"  # ragged images: the canvas gather, its shapes file
+    assert main(["build", str(image_raw), str(aspect), "--image-size", "24", "--keep-aspect", "--shard-size", "20",
+                 "-q"]) == 0
     work = tmp_path / "work"
     work.mkdir()
     out = subprocess.run([sys.executable, "-m", "tests.fuzz_driver", "20261124", "400", str(work),
-                          str(built["images"]), str(built["text"]), str(built["pairs"])],
+                          str(built["images"]), str(built["text"]), str(built["pairs"]), str(aspect)],
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     lines = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     failures = [line for line in lines if "failure" in line]
