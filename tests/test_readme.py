@@ -50,11 +50,11 @@ finally:
 @pytest.fixture(scope="module")
 def readme_dir(tmp_path_factory, image_raw, text_raw, minilm):
     """A working dir with the datasets the README's blocks open: out/ (images), text-out/ (text),
-    aspect-out/ (keep-aspect images)."""
+    data/train (keep-aspect images)."""
     work = tmp_path_factory.mktemp("readme")
     assert main(["build", str(image_raw), str(work / "out"), "--image-size", "48", "-q"]) == 0
     assert main(["build", str(text_raw), str(work / "text-out"), "--tokenizer", str(minilm), "-q"]) == 0
-    assert main(["build", str(image_raw), str(work / "aspect-out"), "--image-size", "40", "--keep-aspect", "-q"]) == 0
+    assert main(["build", str(image_raw), str(work / "data" / "train"), "--image-size", "40", "--keep-aspect", "-q"]) == 0
     return work
 
 
