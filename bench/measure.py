@@ -119,6 +119,24 @@ def cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
+def disk_write_rate(folder: Path, nbytes: int = 256 << 20, chunk: int = 8 << 20) -> float:
+    """Bytes/s this file system takes from one writer, fsync included (what a build's shards
+    pay): `nbytes` of incompressible data written in `chunk`s to a file in `folder`, then
+    fsynced; the file is removed."""
+    block = os.urandom(chunk)
+    path = Path(folder) / f".mmpack-disk-rate-{os.getpid()}"
+    start = time.perf_counter()
+    try:
+        with open(path, "wb") as f:
+            for _ in range(max(1, nbytes // chunk)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return max(1, nbytes // chunk) * chunk / (time.perf_counter() - start)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def evict(paths: Iterable[Path]) -> int:
     """Drop these files' pages from the page cache (posix_fadvise DONTNEED; no root needed, unlike
     /proc/sys/vm/drop_caches), written to disk first: dirty pages are not dropped. Returns the

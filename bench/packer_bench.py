@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import data
 from .loaders_bench import machine, prepare_images, prepare_text
-from .measure import PeakMemory, evict
+from .measure import PeakMemory, disk_write_rate, evict
 
 _RAW_ONE_CORE = """
 import json, sys, time
@@ -119,17 +119,21 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
 
-def _row(what: str, workers: int, unit: str, units: int, r: dict, inputs: str = "cached") -> dict:
+def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, inputs: str = "cached") -> dict:
     """efficiency = mean build rate / (mean raw rate of a core alone x cores used): the issue's
     target; efficiency_busy = the same against a core's raw rate with all cores used doing the
     raw work (what the machine's cores can give, without anything of the build); raw_scaling =
-    busy / alone, how much of the linear ideal the raw work itself reaches on these cores."""
+    busy / alone, how much of the linear ideal the raw work itself reaches on these cores;
+    pct_disk = bytes written per second of build against the output device's write rate `disk`
+    (near 100%: the disk, not the cores, sets the pace)."""
     rates = [units / s for s in r["seconds_runs"]]
+    written = r["size_bytes"] / r["seconds"]
     ideal, ideal_busy = r["raw_per_core"] * r["cores_used"], r["raw_per_core_busy"] * r["cores_used"]
     return {"what": what, "workers": workers, "inputs": inputs, "rate": statistics.mean(rates), "unit": unit,
             "efficiency": statistics.mean(rates) / ideal, "efficiency_runs": [x / ideal for x in rates],
             "efficiency_busy": statistics.mean(rates) / ideal_busy,
-            "raw_scaling": r["raw_per_core_busy"] / r["raw_per_core"], **r}
+            "raw_scaling": r["raw_per_core_busy"] / r["raw_per_core"], "written_bytes_per_s": written,
+            "pct_disk": 100 * written / disk, **r}
 
 
 def bench_packer(args) -> dict:
@@ -142,15 +146,16 @@ def bench_packer(args) -> dict:
     img_files = sorted(p for p in raw_img.rglob("*") if p.is_file())
     txt_files = sorted(p for p in raw_txt.rglob("*") if p.is_file())
     rows = []
+    disk = disk_write_rate(work)  # where the builds write: is the output device their limit?
     shard, text_shard = args.shard_size, args.text_shard_size or args.shard_size
     tokenizer = ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos", "--shard-size", text_shard]
     for w in args.workers_list:
         for inputs in ("cached", "cold") if args.cold else ("cached",):  # cold: evicted before each build
             before = (lambda: evict(img_files)) if inputs == "cold" else (lambda: None)
             r = _build("images", raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard], args.rounds, before)
-            rows.append(_row("images", w, "images/s", r["samples"], r, inputs))
+            rows.append(_row("images", w, "images/s", r["samples"], r, disk, inputs))
         r = _build("tokens", raw_txt, work / f"pk-text-{w}", w, tokenizer, args.rounds)
-        rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r))
+        rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r, disk))
     archives = []
     last = args.workers_list[-1]
     for what in ("images", "text"):
@@ -161,7 +166,7 @@ def bench_packer(args) -> dict:
         archives.append({"what": what, "level": args.level, "raw_bytes": p.raw_bytes, "zstd_bytes": p.packed_bytes,
                          "ratio": p.ratio, "pack_mb_per_s": p.mb_per_s, "unpack_mb_per_s": u.mb_per_s})
     return {"command": "bench packer", "machine": machine(), "shard_size": shard, "text_shard_size": text_shard,
-            "builds": rows,
+            "builds": rows, "disk_write_bytes_per_s": disk,
             "archives": archives, "images": len(img_files), "text_files": len(txt_files)}
 
 

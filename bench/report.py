@@ -100,14 +100,16 @@ def sampler_table(report: dict) -> str:
 
 def packer_table(report: dict) -> str:
     lines = [f"{'build':12} {'workers':>7} {'cores':>5} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'runs':>9} "
-             f"{'raw scaling':>11} {'vs busy':>7} {'seconds':>8} {'shards':>6} {'out MB':>8} {'peak RSS MB':>11}"]
+             f"{'raw scaling':>11} {'vs busy':>7} {'seconds':>8} {'shards':>6} {'out MB':>8} {'MB/s out':>8} {'% disk':>6} "
+             f"{'peak RSS MB':>11}"]
     for r in report["builds"]:
         runs = "/".join(f"{100 * e:.0f}" for e in r.get("efficiency_runs", [r["efficiency"]]))
         what = r["what"] + (" cold" if r.get("inputs") == "cold" else "")
         lines.append(f"{what:12} {r['workers']:>7} {r['cores_used']:>5} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
                      f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {runs:>8}% "
                      f"{100 * r['raw_scaling']:>10.0f}% {100 * r['efficiency_busy']:>6.0f}% {r['seconds']:>8.1f} "
-                     f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {r['peak_rss_mb']:>11,.0f}")
+                     f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {_f(r.get('written_bytes_per_s', 0) / 1e6, '>8,.0f')} "
+                     f"{_f(r.get('pct_disk'), '>5.0f')}% {r['peak_rss_mb']:>11,.0f}")
     lines.append("efficiency = build rate / (raw per-core rate x cores used), means over the timed builds (runs: "
                  "each build's own); raw = Pillow decode+resize or tokenizers batch encode alone, one core (a fresh "
                  "process, one Rust thread), same inputs, measured before the first build and after each; raw "
@@ -116,7 +118,9 @@ def packer_table(report: dict) -> str:
                  "per-core rate x cores used); build rate = `packer build` in its own process, by its own clock "
                  "(scan to published manifest); cores used, as the build records it: one per worker for images, "
                  "and tokenizers' threads for text (every core when one process builds); cold: the build's inputs "
-                 "evicted from the page cache before it (the raw rate stays cached)")
+                 "evicted from the page cache before it (the raw rate stays cached); MB/s out = bytes the build wrote "
+                 "per second of its run; % disk = that against the output file system's write rate with fsync, "
+                 f"{report.get('disk_write_bytes_per_s', 0) / 1e6:,.0f} MB/s here (near 100%: the disk is the limit)")
     for a in report["archives"]:
         lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
                      f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "

@@ -204,6 +204,8 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
         if len(skips) > SKIPS_SHOWN:
             print(f"... and {len(skips) - SKIPS_SHOWN} more (packer info {out} --skipped)")
     rate = f"{new.get('packed', 0) / max(seconds, 1e-9):,.0f} samples/s"
+    if not appended:  # against the disk's write rate, the bytes per second say whether the disk set the pace
+        rate += f", {manifest.size_bytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s written"
     if not quiet and manifest.build.get("layout") and not appended:
         print(f"layout {manifest.build['layout']}")
     if appended:

@@ -96,9 +96,12 @@ def test_bench_packer_smallest(work, tmp_path, capsys):
         assert b["efficiency_busy"] == pytest.approx(b["efficiency"] / b["raw_scaling"])
         if b["cores_used"] == 1:
             assert b["raw_per_core_busy_runs"] == b["raw_per_core_runs"][1:]
+        # bytes written per second of build, against the output file system's fsynced write rate
+        assert b["written_bytes_per_s"] == pytest.approx(b["size_bytes"] / b["seconds"])
+        assert b["pct_disk"] == pytest.approx(100 * b["written_bytes_per_s"] / report["disk_write_bytes_per_s"])
     assert {a["what"] for a in report["archives"]} == {"images", "text"}
     assert all(a["ratio"] > 1 and a["pack_mb_per_s"] > 0 and a["unpack_mb_per_s"] > 0 for a in report["archives"])
-    assert "efficiency" in capsys.readouterr().out
+    assert "efficiency" in (text := capsys.readouterr().out) and "% disk" in text
 
 
 def test_stall_on_any_iterable():
