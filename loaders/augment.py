@@ -9,15 +9,15 @@ batch is its own canvas). Per sample and for the whole batch at once:
 - crop boxes follow torchvision's `RandomResizedCrop.get_params` (up to 10 draws of area and
   log-aspect against the sample's own (h, w), then its centre-crop fallback): `rrc_boxes`;
 - the resize is torch's `interpolate(mode="bilinear", antialias=True, align_corners=False)` of
-  the crop (Pillow's bilinear filter, which widens with the shrink factor): its taps, computed
-  per sample, are applied as two separable passes, one per axis, so a sample's padding is
-  never read; the flip is the horizontal taps reversed (no extra pass);
+  the crop (Pillow's bilinear filter, which widens with the shrink factor), so a sample's
+  padding is never read; the flip costs no extra pass;
 - normalisation and the cast to `dtype` happen once, on the small output.
 
-On CUDA each pass is one batched matrix product in float16 (tensor cores; pixel values are exact
-in it and the result is within 0.1 of a level, ~75 dB PSNR): a per-sample loop would be 2 x B
-kernel launches. Elsewhere it is torch's own interpolate per sample, whose uint8 kernel is
-7-10x faster on a CPU than any batched float formulation tried (docs/design.md).
+On CUDA the resize is two separable passes, one per axis, each one batched matrix product in
+float16 built from every sample's interpolation taps (tensor cores; pixel values are exact in
+float16 and the result is within 0.1 of a level; the flip is the horizontal taps reversed): a
+per-sample loop would be 2 x B kernel launches. Elsewhere it is torch's own interpolate per
+sample, whose uint8 kernel beats any batched float formulation on a CPU (docs/design.md).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ def _check_boxes(boxes: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
 
 
 def _box_spans(boxes: torch.Tensor, size: int):
-    """Crop boxes (top, left, height, width) as the spans of `_resample`: each box resized to size x size."""
+    """Crop boxes (top, left, height, width) as the spans of `_transform`: each box resized to size x size."""
     top, left, h, w = boxes.to(torch.float64).unbind(1)
     n, zero = torch.full_like(h, float(size)), torch.zeros_like(h)
     return (top, h, n, zero), (left, w, n, zero)
@@ -216,6 +216,7 @@ def _transform(x: torch.Tensor, rows, cols, n: int, flips, dtype, mean, std, cha
 
 
 def _dense_path(x: torch.Tensor) -> bool:
+    """The batched matrix products where kernel launches cost more than arithmetic (CUDA)."""
     return x.is_cuda
 
 
