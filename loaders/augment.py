@@ -27,6 +27,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from packer.images import keep_aspect_size
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -98,12 +100,10 @@ def eval_transform(images: torch.Tensor, sizes=None, size: int = 224, resize: in
     antialiased bilinear) then `CenterCrop(size)` (offsets int(round(excess / 2))), normalised."""
     if resize < size:
         raise ValueError(f"eval_transform: resize {resize} is smaller than the crop size {size}")
-    sizes = _sizes(images, sizes).to(images.device, torch.float64)
-    h, w = sizes.unbind(1)
-    short, long_ = torch.minimum(h, w), torch.maximum(h, w)
-    other = torch.floor(resize * long_ / short)
-    rh = torch.where(h <= w, float(resize), other)
-    rw = torch.where(h <= w, other, float(resize))
+    sizes = _sizes(images, sizes)
+    resized = torch.tensor([keep_aspect_size(w, h, resize)[::-1] for h, w in sizes.tolist()], dtype=torch.float64)
+    h, w = sizes.to(images.device, torch.float64).unbind(1)
+    rh, rw = resized.to(images.device).unbind(1)
     zero = torch.zeros_like(h)
     rows = (zero, h, rh, torch.round((rh - size) / 2))
     cols = (zero, w, rw, torch.round((rw - size) / 2))

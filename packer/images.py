@@ -56,13 +56,14 @@ def _to_rgb(img: Image.Image, background: tuple[int, int, int] | None = None) ->
     return img if img.mode == "RGB" else img.convert("RGB")
 
 
-def keep_aspect_size(w: int, h: int, size: int, max_side: int) -> tuple[int, int]:
+def keep_aspect_size(w: int, h: int, size: int, max_side: int | None = None) -> tuple[int, int]:
     """(width, height) of a keep-aspect sample: torchvision's `Resize(size, max_size=max_side)`
     rule, shorter side to `size`, the longer one int(size * long / short), and when that exceeds
-    `max_side` the longer side `max_side` and the shorter int(max_side * short / long), at least 1."""
+    `max_side` the longer side `max_side` and the shorter int(max_side * short / long), at least 1.
+    Also what `eval_transform` resizes to (no cap)."""
     short, long_ = (w, h) if w <= h else (h, w)
     new_short, new_long = size, int(size * long_ / short)
-    if new_long > max_side:
+    if max_side is not None and new_long > max_side:
         new_short, new_long = max(1, int(max_side * new_short / new_long)), max_side
     return (new_short, new_long) if w <= h else (new_long, new_short)
 
