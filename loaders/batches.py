@@ -131,10 +131,11 @@ class Loader(Resumable):
         return self._hand_over(p, batches)
 
     def _gathered(self, p: Pass):
-        """The batches of pass `p`. The first is made here, timed: when it took less than
-        INLINE_BELOW_S (token windows, small batches) the rest are made here too, on demand,
-        since handing a batch over from a thread costs more than making it; otherwise a producer
-        thread makes them up to num_buffers - 1 ahead. The batches are the same either way."""
+        """The batches of pass `p`. The first is made here. The Loader's first pass makes it a
+        second time, timed (buffers allocated, pages mapped): when that took less than
+        INLINE_BELOW_S (token windows, small batches), every pass makes its batches here, on
+        demand, since handing a batch over from a thread costs more than making it; otherwise a
+        producer thread makes them up to num_buffers - 1 ahead. The batches are the same either way."""
         plan = self._plan
         if self._ring is None:
             memory = "pinned" if self.pin_memory else "ring"
