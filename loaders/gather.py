@@ -27,7 +27,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from packer.errors import ConfigError, IntegrityError
+from packer.errors import ConfigError
 from packer.reader import ColumnArrays, DatasetReader, decode_text
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
@@ -125,7 +125,7 @@ class ColumnGather:
                 dtype = np.dtype(c.dtype)
                 most = max(1, CANVAS_BUFFER_BYTES // dtype.itemsize)
                 out[c.name] = empty((min(batch_size * int(np.prod(self._largest(c.name))), most),), dtype, memory)
-                out[f"{c.name}_size"] = empty((batch_size, len(c.shape) - 1), np.int64, memory)
+                out[f"{c.name}_size"] = empty((batch_size, 2), np.int64, memory)
             elif len(c.shape) == 1 and memory in ("ring", "pinned"):
                 dtype = batch_dtype(c.dtype)
                 most = max(1, RAGGED_BUFFER_BYTES // dtype.itemsize)
@@ -205,28 +205,28 @@ def _split(copy, positions: list[int], pool, num_threads: int) -> list:
 
 
 def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers, where: str):
-    """A batch of ragged images: (fill, {name: canvas [B, Hmax, Wmax, C], name_size: [B, 2]}),
-    the canvas in the batch's buffer when it holds it, fill(positions) copying those samples
-    into its top-left corners and zeroing the rest of their slots (a sample's padding is never
-    stale: the batch is a pure function of its ids)."""
+    """A batch of a ragged column of 2 or more axes (images): (fill, {name: canvas [B, *largest
+    of each axis], name_size: [B, 2] (first two axes)}), the canvas in the batch's buffer when it
+    holds it, fill(positions) copying those samples into its top-left corners and zeroing the
+    rest of their slots (a sample's padding is never stale: the batch is a pure function of its
+    ids). Samples may be empty (a 0 x w image): all padding."""
     n = len(rows)
+    dtype = arrays[0].values.dtype if arrays else np.dtype(np.uint8)
     shapes = np.zeros((n, arrays[0].shapes.shape[1] if arrays else 3), np.int64)
     for k in np.unique(shard):
         sel = shard == k
         shapes[sel] = arrays[k].shapes[rows[sel]]
-    if n and not shapes[:, :2].all():
-        raise IntegrityError(f"{where}: a sample with an empty image ({tuple(shapes[np.flatnonzero(~shapes[:, :2].all(1))[0]])}); "
-                             "run 'packer verify'")
     top = shapes.max(axis=0, initial=0)
     need = n * int(np.prod(top))
-    too_big = ConfigError(f"{where}: a batch of {n} images of up to {top[0]} x {top[1]} px needs a {need / 1e9:,.1f} GB "
-                          "canvas; use a smaller batch, or a dataset built with --keep-aspect (its --max-side caps the sides)")
-    if need > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // CANVAS_RAM_SHARE:
+    too_big = ConfigError(f"{where}: a batch of {n} samples of up to {top[0]} x {top[1]} needs a "
+                          f"{need * dtype.itemsize / 1e9:,.1f} GB canvas; use a smaller batch, or a dataset built with "
+                          "--keep-aspect (its --max-side caps the sides)")
+    if need * dtype.itemsize > os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // CANVAS_RAM_SHARE:
         raise too_big
     flat, size = buffers.get(name), buffers.get(f"{name}_size")
     if flat is None or need > flat.numel() or size is None:  # no buffer, or larger than it was sized for
         try:
-            flat = torch.from_numpy(np.empty(need, np.uint8))
+            flat = torch.from_numpy(np.empty(need, dtype))
         except MemoryError:
             raise too_big from None
         size = torch.empty(n, 2, dtype=torch.int64)
@@ -234,13 +234,19 @@ def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers, where: str):
     size.numpy()[:] = shapes[:, :2]
     dst = canvas.numpy()
     sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
+    fixed_tail = bool((shapes[:, 2:] == top[2:]).all())  # images: every sample has the canvas' channels
 
     def fill(positions):
         for i in positions:
-            h, w = shapes[i, 0], shapes[i, 1]
-            dst[i, :h, :w] = sources[i][0].sample(sources[i][1])
-            dst[i, h:] = 0
-            dst[i, :h, w:] = 0
+            sample = sources[i][0].sample(sources[i][1])
+            if fixed_tail:  # the padding right of and below the sample only
+                h, w = shapes[i, 0], shapes[i, 1]
+                dst[i, :h, :w] = sample
+                dst[i, h:] = 0
+                dst[i, :h, w:] = 0
+            else:
+                dst[i] = 0
+                dst[i][tuple(slice(0, int(d)) for d in shapes[i])] = sample
 
     return fill, {name: canvas, f"{name}_size": size}
 

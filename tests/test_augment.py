@@ -357,6 +357,42 @@ def test_a_canvas_too_large_for_the_machine_is_refused_with_a_reason(aspect_out,
         next(iter(Loader(MMapDataset(aspect_out), 8)))
 
 
+@pytest.mark.parametrize("dtype,shape", [("<f4", (None, None)), ("|u1", (None, 2, None)), ("|u1", (None, None, 3))])
+def test_any_ragged_column_of_two_or_more_axes_gathers_into_a_canvas(tmp_path, dtype, shape):
+    """Not only images: a canvas keeps the column's dtype, each sample top-left (empty samples
+    too), zeros elsewhere, and its first two sides in `_size`."""
+    from loaders.gather import _canvas
+    from packer import format as fmt
+    from packer.reader import map_column
+    from packer.writer import ShardWriter
+
+    col = fmt.Column("x", dtype, shape)
+    rng = np.random.default_rng(0)
+    dims = [(3, 5), (0, 4), (6, 1), (2, 2)]
+    def sample_shape(i, h, w):  # the ragged axes vary, the fixed ones are as the column says
+        return tuple(h if ax == 0 else w if ax == 1 and d is None else d if d is not None else 1 + i
+                     for ax, d in enumerate(shape))
+
+    samples = [(rng.random(sample_shape(i, h, w)) * 200 + 1).astype(np.dtype(dtype)) for i, (h, w) in enumerate(dims)]
+    with ShardWriter(tmp_path, 0, (col,)) as w:
+        for s in samples:
+            w.add({"x": s})
+        w.close()
+    arrays = [map_column(tmp_path / "shard-00000", col, len(samples))]
+    buffers = {"x": torch.full((10_000,), 7).to(torch.from_numpy(np.zeros(0, np.dtype(dtype))).dtype),
+               "x_size": torch.empty(4, 2, dtype=torch.int64)}  # a reused buffer, not zero
+    for bufs in ({}, buffers):
+        fill, out = _canvas("x", arrays, np.zeros(4, np.int64), np.array([3, 2, 1, 0]), bufs, "test")
+        fill(list(range(4)))
+        canvas, sizes = out["x"], out["x_size"]
+        assert canvas.dtype == torch.from_numpy(samples[0]).dtype
+        for i, s in enumerate(samples[::-1]):
+            assert sizes[i].tolist() == list(s.shape[:2])
+            region = canvas[i][tuple(slice(0, d) for d in s.shape)]
+            assert torch.equal(region, torch.from_numpy(s))
+            assert int((canvas[i] != 0).sum()) == region.numel()  # samples hold no zero: nothing but zeros around it
+
+
 _KEYS: dict = {}
 
 
