@@ -18,11 +18,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from . import format as fmt
 from . import writer
@@ -56,9 +57,14 @@ class ShardContext:
     raw: Path
     background: tuple[int, int, int] | None = None  # --background: composite transparency over it
     max_side: int | None = None  # --keep-aspect: the longer side's cap (None: S x S centre crops)
+    # Pillow's decompression-bomb limit in the build process (a script may change it): workers
+    # start from a forkserver and would otherwise decode with Pillow's default
+    max_image_pixels: int | None = field(default_factory=lambda: Image.MAX_IMAGE_PIXELS)
 
     def decode(self, path: str):
         """A record's pixels, as this build decodes them (read-only)."""
+        if Image.MAX_IMAGE_PIXELS != self.max_image_pixels:
+            Image.MAX_IMAGE_PIXELS = self.max_image_pixels
         return decode_image(path, self.image_size, writable=False, background=self.background, max_side=self.max_side)
 
     @property

@@ -303,7 +303,7 @@ def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypa
     shutil.copy(photo, raw / "a" / "big.jpg")
     shutil.copy(data.fetch(data.PILLOW_TESTS) / "hopper.png", raw / "a" / "small.png")  # 128 x 128
     # big.jpg is 1.37x the limit set here: the warning range. The limit is set in the command's
-    # process, whose pool workers fork from it and decode with the same limit
+    # process; its pool workers start from a forkserver, and the build hands them the limit
     code = ("from PIL import Image; Image.MAX_IMAGE_PIXELS = 200_000; import sys, packer.cli; "
             f"sys.exit(packer.cli.main(['build', {str(raw)!r}, {str(tmp_path / 'out')!r}, '--image-size', '32', '-q']))")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
