@@ -192,6 +192,18 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
                       sum(r.items for r in results), len(tasks))
 
 
+def _start_pool_server(config: BuildConfig) -> None:
+    """A local image build (no tokenizer) with several workers uses a pool: where its workers
+    come from a forkserver (this process runs other threads), the server starts while this
+    process scans RAW. A text build may well run in this process alone (one shard), where a
+    server importing on the side would take a core from the tokenizer."""
+    if config.engine == "local" and config.num_workers > 1 and config.tokenizer is None:
+        from .engines import start_method, start_server
+
+        if start_method(tokenizer=False) == "forkserver":
+            start_server()
+
+
 def _workers_used(config: BuildConfig) -> int | str:
     return "ray" if config.engine == "ray" else config.num_workers
 
@@ -211,6 +223,7 @@ def _discard(config: BuildConfig) -> None:
 # -- prepare: scan, plan, fingerprint, claim the staging --------------------------------------
 def _prepare(config: BuildConfig) -> Prepared:
     outdir.check_out(config.out, append=config.append, overwrite=config.overwrite, deferred=True)
+    _start_pool_server(config)
     with gc_paused():  # a few objects per input file, none in a cycle
         return _scan_and_plan(config)
 
@@ -480,7 +493,7 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
     workers = prep.config.num_workers
     workers, threads = parallelism(workers, pool_tasks(prep.ctx, [t.items for t in todo], workers))
     cores = min(workers * (threads if prep.ctx.tokenizer is not None else 1), available_cores())
-    with gc_frozen():  # the scan's objects (a million records): a collector's pass over them finds nothing
+    with gc_frozen():  # the scan's objects: a collector's pass over them, here or in a fork, finds nothing
         if prep.config.engine == "ray":
             from .engines import run_ray
 

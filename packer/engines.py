@@ -2,12 +2,12 @@
 
 Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s; the
 shard function is `packer.shards.run_shard`, except that a pool splits fixed-size image shards
-into pieces (`open_pieces` / `run_piece` / `finish_pieces`, the same bytes). Pool workers
-always start from a forkserver (spawn off Linux), never by a fork of this process: a fork
-copies locks that other threads hold (`tokenizers` used before a fork can deadlock the child,
-huggingface/tokenizers#187), and forking only from a single-threaded build process saved
-nothing measurable (docs/design.md). At most two jobs per worker are queued, so memory stays
-bounded by the shard, not the corpus."""
+into pieces (`open_pieces` / `run_piece` / `finish_pieces`, the same bytes). How pool workers
+start (`start_method`): a build without a tokenizer forks them from this process when it runs
+a single thread, before any thread of the pool starts; any other build uses forkserver (spawn
+off Linux), never fork: `tokenizers` used before a fork can deadlock the child
+(huggingface/tokenizers#187), as can any lock another thread holds. At most two jobs per worker
+are queued, so memory stays bounded by the shard, not the corpus."""
 
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ from . import format as fmt
 from .errors import ConfigError, SourceError
 from .plan import ShardTask
 from .sources import prefetch
+from .system import gc_frozen
 from .writer import partial_dir
 from .shards import (ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
                      open_pieces, piece_bounds, read_progress, run_piece, run_shard, set_progress_sink)
@@ -60,23 +61,54 @@ def run_here(ctx: ShardContext, jobs: Jobs, advance: Advance) -> list[ShardResul
         set_progress_sink(None)
 
 
-def _context():
-    """The pool's multiprocessing context: a forkserver on Linux, spawn elsewhere."""
+def start_method(tokenizer: bool) -> str:
+    """How a pool started now would start its workers. "fork" on Linux for a build that uses
+    no tokenizer, from a process that runs one thread (/proc/self/task): no lock can be held
+    by a thread the child lacks, whatever libraries are loaded, and a worker starts in a
+    millisecond with this process's imports, where a forkserver first imports them again in a
+    process of its own (0.12 s of a core, taken from the decoding lanes on 2 cores). Otherwise
+    "forkserver" ("spawn" off Linux)."""
     if not sys.platform.startswith("linux"):
-        return multiprocessing.get_context("spawn")
-    mp = multiprocessing.get_context("forkserver")
-    # the server imports numpy, Pillow and tokenizers' module once (never runs a tokenizer,
-    # so forking from it is safe); each worker then starts in milliseconds, not a second.
-    # _one_blas_thread first: it keeps OpenBLAS's spinning threads out of the server
-    mp.set_forkserver_preload(["packer._one_blas_thread", "packer.shards"])
+        return "spawn"
+    if not tokenizer and _single_threaded():
+        return "fork"
+    return "forkserver"
+
+
+def _single_threaded() -> bool:
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+def _context(method: str):
+    mp = multiprocessing.get_context(method)
+    if method == "forkserver":
+        # the server imports numpy, Pillow and tokenizers' module once (never runs a tokenizer,
+        # so forking from it is safe); each worker then starts in milliseconds, not a second.
+        # _one_blas_thread first: it keeps OpenBLAS's spinning threads out of the server
+        mp.set_forkserver_preload(["packer._one_blas_thread", "packer.shards"])
     return mp
+
+
+def start_server() -> None:
+    """Start the forkserver now, so that its imports (a fifth of a second of one core) overlap
+    the scan and plan rather than delay the pool's first worker. Returns at once."""
+    _context("forkserver")
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
 
 
 def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayon_threads: int) -> list[ShardResult]:
     """The jobs in a pool of `workers` processes; this process only hands out work and
     finishes shards, so a decoder that kills its process costs a worker, never the build."""
-    mp = _context()
-    progress = mp.Queue()
+    method = start_method(ctx.tokenizer is not None)
+    mp = _context(method)
+    # a queue that processes of either context may take: a pool made again after a crash starts
+    # from the forkserver, and a queue made in the fork context may not go there
+    progress = _context("spawn" if method == "spawn" else "forkserver").Queue()
 
     def drain() -> None:
         while True:
@@ -86,6 +118,8 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
                 break
 
     pool = _Pool(mp, workers, initargs=(progress, rayon_threads, os.getpid(), ctx.staging))
+    if method == "fork":
+        _fork_now(pool.executor)
     try:
         results = (_run_pieces if in_pieces(ctx) else _run_shards)(pool, ctx, iter(jobs), workers, drain, advance)
     except BaseException:
@@ -95,6 +129,15 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
     return results
 
 
+def _fork_now(pool: ProcessPoolExecutor) -> None:
+    """Fork the pool's workers now, while this process still runs one thread: a fork pool
+    starts all of them at its first submit, before its own threads. The objects this process
+    holds (the scan of a million files) are frozen out of the workers' garbage collector, whose
+    passes would otherwise write to every one of them and copy their pages into each worker."""
+    with gc_frozen():
+        pool.submit(int)
+
+
 class _Pool:
     """A process pool that can be made again after one of its processes died (a decoder that
     segfaults or aborts breaks the whole ProcessPoolExecutor)."""
@@ -102,6 +145,8 @@ class _Pool:
     def __init__(self, mp, workers: int, initargs: tuple):
         self.mp, self.workers, self.initargs = mp, workers, initargs
         self.executor = self._new()
+        # processes started later start from a forkserver: this process runs threads by then
+        self.mp = _context("forkserver") if mp.get_start_method() == "fork" else mp
 
     def _new(self, workers: int | None = None) -> ProcessPoolExecutor:
         return ProcessPoolExecutor(workers or self.workers, mp_context=self.mp, initializer=init_worker,

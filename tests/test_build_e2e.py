@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -303,13 +304,40 @@ def test_decompression_bomb_warning_is_an_error_for_that_file(tmp_path, monkeypa
     shutil.copy(photo, raw / "a" / "big.jpg")
     shutil.copy(data.fetch(data.PILLOW_TESTS) / "hopper.png", raw / "a" / "small.png")  # 128 x 128
     # big.jpg is 1.37x the limit set here: the warning range. The limit is set in the command's
-    # process; its pool workers start from a forkserver, and the build hands them the limit
+    # process, whose pool workers decode with the same limit (forked, or from a forkserver:
+    # the build hands it to them)
     code = ("from PIL import Image; Image.MAX_IMAGE_PIXELS = 200_000; import sys, packer.cli; "
             f"sys.exit(packer.cli.main(['build', {str(raw)!r}, {str(tmp_path / 'out')!r}, '--image-size', '32', '-q']))")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
     m = load_manifest(tmp_path / "out")
     assert [(s.key, s.stage) for s in m.skipped] == [("a/big.jpg", "decode")]
     assert "decompression bomb" in m.skipped[0].reason and m.counts["packed"] == 1
+
+
+def test_a_forkservers_workers_decode_with_the_callers_pixel_limit(tmp_path, monkeypatch):
+    """A script that sets Pillow's limit and builds from a process with other threads (whose pool
+    starts from a forkserver, not a fork): the workers use the limit the script set."""
+    from PIL import Image
+
+    from bench import data
+    from packer import engines
+    from packer.builder import BuildConfig, build
+
+    raw = tmp_path / "raw" / "a"
+    raw.mkdir(parents=True)
+    shutil.copy(data.fetch(data.SKLEARN) / "china.jpg", raw / "big.jpg")  # 273,280 pixels
+    shutil.copy(data.fetch(data.PILLOW_TESTS) / "hopper.png", raw / "small.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 200_000)
+    other = threading.Event()
+    thread = threading.Thread(target=other.wait)  # another thread: the pool cannot fork
+    thread.start()
+    try:
+        assert engines.start_method(tokenizer=False) == "forkserver"
+        m = build(BuildConfig(raw.parent, tmp_path / "out", image_size=32, workers=2))
+    finally:
+        other.set()
+        thread.join()
+    assert [(s.key, s.stage) for s in m.skipped] == [("a/big.jpg", "decode")] and m.counts["packed"] == 1
 
 
 def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, monkeypatch):

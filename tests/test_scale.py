@@ -695,27 +695,39 @@ def _blas_threads_setting() -> str | None:
     return os.environ.get("OPENBLAS_NUM_THREADS")
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="forkserver is Linux's here")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc/self/task are Linux's here")
+def test_workers_fork_only_from_a_single_thread_and_never_for_a_tokenizer():
+    """A fork copies no lock that another thread holds only where there is no other thread; a
+    build with a tokenizer never forks (its Rust pool can deadlock the child)."""
+    code = ("import threading, packer.cli; from packer.engines import start_method; "
+            "a = start_method(tokenizer=False), start_method(tokenizer=True); "
+            "e = threading.Event(); t = threading.Thread(target=e.wait); t.start(); "
+            "b = start_method(tokenizer=False); e.set(); t.join(); print(*a, b)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["fork", "forkserver", "forkserver"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and /proc/self/task are Linux's here")
 @pytest.mark.parametrize("workers", [2, 3])
-def test_the_command_never_forks_its_workers_and_gives_the_bytes_of_one(tmp_path, image_raw, workers):
-    """Pool workers start from a forkserver, never by a fork of the build process (which copies
-    locks other threads hold: the tokenizers deadlock, huggingface/tokenizers#187), whatever
-    the build; the bytes are those of one worker."""
+def test_an_image_build_forked_from_the_command_gives_the_same_bytes(tmp_path, image_raw, workers):
+    """The `packer` command runs one thread, so its image pool forks: every worker before any
+    thread of the pool starts, with the same bytes as one worker (the in-process builds of the
+    other tests go through the forkserver wherever pytest runs more than one thread, as it does
+    here with numpy's OpenBLAS threads)."""
     build(image_raw, tmp_path / "one", *IMG, "--workers", 1)
-    argv = ["build", str(image_raw), str(tmp_path / "pool"), "-q", *IMG, "--workers", str(workers)]
+    argv = ["build", str(image_raw), str(tmp_path / "forked"), "-q", *IMG, "--workers", str(workers)]
     code = ("import os, sys, packer.cli; forks = []; "
-            "os.register_at_fork(before=lambda: forks.append(os.getpid())); "
+            "os.register_at_fork(before=lambda: forks.append(len(os.listdir('/proc/self/task')))); "
             f"rc = packer.cli.main({argv!r}); print(forks); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == []  # os.fork() never ran in the build process
-    assert tree(tmp_path / "pool") == tree(tmp_path / "one")
+    assert json.loads(out.splitlines()[-1]) == [1] * workers  # threads at each fork
+    assert tree(tmp_path / "forked") == tree(tmp_path / "one")
 
 
 def test_the_collector_skips_the_scan_then_its_objects_and_is_restored(tmp_path, image_raw, monkeypatch):
     """The scan and plan run with the cyclic collector off (a third of the time to prepare
     100,000 files went to its passes); the shards are built with the scan's objects frozen out
-    of the build process's collector; afterwards it is as it was, after a user error too, and
-    off if the caller had it off."""
+    of it; afterwards it is as it was, after a user error too, and off if the caller had it off."""
     import gc
 
     from packer import builder, engines
@@ -742,6 +754,25 @@ def test_the_collector_skips_the_scan_then_its_objects_and_is_restored(tmp_path,
         gc.enable()
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork is Linux's start method here")
+def test_forked_workers_leave_the_parents_objects_out_of_their_garbage_collector():
+    """A collection in a worker would write to every object the build process holds (a
+    million records) and copy their pages into the worker: they are frozen there, not here."""
+    code = """
+import gc, os
+from concurrent.futures import ProcessPoolExecutor
+from packer import engines
+frozen = gc.get_freeze_count()  # some interpreters (a distribution's) start with objects frozen
+held = [[i] for i in range(100_000)]
+with ProcessPoolExecutor(1, mp_context=engines._context("fork")) as pool:
+    engines._fork_now(pool)
+    print(pool.submit(os.getppid).result() == os.getpid(),
+          frozen > 0 or pool.submit(gc.get_freeze_count).result() > len(held), gc.get_freeze_count() == frozen)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "True", "True"]
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forkserver is Linux's start method here")
 def test_pool_workers_and_their_server_run_openblas_on_one_thread():
     """The forkserver imports numpy for its workers: with OpenBLAS's default (a thread per core)
@@ -751,7 +782,7 @@ def test_pool_workers_and_their_server_run_openblas_on_one_thread():
 
     from packer import engines
 
-    with ProcessPoolExecutor(1, mp_context=engines._context()) as pool:
+    with ProcessPoolExecutor(1, mp_context=engines._context("forkserver")) as pool:
         assert pool.submit(_blas_threads_setting).result() == os.environ.get("OPENBLAS_NUM_THREADS", "1")
 
 
