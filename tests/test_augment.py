@@ -307,7 +307,7 @@ def test_keep_aspect_flags_and_append_are_checked(photos_raw, aspect_out, tmp_pa
     assert "max_side is 100, the dataset was built with 128" in capsys.readouterr().err
 
 
-def test_packer_sizes_reports_every_policy_before_a_build(photos_raw, aspect_out, capsys):
+def test_packer_sizes_reports_every_policy_before_a_build(photos_raw, aspect_out, text_raw, capsys):
     assert main(["sizes", str(photos_raw), "--image-size", "64", "--sample", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["records"] == report["headers_read"] == 90 and report["max_side"] == 128
@@ -319,6 +319,10 @@ def test_packer_sizes_reports_every_policy_before_a_build(photos_raw, aspect_out
     assert main(["sizes", str(photos_raw), "--image-size", "64", "--sample", "30"]) == 0
     text = capsys.readouterr().out
     assert "headers of 30 spread over RAW" in text and "--keep-aspect" in text and "B/image" in text
+    for argv in (["sizes", str(text_raw)], ["sizes", str(photos_raw), "--image-size", "64", "--max-side", "32"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err and ("holds text" in err or "--max-side 32" in err), err
 
 
 def test_loader_canvas_holds_each_sample_top_left_with_zeros_around(aspect_out):
