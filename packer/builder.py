@@ -376,7 +376,6 @@ def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> 
         "raw": str(config.raw.resolve()),
         "kind": kind,
         "image_size": config.image_size,
-        "max_side": config.side_cap,
         "tokenizer_sha256": tokenizer.sha256 if tokenizer else None,
         "text_key": config.text_key,
         "append_eos": config.append_eos,
@@ -385,6 +384,9 @@ def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> 
         "shard_bytes": config.shard_bytes,
         "strict": config.strict,
         "background": list(config.background) if config.background else None,
+        # only where set: the fingerprint of every other build stays what earlier versions wrote,
+        # so running a finished build's command again after an upgrade still does nothing
+        **({"max_side": config.side_cap} if config.side_cap else {}),
     }
 
 

@@ -295,6 +295,19 @@ def test_info_says_how_images_were_sized(aspect_out, capsys):
     assert "--keep-aspect" in json.loads(capsys.readouterr().out)["images"]
 
 
+def test_builds_without_keep_aspect_keep_the_fingerprint_earlier_versions_wrote(photos_raw, tmp_path):
+    """The build parameters hashed into the fingerprint are 0.4's for any other build: running a
+    finished build's command again after an upgrade finds it done instead of refusing OUT."""
+    from packer import builder
+
+    keys_04 = {"raw", "kind", "image_size", "tokenizer_sha256", "text_key", "append_eos", "special_tokens",
+               "shard_rows", "shard_bytes", "strict", "background"}
+    for size in (64, None):
+        assert set(builder._params(builder.BuildConfig(photos_raw, tmp_path / "o", image_size=size), "images", None)) == keys_04
+    aspect = builder.BuildConfig(photos_raw, tmp_path / "o", image_size=64, keep_aspect=True)
+    assert builder._params(aspect, "images", None)["max_side"] == 128
+
+
 def test_keep_aspect_flags_and_append_are_checked(photos_raw, aspect_out, tmp_path, capsys):
     for argv, words in ((["--image-size", "keep", "--keep-aspect"], "--keep-aspect needs a number"),
                         (["--image-size", "64", "--max-side", "100"], "add --keep-aspect"),
