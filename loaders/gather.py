@@ -163,7 +163,7 @@ class ColumnGather:
             else:
                 rest.append(col)
         # the big copies start first (in the pool they release the GIL); small columns meanwhile
-        order = np.lexsort((rows, shard)).tolist()  # (shard, row) order, for locality
+        order = np.lexsort((rows, shard)).tolist() if jobs or canvases else []  # (shard, row): locality
         pending = _split(partial(_copy_rows, jobs, shard.tolist(), rows.tolist()), order, pool, num_threads) if jobs else []
         for col in canvases:
             fill, batch = _canvas(col.name, self._arrays(col.name), shard, rows, buffers, f"{self.reader.root}: column {col.name}")
