@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
@@ -85,5 +84,4 @@ def bench_augment(args) -> dict:
         r["pct_of_step"] = {m: 100 * r["ms"] / ms for m, ms in models.items()}
     return {"command": "bench augment", "machine": machine(), "device": str(device), "batch_size": bs,
             "size": size, "store_size": store, "num_images": count, "threads": torch.get_num_threads(),
-            "loaders": [fixed_row, aspect_row], "transforms": rows, "model_step_ms": models,
-            "cores": os.cpu_count()}
+            "loaders": [fixed_row, aspect_row], "transforms": rows, "model_step_ms": models}

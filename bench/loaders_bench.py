@@ -202,7 +202,7 @@ def bench_loaders(args) -> dict:
     tloader = Loader(tw, 32)
     r = run("mmpack TokenWindows(1024) via Loader", "mmpack", lambda: tloader, lambda b: b[0].numel(),
             {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
-    flat = work / "tokens-1024.bin"  # nanoGPT's train.bin: the same token stream as one flat uint16 file
+    flat = work / "tokens-1024.bin"  # nanoGPT's train.bin: the same token stream as one flat file, as stored
     stream = np.concatenate([tw._reader.column(k, "tokens").values for k in range(len(tw._reader.manifest.shards))])
     stream.tofile(flat)
     r = run(f"hand-rolled memmap gather (nanoGPT: sorted fancy index, {stream.dtype.name})", "peer",

@@ -130,10 +130,10 @@ def random_resized_crop(x: torch.Tensor, size: int, scale=(0.08, 1.0), ratio=(3 
                         generator: torch.Generator | None = None) -> torch.Tensor:
     """[B, C, H, W] float -> [B, C, size, size]: `train_transform`'s crop and resize (no flip,
     no normalisation) of a batch that is already float."""
-    B, C, H, W = x.shape
-    sizes = torch.tensor([[H, W]] * B, dtype=torch.int64)
-    rows, cols = _box_spans(rrc_boxes(sizes, scale, ratio, generator).to(x.device), size)
-    return _transform(x.permute(0, 2, 3, 1), rows, cols, size, None, x.dtype, (0.0,) * C, (1 / 255,) * C, False)
+    hwc = x.permute(0, 2, 3, 1)
+    C = hwc.shape[3]
+    rows, cols = _box_spans(rrc_boxes(_sizes(hwc, None), scale, ratio, generator).to(x.device), size)
+    return _transform(hwc, rows, cols, size, None, x.dtype, (0.0,) * C, (1 / 255,) * C, False)
 
 
 # -- the resampling --------------------------------------------------------------------------

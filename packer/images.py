@@ -59,7 +59,7 @@ def _to_rgb(img: Image.Image, background: tuple[int, int, int] | None = None) ->
 def keep_aspect_size(w: int, h: int, size: int, max_side: int | None = None) -> tuple[int, int]:
     """(width, height) of a keep-aspect sample: torchvision's `Resize(size, max_size=max_side)`
     rule, shorter side to `size`, the longer one int(size * long / short), and when that exceeds
-    `max_side` the longer side `max_side` and the shorter int(max_side * short / long), at least 1.
+    `max_side` the longer side `max_side` and the shorter int(max_side * size / that), at least 1.
     Also what `eval_transform` resizes to (no cap)."""
     short, long_ = (w, h) if w <= h else (h, w)
     new_short, new_long = size, int(size * long_ / short)
