@@ -77,7 +77,8 @@ def train_transform(images: torch.Tensor, sizes=None, size: int = 224, scale=(0.
                     flip: float = 0.5, generator: torch.Generator | None = None, dtype=torch.float32,
                     mean=IMAGENET_MEAN, std=IMAGENET_STD, channels_last: bool = False, boxes=None,
                     flips=None) -> torch.Tensor:
-    """uint8 canvas [B, H, W, 3] (+ `sizes` int [B, 2], default: every sample fills it) ->
+    """uint8 canvas [B, H, W, 3] (+ `sizes` int [B, 2], default: every sample fills it; a
+    batch that looks like a padded canvas is then refused) ->
     `dtype` [B, 3, size, size]: a random resized crop of each sample (`rrc_boxes`, or the given
     `boxes`), flipped left-right with probability `flip` (or where bool [B] `flips` is true),
     normalised as (x / 255 - mean) / std. `channels_last`: the result in that memory format."""
@@ -142,6 +143,7 @@ def _sizes(images: torch.Tensor, sizes) -> torch.Tensor:
         raise ValueError(f"expected a uint8 canvas [B, H, W, C], got shape {tuple(images.shape)}")
     B, H, W, _ = images.shape
     if sizes is None:
+        _refuse_a_padded_canvas(images)
         return torch.tensor([[H, W]] * B, dtype=torch.int64)
     sizes = torch.as_tensor(sizes).to(torch.int64)
     if sizes.shape != (B, 2):
@@ -149,6 +151,25 @@ def _sizes(images: torch.Tensor, sizes) -> torch.Tensor:
     if B and (bool((sizes <= 0).any()) or int(sizes[:, 0].max()) > H or int(sizes[:, 1].max()) > W):
         raise ValueError(f"sizes: every (h, w) must be positive and fit the canvas {H} x {W}")
     return sizes
+
+
+def _refuse_a_padded_canvas(images: torch.Tensor) -> None:
+    """Without sizes, every sample is taken to fill the canvas. A keep-aspect (or 'keep') batch
+    does not: each sample narrower or shorter than the batch's largest ends in zeroed columns or
+    rows, which a crop would then take for the image, silently. So a batch in which half of the
+    samples or more (two at least) end in an all-zero last row or last column is refused: in a
+    canvas of mixed shapes nearly all do. Real photos stored at a fixed size do too, now and
+    then (2 of the 90 crops of the test photos: a dark scene), but half a batch of them at once
+    practically never; for images that really end in black, pass their full sizes."""
+    B, H, W, _ = images.shape
+    if not B or H == 0 or W == 0:
+        return
+    ends_in_zeros = (images[:, -1] == 0).flatten(1).all(1) | (images[:, :, -1] == 0).flatten(1).all(1)
+    padded = int(ends_in_zeros.sum())
+    if padded >= max(2, (B + 1) // 2):
+        raise ValueError(f"{padded} of {B} samples end in all-zero rows or columns, as in a keep-aspect batch's "
+                         "canvas: pass sizes=batch['image_size'] (Loader gives it with the canvas); for images "
+                         f"that really fill it, pass sizes=torch.tensor([[{H}, {W}]]).expand({B}, 2)")
 
 
 def _check_boxes(boxes: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

@@ -437,6 +437,34 @@ def test_no_box_reaches_outside_a_samples_own_pixels(aspect_out):
         assert torch.equal(eval_transform(loud, sizes, size=48, resize=64), eval_transform(canvas, sizes, size=48, resize=64))
 
 
+def test_a_canvas_without_its_sizes_is_refused_not_cropped_into_its_padding(photos_raw, aspect_out, tmp_path):
+    """The silent mistake: train_transform(batch["image"]) on a keep-aspect batch would take each
+    sample's zero padding for image. Refused, with what to pass; real photos stored at a fixed
+    size need no sizes, and a few black-bottomed ones among them are not mistaken for padding."""
+    for batch in Loader(MMapDataset(aspect_out), 30, shuffle=True, seed=2):
+        for transform in (train_transform, eval_transform):
+            with pytest.raises(ValueError, match=r"sizes=batch\['image_size'\]"):
+                transform(batch["image"], size=48)
+        with pytest.raises(ValueError, match="all-zero"):
+            augment.random_resized_crop(batch["image"].permute(0, 3, 1, 2).float(), 48)
+    fixed = tmp_path / "fixed"
+    assert main(["build", str(photos_raw), str(fixed), "--image-size", "64", "-q"]) == 0
+    for batch in Loader(MMapDataset(fixed), 30, shuffle=True, seed=2):
+        assert train_transform(batch["image"], size=48).shape == (len(batch["image"]), 3, 48, 48)
+        assert eval_transform(batch["image"], size=48, resize=64).shape == (len(batch["image"]), 3, 48, 48)
+    images = batch["image"].clone()
+    n = len(images)
+    black = (images[:, -1] == 0).flatten(1).all(1)  # real photos that end in a black row (a dark scene)
+    clear = torch.nonzero(~black).flatten()
+    images[clear[: (n + 1) // 2 - 1 - int(black.sum())], -3:] = 0  # one short of half the batch: images
+    train_transform(images, size=48)
+    images[clear[: (n + 1) // 2 - int(black.sum())], -3:] = 0  # half: a canvas, unless told the sizes
+    with pytest.raises(ValueError, match="all-zero"):
+        train_transform(images, size=48)
+    full = torch.tensor([[64, 64]]).expand(n, 2)
+    assert train_transform(images, full, size=48).shape == (n, 3, 48, 48)
+
+
 def test_eval_transform_of_a_keep_aspect_dataset_matches_pillow_on_the_original(tmp_path):
     """The reference evaluation pipeline (Pillow: Resize(256) + CenterCrop(224)) on the original
     files against eval_transform on a keep-aspect dataset built at S = 256."""
