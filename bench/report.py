@@ -39,7 +39,7 @@ def loaders_table(report: dict) -> str:
             line += f" {_f(r['stall']['gpu_util_pct'], '>7.0f')}%"
         lines.append(line + unit)
     lines.append("%memcpy: against memcpy on as many threads as the row uses (Loader threads, else DataLoader "
-                 "workers); x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) "
+                 "workers; Loader's default: the best memcpy of any thread count); x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) "
                  "with default collate; RSS/PSS: peak of the whole process tree; CPUs/1k: CPU seconds per 1000 samples")
     if stall and report.get("model"):
         lines.append(f"GPU util: share of wall time spent in a training step of {report['model']}, i.e. not "

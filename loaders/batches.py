@@ -54,14 +54,31 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
     return dataset
 
 
+# A default thread count is doubled while that makes the gather at least this much faster.
+THREAD_GAIN = 0.10
+
+
 def default_threads() -> int:
-    """Gather threads by default: the cores this process may use, up to 4 (beyond that one
-    producer's batches do not come faster)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return max(1, min(4, cores))
+    """The most gather threads a Loader tries by default: the cores this process may use."""
+    from packer.system import available_cores
+
+    return max(1, available_cores())
+
+
+def fewest_threads(seconds_with, most: int) -> tuple[int, float]:
+    """(threads, seconds): the fewest threads, doubling from 1 up to `most`, past which doubling
+    them again makes `seconds_with(threads)` less than THREAD_GAIN faster. Where the copies stop
+    scaling depends on the machine (its memory bandwidth, its cores, the GIL's share of a
+    sample's copy) and on the columns (a token batch does not use the threads at all), so it is
+    measured; the threads not taken are CPU the training job keeps."""
+    threads, best = 1, seconds_with(1)
+    while threads < most:
+        more = min(2 * threads, most)
+        seconds = seconds_with(more)
+        if seconds > best * (1 - THREAD_GAIN):
+            break
+        threads, best = more, seconds
+    return threads, best
 
 
 class Loader(Resumable):
@@ -77,7 +94,9 @@ class Loader(Resumable):
         seed: with the epoch, fixes the order.
         drop_last: drop the last partial global batch (else pad by repeating, as
             DistributedSampler does, so every rank gets the same number of batches).
-        num_threads: gather threads (default: the cores this process may use, up to 4).
+        num_threads: gather threads (default: measured on the first batch, see
+            `fewest_threads`: the fewest, up to the cores this process may use, past which
+            more make it less than 10% faster; `num_threads` then says how many).
         pin_memory: None = pinned when CUDA is available.
         device: hand batches over already on this device (see `loaders.to_device`).
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
@@ -95,6 +114,7 @@ class Loader(Resumable):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
+        self._measure_threads = num_threads is None  # chosen at the first batch (see _gathered)
         self.num_threads = num_threads or default_threads()
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
@@ -131,8 +151,9 @@ class Loader(Resumable):
         return self._hand_over(p, batches)
 
     def _gathered(self, p: Pass):
-        """The batches of pass `p`. The first is made here. The Loader's first pass makes it a
-        second time, timed (buffers allocated, pages mapped): when that took less than
+        """The batches of pass `p`. The first is made here. The Loader's first pass makes it
+        again, timed (buffers allocated, pages mapped; with each thread count it tries when
+        `num_threads` was not given, see `_first_timings`): when that took less than
         INLINE_BELOW_S (token windows, small batches), every pass makes its batches here, on
         demand, since handing a batch over from a thread costs more than making it; otherwise a
         producer thread makes them up to num_buffers - 1 ahead. The batches are the same either way."""
@@ -149,12 +170,11 @@ class Loader(Resumable):
             if buffers is None:
                 return None
             try:
-                batch = self.source.gather(plan.batch_ids(p, b), buffers, self._pool, self.num_threads)
+                ids = plan.batch_ids(p, b)
+                batch = self.source.gather(ids, buffers, self._pool, self.num_threads)
                 if self._inline is None:  # decided once, by the same gather again (buffers made, pages mapped)
-                    started = time.perf_counter()
-                    batch = self.source.gather(plan.batch_ids(p, b), buffers, self._pool, self.num_threads)
-                    self._inline = time.perf_counter() - started < INLINE_BELOW_S
-                return batch
+                    self._inline = self._first_timings(ids, buffers) < INLINE_BELOW_S
+                return batch  # the timed gathers wrote the same bytes
             finally:
                 ring.filled(buffers)
 
@@ -210,6 +230,27 @@ class Loader(Resumable):
             stop.set()
             ring.wake()
             producer.join()
+
+    def _first_timings(self, ids, buffers) -> float:
+        """Seconds of a warm gather of the first batch, with the threads given; without them,
+        with the thread count chosen here by timing that gather (`fewest_threads`, the best of
+        two gathers for each count), which becomes `num_threads` and the pool's size."""
+        def seconds_with(threads: int, tries: int) -> float:
+            best = float("inf")
+            for _ in range(tries):
+                started = time.perf_counter()
+                self.source.gather(ids, buffers, self._pool, threads)
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        if not self._measure_threads:
+            return seconds_with(self.num_threads, 1)
+        threads, seconds = fewest_threads(lambda n: seconds_with(n, 2), self.num_threads)
+        if threads != self.num_threads:
+            self.close()
+            self.num_threads = threads
+            self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+        return seconds
 
     def close(self) -> None:
         if self._pool is not None:

@@ -38,6 +38,10 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
         assert r["peak_rss_mb"] > 0 and r["peak_pss_mb"] > 0 and r["cpu_s_per_1000"] >= 0 and r["disk_bytes"] > 0
         assert 0 <= r["stall"]["stall_fraction"] <= 1
     assert rows["mmpack Loader, 1 thread(s)"]["x_on_the_fly"] > 0
+    default = [r for name, r in rows.items() if name.startswith("mmpack Loader, default (")]
+    assert len(default) == 1 and 1 <= default[0]["threads"] <= report["machine"]["cores"]
+    assert default[0]["system"] == f"mmpack Loader, default ({default[0]['threads']} chosen)"
+    assert 0 < default[0]["pct_memcpy"] and default[0]["samples_per_s"] > 0
     for module, state in report["peers"].items():  # every peer ran, or its row says why not
         assert state == "ran" or any(r.get("skipped") == state for r in rows.values()), module
     assert report["memcpy_bytes_per_s"] > 0 and report["machine"]["cores"] >= 1 and report["machine"]["ram_gib"] > 0

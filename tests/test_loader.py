@@ -47,6 +47,47 @@ def test_batches_equal_per_sample_reads(built, threads, pass_mode):
     assert pos == len(ds)
 
 
+@pytest.mark.parametrize("curve,most,chosen", [
+    ({1: 33, 2: 55, 4: 84, 8: 81, 16: 63}, 16, 4),  # the Loader of 0.4 on the 16-core host (issue 26)
+    ({1: 54, 2: 99, 4: 98, 8: 144, 16: 93}, 16, 2),  # stops at the first doubling that does not pay
+    ({1: 10, 2: 20, 4: 40, 8: 80, 16: 160, 32: 320, 48: 480}, 48, 48),  # scales on: up to every core
+    ({1: 10, 2: 10.5}, 2, 1),  # under 10% faster: the core is left to training
+    ({1: 10}, 1, 1),
+])
+def test_the_default_thread_count_is_the_fewest_past_which_doubling_gains_under_10pc(curve, most, chosen):
+    from loaders.batches import fewest_threads
+
+    tried = []
+
+    def seconds_with(n):
+        tried.append(n)
+        return 1 / curve[n]  # images/s -> seconds a batch
+
+    threads, seconds = fewest_threads(seconds_with, most)
+    assert threads == chosen and seconds == seconds_with(chosen)
+    assert tried[0] == 1 and all(b == min(2 * a, most) for a, b in zip(tried, tried[1:-1]))
+
+
+def test_a_loader_without_num_threads_measures_it_and_gives_the_same_batches(built, monkeypatch):
+    """Left to itself, the Loader times its first batch at 1, 2, ... threads and keeps the
+    count it chose (num_threads, and a pool of that size); the batches do not depend on it."""
+    from loaders import batches
+
+    ds = MMapDataset(built["images"])
+    ref = [b["key"] for b in Loader(ds, 7, seed=3, num_threads=1)]
+    for fake in (1, 2):
+        monkeypatch.setattr(batches, "default_threads", lambda: 2)
+        monkeypatch.setattr(batches, "fewest_threads", lambda seconds_with, most, fake=fake: (fake, seconds_with(fake)))
+        loader = Loader(ds, 7, seed=3)
+        assert [b["key"] for b in loader] == ref
+        assert loader.num_threads == fake and (loader._pool is None) == (fake == 1)
+        if fake == 2:
+            assert loader._pool._max_workers == 2
+    monkeypatch.undo()
+    loader = Loader(ds, 7, seed=3)
+    assert [b["key"] for b in loader] == ref and 1 <= loader.num_threads <= batches.default_threads()
+
+
 @pytest.mark.parametrize("docs", ["long", "short"])
 def test_padded_tokens_land_in_the_ring_and_equal_per_sample_reads(built, short_docs, docs):
     """Ragged tokens come back padded to the batch's longest sample, zeros after each, with
