@@ -32,12 +32,12 @@ from . import inputs, outdir
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import (ShardContext, ShardResult, in_pieces, keep_tokenizer, piece_bounds, read_sidecar, reusable,
+from .shards import (ShardContext, ShardResult, in_pieces, piece_bounds, read_sidecar, reusable,
                      wait_for_old_workers, wait_for_writers)
 from .sources import MULTI_DOC_EXTS, Scan, scan
 from .writer import checksum_file
 from .system import available_cores, gc_frozen, gc_paused
-from .text import TokenizerSpec, file_sha256, load_tokenizer, resolve_eos, token_dtype
+from .text import TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer, resolve_eos, token_dtype
 
 log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 256 * 1024**2

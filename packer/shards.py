@@ -15,11 +15,8 @@ import json
 import os
 import sys
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
-from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -33,11 +30,8 @@ from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record, read_ahead
 from .system import flock, linux_libc, process_alive
-from .text import (Document, TokenizerSpec, encode_batch, file_sha256, iter_documents, load_tokenizer,
-                   read_caption)
+from .text import Document, TokenizerSpec, iter_documents, key_bytes, read_caption, tokenized
 
-TOKENIZE_BATCH_DOCS = 64
-ENCODE_AHEAD = 2  # batches being encoded while this thread reads and writes
 PROGRESS_EVERY_S = 0.2
 
 
@@ -104,26 +98,6 @@ class _Ticker:
         if _sink is not None and self.pending and (flush or now - self.last >= PROGRESS_EVERY_S):
             _sink(self.pending)
             self.pending, self.last = 0, now
-
-
-_tokenizers: dict[tuple[str, str], object] = {}  # (path, sha256) -> tokenizer, per process
-
-
-def keep_tokenizer(spec: TokenizerSpec, tok) -> None:
-    """The build process has loaded the tokenizer already: shards built here use that one."""
-    _tokenizers[spec.path, spec.sha256] = tok
-
-
-def _tokenizer(spec: TokenizerSpec):
-    """The build's tokenizer, loaded once per process; keyed by the file's sha256 as well as its
-    path, so a file rewritten between two builds in one process is loaded again, and one
-    changed during a build is refused rather than used for some shards."""
-    tok = _tokenizers.get((spec.path, spec.sha256))
-    if tok is None:
-        if file_sha256(spec.path) != spec.sha256:
-            raise ConfigError(f"{spec.path}: the tokenizer file changed during the build; build again")
-        tok = _tokenizers[spec.path, spec.sha256] = load_tokenizer(spec.path)
-    return tok
 
 
 def init_worker(queue, rayon_threads: int | None, build_pid: int | None = None, staging: Path | None = None) -> None:
@@ -487,10 +461,6 @@ def _image_path(ctx: ShardContext, index: int) -> Path:
     return writer.partial_dir(ctx.staging, index) / fmt.column_file_names(_image_column(ctx))["values"]
 
 
-def _key_bytes(key: str) -> np.ndarray:
-    return np.frombuffer(key.encode("utf-8"), dtype=np.uint8)
-
-
 def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
     """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
     records = read_ahead(records, lambda item: item[1])
@@ -507,7 +477,7 @@ def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
             else:
                 yield from iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line)
 
-    yield from _tokenized(items(), ctx.tokenizer, ticker)
+    yield from tokenized(items(), ctx.tokenizer, ticker.tick)
 
 
 def _image_sample(ctx: ShardContext, record: Record):
@@ -520,7 +490,7 @@ def _image_sample(ctx: ShardContext, record: Record):
 
 def _image_fields(record: Record) -> dict:
     """Label (not in a flat folder's dataset) and key of an image record."""
-    key = {"key": _key_bytes(record.key)}
+    key = {"key": key_bytes(record.key)}
     return key if record.label is None else {"label": np.int64(record.label), **key}
 
 
@@ -534,63 +504,3 @@ def _pair_item(ctx: ShardContext, record: Record):
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return Document(record.key, caption), {"image": pixels}
-
-
-def _tokenized(items: Iterator, spec: TokenizerSpec, ticker: _Ticker) -> Iterator:
-    """Tokenize documents in batches, keeping record order (skips pass through in place).
-
-    Batches are encoded on threads (`tokenizers` releases the GIL and runs its own Rust
-    threads), ENCODE_AHEAD at a time, while this thread reads the next documents and writes the
-    samples of the oldest batch: the tokenizer's threads always have a second batch to work on
-    while one batch's longest document finishes, and reading and writing no longer leave the
-    cores idle between batches."""
-    tok = _tokenizer(spec)
-
-    def encode(batch: list) -> list:
-        texts = [(p if isinstance(p, Document) else p[0]).text for p in batch if not isinstance(p, fmt.Skip)]
-        args = dict(dtype=spec.dtype, eos_id=spec.eos_id, add_special_tokens=spec.add_special_tokens)
-        try:
-            return encode_batch(tok, texts, **args)
-        except Exception:  # noqa: BLE001 - one document the tokenizer refuses (a lone surrogate): find it
-            return [_encode_one(tok, text, args) for text in texts]
-
-    def samples(batch: list, encoding: Future) -> Iterator:
-        encoded = iter(encoding.result())
-        for p in batch:
-            if isinstance(p, fmt.Skip):
-                yield p
-                continue
-            doc, extra = (p, {}) if isinstance(p, Document) else p
-            tokens = next(encoded)
-            if isinstance(tokens, Exception):
-                yield fmt.Skip(doc.key, "tokenize", f"{type(tokens).__name__}: {str(tokens).splitlines()[0][:200]}")
-            elif tokens.size == 0:
-                yield fmt.Skip(doc.key, "tokenize", "no tokens")
-            else:
-                yield {**extra, "tokens": tokens, "key": _key_bytes(doc.key)}
-        ticker.tick(len(batch))
-
-    encoder = ThreadPoolExecutor(ENCODE_AHEAD, thread_name_prefix="mmpack-encode")
-    inflight: deque = deque()
-    try:
-        for batch in _batches(items, TOKENIZE_BATCH_DOCS):
-            inflight.append((batch, encoder.submit(encode, batch)))
-            if len(inflight) > ENCODE_AHEAD:
-                yield from samples(*inflight.popleft())
-        while inflight:
-            yield from samples(*inflight.popleft())
-    finally:  # also when the shard is dropped half-way (a full disk): no batch is started after
-        encoder.shutdown(wait=True, cancel_futures=True)
-
-
-def _encode_one(tok, text: str, args: dict):
-    """One document's ids, or the exception the tokenizer raised for it."""
-    try:
-        return encode_batch(tok, [text], **args)[0]
-    except Exception as exc:  # noqa: BLE001
-        return exc
-
-
-def _batches(items: Iterator, size: int) -> Iterator[list]:
-    while batch := list(islice(items, size)):
-        yield batch

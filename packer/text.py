@@ -1,4 +1,4 @@
-"""The text stage of a build: documents streamed from raw files, and tokenization.
+"""The text stage of a build: documents streamed from raw files, and the tokenizer pipeline.
 
 Documents come from `.txt` (one per file), `.jsonl` (one per line, key `text` by default) and
 `.parquet` (one per row, read by record batch, never the whole file). Every line or row is
@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +25,8 @@ from .format import Skip, choose_token_dtype
 from .sources import JSONL, PARQUET, TXT, Record
 
 PARQUET_BATCH_ROWS = 1024
+TOKENIZE_BATCH_DOCS = 64
+ENCODE_AHEAD = 2  # batches being encoded while the shard's thread reads and writes
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
 
 
@@ -231,3 +236,91 @@ def encode_batch(tok, texts: list[str], *, dtype: str, eos_id: int | None, add_s
         ids = enc.ids if eos_id is None else [*enc.ids, eos_id]
         out.append(np.asarray(ids, dtype=dtype))
     return out
+
+
+def key_bytes(key: str) -> np.ndarray:
+    """A sample's key as the uint8 row of its `key` column."""
+    return np.frombuffer(key.encode("utf-8"), dtype=np.uint8)
+
+
+# -- the pipeline of a shard ---------------------------------------------------------------
+_tokenizers: dict[tuple[str, str], object] = {}  # (path, sha256) -> tokenizer, per process
+
+
+def keep_tokenizer(spec: TokenizerSpec, tok) -> None:
+    """The build process has loaded the tokenizer already: shards built here use that one."""
+    _tokenizers[spec.path, spec.sha256] = tok
+
+
+def tokenizer_of(spec: TokenizerSpec):
+    """The build's tokenizer, loaded once per process; keyed by the file's sha256 as well as its
+    path, so a file rewritten between two builds in one process is loaded again, and one
+    changed during a build is refused rather than used for some shards."""
+    tok = _tokenizers.get((spec.path, spec.sha256))
+    if tok is None:
+        if file_sha256(spec.path) != spec.sha256:
+            raise ConfigError(f"{spec.path}: the tokenizer file changed during the build; build again")
+        tok = _tokenizers[spec.path, spec.sha256] = load_tokenizer(spec.path)
+    return tok
+
+
+def tokenized(items: Iterator, spec: TokenizerSpec, done: Callable[[int], None]) -> Iterator:
+    """Samples {"tokens", "key"} (plus the item's other fields) of documents or (document,
+    fields) items, tokenized in batches, in order; Skips pass through in place, and a document
+    the tokenizer refuses or turns into no tokens becomes one. `done(n)`: n more items are out.
+
+    Batches are encoded on threads (`tokenizers` releases the GIL and runs its own Rust
+    threads), ENCODE_AHEAD at a time, while this thread reads the next documents and writes the
+    samples of the oldest batch: the tokenizer's threads always have a second batch to work on
+    while one batch's longest document finishes, and reading and writing no longer leave the
+    cores idle between batches."""
+    tok = tokenizer_of(spec)
+
+    def encode(batch: list) -> list:
+        texts = [(p if isinstance(p, Document) else p[0]).text for p in batch if not isinstance(p, Skip)]
+        args = dict(dtype=spec.dtype, eos_id=spec.eos_id, add_special_tokens=spec.add_special_tokens)
+        try:
+            return encode_batch(tok, texts, **args)
+        except Exception:  # noqa: BLE001 - one document the tokenizer refuses (a lone surrogate): find it
+            return [_encode_one(tok, text, args) for text in texts]
+
+    def samples(batch: list, encoding: Future) -> Iterator:
+        encoded = iter(encoding.result())
+        for p in batch:
+            if isinstance(p, Skip):
+                yield p
+                continue
+            doc, extra = (p, {}) if isinstance(p, Document) else p
+            tokens = next(encoded)
+            if isinstance(tokens, Exception):
+                yield Skip(doc.key, "tokenize", f"{type(tokens).__name__}: {str(tokens).splitlines()[0][:200]}")
+            elif tokens.size == 0:
+                yield Skip(doc.key, "tokenize", "no tokens")
+            else:
+                yield {**extra, "tokens": tokens, "key": key_bytes(doc.key)}
+        done(len(batch))
+
+    encoder = ThreadPoolExecutor(ENCODE_AHEAD, thread_name_prefix="mmpack-encode")
+    inflight: deque = deque()
+    try:
+        for batch in _batches(items, TOKENIZE_BATCH_DOCS):
+            inflight.append((batch, encoder.submit(encode, batch)))
+            if len(inflight) > ENCODE_AHEAD:
+                yield from samples(*inflight.popleft())
+        while inflight:
+            yield from samples(*inflight.popleft())
+    finally:  # also when the shard is dropped half-way (a full disk): no batch is started after
+        encoder.shutdown(wait=True, cancel_futures=True)
+
+
+def _encode_one(tok, text: str, args: dict):
+    """One document's ids, or the exception the tokenizer raised for it."""
+    try:
+        return encode_batch(tok, [text], **args)[0]
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def _batches(items: Iterator, size: int) -> Iterator[list]:
+    while batch := list(islice(items, size)):
+        yield batch

@@ -72,7 +72,7 @@ IMG = ("--image-size", "32", "--shard-size", "8")
 
 
 def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, minilm, monkeypatch):
-    from packer import shards
+    from packer import text as text_stage
 
     for n in (1, 2, 3):
         build(image_raw, tmp_path / f"img{n}", *IMG, "--workers", n)
@@ -84,7 +84,7 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     for n in (1, 2):
         build(text_raw, tmp_path / f"txt{n}", *text, "--workers", n)
     assert tree(tmp_path / "txt1") == tree(tmp_path / "txt2")
-    monkeypatch.setattr(shards, "TOKENIZE_BATCH_DOCS", 2)  # many batches in flight, written in order
+    monkeypatch.setattr(text_stage, "TOKENIZE_BATCH_DOCS", 2)  # many batches in flight, written in order
     build(text_raw, tmp_path / "txt-batches-of-2", *text, "--workers", 1)
     assert tree(tmp_path / "txt1") == tree(tmp_path / "txt-batches-of-2")
     assert load_manifest(tmp_path / "txt1").build["cores_used"] == available_cores()  # tokenizer threads
@@ -411,9 +411,9 @@ def test_a_text_shard_that_fails_mid_way_leaves_no_encoder_running(tmp_path, tex
     import errno
     import threading
 
-    from packer import shards, writer
+    from packer import text, writer
 
-    add, encode, calls, at_failure = writer.ShardWriter.add, shards.encode_batch, [], []
+    add, encode, calls, at_failure = writer.ShardWriter.add, text.encode_batch, [], []
 
     def failing(self, sample):
         if self.num_samples == 5:  # a few batches in, with the next ones encoding
@@ -426,14 +426,14 @@ def test_a_text_shard_that_fails_mid_way_leaves_no_encoder_running(tmp_path, tex
         return encode(*args, **kwargs)
 
     monkeypatch.setattr(writer.ShardWriter, "add", failing)
-    monkeypatch.setattr(shards, "encode_batch", counted)
-    monkeypatch.setattr(shards, "TOKENIZE_BATCH_DOCS", 2)
+    monkeypatch.setattr(text, "encode_batch", counted)
+    monkeypatch.setattr(text, "TOKENIZE_BATCH_DOCS", 2)
     out = tmp_path / "out"
     assert main(["build", str(text_raw), str(out), "--tokenizer", str(minilm), "--workers", "1", "-q"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "No space left on device" in err and "tokens.npy" in err, err
     assert not [t for t in threading.enumerate() if t.name.startswith("mmpack-encode")]
-    assert len(calls) - at_failure[0] <= shards.ENCODE_AHEAD  # only batches already submitted ran after it
+    assert len(calls) - at_failure[0] <= text.ENCODE_AHEAD  # only batches already submitted ran after it
     assert not (out / fmt.MANIFEST_NAME).exists() and not list((out / fmt.STAGING_DIR).glob("*.partial"))
 
 
