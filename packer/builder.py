@@ -32,9 +32,10 @@ from . import inputs, outdir
 from .errors import ConfigError, IntegrityError, MmpackError, SourceError
 from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
-from .shards import (ShardContext, ShardResult, in_pieces, piece_bounds, read_sidecar, reusable,
-                     wait_for_old_workers, wait_for_writers)
+from .pieces import in_pieces, piece_bounds
+from .shards import ShardContext, ShardResult, read_sidecar, reusable, wait_for_writers
 from .sources import MULTI_DOC_EXTS, Scan, scan
+from .workers import wait_for_old_workers
 from .writer import checksum_file
 from .system import available_cores, gc_frozen, gc_paused
 from .text import TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer, resolve_eos, token_dtype

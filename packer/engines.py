@@ -2,7 +2,7 @@
 
 Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s; the
 shard function is `packer.shards.run_shard`, except that a pool splits fixed-size image shards
-into pieces (`open_pieces` / `run_piece` / `finish_pieces`, the same bytes). How pool workers
+into pieces (`packer.pieces`: the same bytes); its processes are `packer.workers`. How they
 start (`start_method`): a build without a tokenizer forks them from this process when it runs
 a single thread, before any thread of the pool starts; any other build uses forkserver (spawn
 off Linux), never fork: `tokenizers` used before a fork can deadlock the child
@@ -29,8 +29,9 @@ from .plan import ShardTask
 from .sources import prefetch
 from .system import gc_frozen
 from .writer import partial_dir
-from .shards import (ShardContext, ShardResult, fill_shard, finish_pieces, in_pieces, init_worker,
-                     open_pieces, piece_bounds, read_progress, run_piece, run_shard, set_progress_sink)
+from .pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, read_progress, run_piece
+from .shards import ShardContext, ShardResult, fill_shard, run_shard, set_progress_sink
+from .workers import init_worker
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
@@ -88,7 +89,7 @@ def _context(method: str):
         # the server imports numpy, Pillow and tokenizers' module once (never runs a tokenizer,
         # so forking from it is safe); each worker then starts in milliseconds, not a second.
         # _one_blas_thread first: it keeps OpenBLAS's spinning threads out of the server
-        mp.set_forkserver_preload(["packer._one_blas_thread", "packer.shards"])
+        mp.set_forkserver_preload(["packer._one_blas_thread", "packer.pieces", "packer.workers"])
     return mp
 
 

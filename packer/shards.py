@@ -1,7 +1,7 @@
 """The shard function: one planned shard from its records to whole column files in staging.
 
 The same function runs in the build process (`--workers 1`), in pool worker processes (image
-shards there go in pieces, below, with the same bytes), and as a Ray task: it takes a picklable
+shards there go in pieces, `packer.pieces`, with the same bytes), and as a Ray task: it takes a picklable
 context and task and returns a picklable result. A finished shard is `OUT/<generation>/shard-k/`
 plus `OUT/.staging/shard-k.json` (its files with sizes and checksums, its skips, and the build
 fingerprint), which is what lets a killed build resume and what `packer commit` assembles the
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,12 +23,12 @@ from PIL import Image
 
 from . import format as fmt
 from . import writer
-from .errors import ConfigError, SourceError
+from .errors import SourceError
 from .outdir import write_atomic
 from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record, read_ahead
-from .system import flock, linux_libc, process_alive
+from .system import flock
 from .text import Document, TokenizerSpec, iter_documents, key_bytes, read_caption, tokenized
 
 PROGRESS_EVERY_S = 0.2
@@ -88,7 +87,7 @@ def set_progress_sink(sink: Callable[[int], None] | None) -> None:
     _sink = sink
 
 
-class _Ticker:
+class Ticker:
     def __init__(self):
         self.pending, self.last = 0, time.monotonic()
 
@@ -98,92 +97,6 @@ class _Ticker:
         if _sink is not None and self.pending and (flush or now - self.last >= PROGRESS_EVERY_S):
             _sink(self.pending)
             self.pending, self.last = 0, now
-
-
-def init_worker(queue, rayon_threads: int | None, build_pid: int | None = None, staging: Path | None = None) -> None:
-    """Pool worker initializer: dies with the build process (`build_pid`: its parent may be a
-    forkserver), holds the staging's workers lock shared for life (so a build started after this
-    one was killed waits for it to be gone), progress to the parent's queue; tokenizers' Rust
-    pool sized so that N workers do not oversubscribe the cores (set before its first use)."""
-    _die_with_parent()
-    if build_pid is not None:
-        die_with(build_pid)
-    if staging is not None:
-        _held.append(hold_workers_lock(staging))
-    if rayon_threads:
-        os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    set_progress_sink(queue.put if queue is not None else None)
-
-
-_held: list = []  # the workers lock of this worker process, open for its whole life
-
-
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when its parent goes (a `kill -9` of the build), so no orphan
-    keeps writing into a staging dir that a restarted build is using."""
-    import signal
-
-    prctl = linux_libc("prctl")
-    if prctl is not None:
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def die_with(pid: int) -> None:
-    """SIGKILL this process as soon as process `pid` ends: a thread waits on a pidfd (Linux 5.3;
-    elsewhere it looks every WATCH_S). PR_SET_PDEATHSIG alone watches only the parent, which for
-    a forkserver's worker is the server, not the build."""
-    import select
-    import signal
-    import threading
-
-    def kill_me() -> None:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        kill_me()
-    except (AttributeError, OSError):
-        fd = None
-
-    def watch() -> None:
-        if fd is not None:
-            select.select([fd], [], [])  # readable once the process has exited
-        else:
-            while process_alive(pid):
-                time.sleep(WATCH_S)
-        kill_me()
-
-    threading.Thread(target=watch, daemon=True, name="mmpack-watch-build").start()
-
-
-WATCH_S = 0.2
-
-
-def workers_lock_path(staging: Path) -> Path:
-    return staging / "workers.lock"
-
-
-def hold_workers_lock(staging: Path):
-    """A shared flock on the staging's workers lock, held until this process ends."""
-    f = open(workers_lock_path(staging), "a")
-    flock(f, shared=True)
-    return f
-
-
-def wait_for_old_workers(staging: Path, timeout_s: float = 30.0) -> None:
-    """Before a build writes: no worker of an earlier build of this OUT (killed, its workers
-    not yet gone) is alive. They hold the workers lock shared; this takes it exclusively once."""
-    staging.mkdir(parents=True, exist_ok=True)
-    with open(workers_lock_path(staging), "a") as f:
-        deadline = time.monotonic() + timeout_s
-        while not flock(f, block=False):
-            if time.monotonic() > deadline:
-                raise ConfigError(f"{staging.parent}: worker processes of an earlier build still run after "
-                                  f"{timeout_s:.0f} s; stop them (fuser {workers_lock_path(staging)}), then "
-                                  "run this again")
-            time.sleep(0.05)
 
 
 # -- sidecars ------------------------------------------------------------------------------
@@ -279,7 +192,7 @@ class FilledShard:
     def close(self) -> ShardResult:
         with self.lock:
             if self.done is None:
-                self.done = _finish(self.ctx, self.index, self.shard, self.skipped, self.items)
+                self.done = finish(self.ctx, self.index, self.shard, self.skipped, self.items)
             return self.done
 
     def abort(self) -> None:
@@ -295,7 +208,7 @@ def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Rec
     try:
         done = reusable(ctx, task.index)
         if done is not None:
-            _Ticker().tick(done.items, flush=True)
+            Ticker().tick(done.items, flush=True)
             return FilledShard(ctx, task.index, lock, done=done)
         shard, skipped, items = _fill(ctx, task, records)
     except BaseException:
@@ -306,14 +219,14 @@ def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Rec
 
 def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]):
     skipped: list[fmt.Skip] = []
-    ticker = _Ticker()
+    ticker = Ticker()
     items = 0
     shard = ctx.shard_writer(task.index)
     try:
         for item in _samples(ctx, records, ticker):
             items += 1
             if isinstance(item, fmt.Skip):
-                _check_strict(ctx, item)
+                check_strict(ctx, item)
                 skipped.append(item)
             else:
                 shard.add(item)
@@ -324,7 +237,7 @@ def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]
     return shard, skipped, items
 
 
-def _finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:
+def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:
     """Close a shard whose samples are all added (or drop it: every record skipped), then its
     sidecar: from here on it is whole and reusable."""
     try:
@@ -341,127 +254,12 @@ def _finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: l
     return result
 
 
-def _check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
+def check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
     if ctx.strict:
         raise SourceError(f"{ctx.raw / skip.key.split(':')[0]}: {skip.reason} (--strict)")
 
 
-# -- image shards in pieces: several processes fill one shard's image column -----------------
-# A pool builds an image shard as pieces of records, each run by whichever worker is free: the
-# build process opens the shard (a slot per record in image.npy), pieces decode into their
-# slots, and the last step writes labels and keys, squeezes out skipped records' slots and
-# closes the shard as run_shard would: the bytes are the same. Work is shared image by image,
-# so no core waits while the last shard is packed by one worker.
-PIECE_ROWS = 128
-MIN_PIECE_ROWS = 16
-
-
-def piece_bounds(rows: int, *, last: bool, lanes: int) -> list[tuple[int, int]]:
-    """(first, stop) of each piece of a shard of `rows` records. PIECE_ROWS each: a piece costs
-    the pool about a millisecond of CPU on its way (its records pickled, two queues, three
-    threads woken), small beside 128 decodes (a quarter of a second of a core; pieces of 32 took
-    1% of a 2-core build). The build's last shard is cut finer as it nears its end, a piece at
-    most 1 / (2 x lanes) of the rows left and at least MIN_PIECE_ROWS (guided
-    self-scheduling), so the decoding lanes finish within a few images of each other."""
-    bounds, first = [], 0
-    while first < rows:
-        size = max(MIN_PIECE_ROWS, min(PIECE_ROWS, (rows - first) // (2 * lanes))) if last else PIECE_ROWS
-        bounds.append((first, min(rows, first + size)))
-        first += size
-    return bounds
-
-
-def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
-    """Start shard `task` as pieces (a fresh partial dir, image.npy with a slot per record);
-    returns the shard instead when another run finished it meanwhile."""
-    with shard_lock(ctx.staging, task.index):
-        done = reusable(ctx, task.index)
-        if done is not None:
-            return done
-        writer.partial_dir(ctx.staging, task.index, fresh=True)
-        writer.create_slots(_image_path(ctx, task.index), _image_column(ctx), task.items)
-    return None
-
-
-def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], *, writeback: bool = False,
-              crashed: tuple[int, ...] = ()) -> tuple[dict[int, fmt.Skip], dict[int, bytes]]:
-    """Decode records into slots first, first + 1, ... of shard `index`; returns the skips and
-    the written rows' checksum digests (SlotWriter.put), by slot. `writeback`: start writing the
-    rows to disk at once (the build's last shard, whose fsync no decoding overlaps; the other
-    shards' rows are written by their fsync, on the side). `crashed`: slots whose decode killed
-    the process that tried (skipped here, not decoded again). The slot being decoded is noted
-    in a progress file, so that the build can tell which record killed a process."""
-    ticker = _Ticker()
-    slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
-    progress = os.open(_progress_path(ctx, index, first), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    skips, digests = {}, {}
-    try:
-        for slot, record in enumerate(records, start=first):
-            if slot in crashed:
-                skip = fmt.Skip(record.key, "decode", "the decoder crashed (its process died) on this file")
-            else:
-                os.pwrite(progress, slot.to_bytes(8, "little"), 0)
-                try:
-                    digests[slot] = slots.put(slot, ctx.decode(record.path))
-                    skip = None
-                except SourceError as exc:
-                    skip = fmt.Skip(record.key, "decode", str(exc))
-            if skip is not None:
-                _check_strict(ctx, skip)
-                skips[slot] = skip
-            ticker.tick()
-        if writeback:
-            slots.start_writeback(first, len(records))
-    finally:
-        slots.close()
-        os.close(progress)
-    os.unlink(_progress_path(ctx, index, first))
-    ticker.tick(0, flush=True)
-    return skips, {slot: d for slot, d in digests.items() if d is not None}
-
-
-def _progress_path(ctx: ShardContext, index: int, first: int) -> Path:
-    return ctx.staging / f"{fmt.shard_dir_name(index)}.{first}.progress"
-
-
-def read_progress(ctx: ShardContext, index: int, first: int) -> int | None:
-    """The slot a piece's process was decoding when it died (None: it had not started one)."""
-    try:
-        raw = _progress_path(ctx, index, first).read_bytes()
-    except OSError:
-        return None
-    return int.from_bytes(raw, "little") if len(raw) == 8 else None
-
-
-def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
-                  skips: dict[int, fmt.Skip], digests: dict[int, bytes]) -> ShardResult:
-    """Every piece of shard `task` done: labels and keys of the kept records, then close (the
-    image rows' digests, from the pieces, give that file's checksum)."""
-    with shard_lock(ctx.staging, task.index):
-        keep = [slot not in skips for slot in range(len(records))]
-        shard = ctx.shard_writer(task.index, slots={"image": keep}, digests={"image": digests})
-        try:
-            shard.extend([_image_fields(record) for (_, record), kept in zip(records, keep) if kept])
-        except BaseException:
-            shard.abort()
-            raise
-        return _finish(ctx, task.index, shard, [skips[s] for s in sorted(skips)], len(records))
-
-
-def in_pieces(ctx: ShardContext) -> bool:
-    """Image shards of one fixed size go to a pool as pieces."""
-    return ctx.kind == "images" and not _image_column(ctx).ragged
-
-
-def _image_column(ctx: ShardContext) -> fmt.Column:
-    return next(c for c in ctx.columns if c.name == "image")
-
-
-def _image_path(ctx: ShardContext, index: int) -> Path:
-    return writer.partial_dir(ctx.staging, index) / fmt.column_file_names(_image_column(ctx))["values"]
-
-
-def _samples(ctx: ShardContext, records, ticker: _Ticker) -> Iterator:
+def _samples(ctx: ShardContext, records, ticker: Ticker) -> Iterator:
     """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
     records = read_ahead(records, lambda item: item[1])
     if ctx.kind == "images":
@@ -485,10 +283,10 @@ def _image_sample(ctx: ShardContext, record: Record):
         pixels = ctx.decode(record.path)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
-    return {"image": pixels, **_image_fields(record)}
+    return {"image": pixels, **image_fields(record)}
 
 
-def _image_fields(record: Record) -> dict:
+def image_fields(record: Record) -> dict:
     """Label (not in a flat folder's dataset) and key of an image record."""
     key = {"key": key_bytes(record.key)}
     return key if record.label is None else {"label": np.int64(record.label), **key}

@@ -465,10 +465,10 @@ def test_image_shards_in_pieces_give_the_bytes_of_one_worker(tmp_path, image_raw
     skipped records' slots are squeezed out at the end. Shards of 40 rows, pieces of 3 (1 to 3
     in the last shard): skips land inside pieces, at piece edges and in whole pieces of other
     workers."""
-    from packer import shards
+    from packer import pieces
 
-    monkeypatch.setattr(shards, "PIECE_ROWS", piece_rows)
-    monkeypatch.setattr(shards, "MIN_PIECE_ROWS", min(piece_rows, shards.MIN_PIECE_ROWS) // 2)
+    monkeypatch.setattr(pieces, "PIECE_ROWS", piece_rows)
+    monkeypatch.setattr(pieces, "MIN_PIECE_ROWS", min(piece_rows, pieces.MIN_PIECE_ROWS) // 2)
     args = ("--image-size", "32", "--shard-size", "40")
     build(image_raw, tmp_path / "one", *args, "--workers", 1)
     build(image_raw, tmp_path / "pieces", *args, "--workers", 3)
@@ -482,7 +482,7 @@ def test_pieces_cover_a_shard_and_shrink_only_towards_the_builds_end(rows, last,
     """Pieces tile the shard's rows in order; PIECE_ROWS each, except the build's last shard,
     whose pieces never grow, never fall below MIN_PIECE_ROWS (but for the remainder) and end
     small enough that lanes finishing together wait at most a small piece for each other."""
-    from packer.shards import MIN_PIECE_ROWS, PIECE_ROWS, piece_bounds
+    from packer.pieces import MIN_PIECE_ROWS, PIECE_ROWS, piece_bounds
 
     bounds = piece_bounds(rows, last=last, lanes=lanes)
     assert [first for first, _ in bounds] == [0, *(stop for _, stop in bounds)][:len(bounds)]
@@ -628,7 +628,7 @@ def test_start_writeback_keeps_the_bytes_and_is_found_on_linux(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_a_pool_worker_asks_to_be_killed_with_its_parent():
     """So that a `kill -9` of the build leaves no worker writing into its staging dir."""
-    code = ("import ctypes, signal; from packer.shards import _die_with_parent; _die_with_parent(); "
+    code = ("import ctypes, signal; from packer.workers import _die_with_parent; _die_with_parent(); "
             "sig = ctypes.c_int(); ctypes.CDLL(None).prctl(2, ctypes.byref(sig)); "  # PR_GET_PDEATHSIG
             "print(sig.value == signal.SIGKILL)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -664,7 +664,7 @@ def test_a_shard_being_written_elsewhere_is_waited_for_then_reused(tmp_path, ima
         runner.join(timeout=1.0)
         assert runner.is_alive(), "run_shard did not wait for the shard's lock"
         assert not (staging / "shard-00000.partial").exists() and not shards.sidecar_path(staging, 0).exists()
-        old = shards._finish(prep.ctx, task.index, *shards._fill(prep.ctx, task, records))  # the old run finishes it
+        old = shards.finish(prep.ctx, task.index, *shards._fill(prep.ctx, task, records))  # the old run finishes it
     runner.join(timeout=60)
     assert not runner.is_alive()
     assert got["first"].reused and got["first"].shard == old.shard
