@@ -30,7 +30,7 @@ from .sources import prefetch
 from .system import gc_frozen
 from .writer import partial_dir
 from .pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, read_progress, run_piece
-from .shards import ShardContext, ShardResult, fill_shard, run_shard, set_progress_sink
+from .shards import ShardContext, ShardResult, fill_shard, probe, read_busy, run_shard, set_progress_sink
 from .workers import init_worker
 
 Jobs = Iterable[tuple]
@@ -188,32 +188,65 @@ RETRIES = 3  # attempts of a work unit whose process died, before the build give
 
 
 def _run_shards(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
-    """One task per shard, at most two per worker queued. A shard whose worker process died is
-    run again in a new pool, up to RETRIES times."""
+    """One task per shard, at most two per worker queued. When a worker process dies, each
+    shard it had is run again in a new pool without the item (record, or document) that killed
+    it, which becomes a skip: found by trying the items the process was on (`read_busy`) in
+    processes of their own, halving them. A shard whose process dies with no such item to blame
+    is run again up to RETRIES times."""
     results: list[ShardResult] = []
     tries: dict[int, int] = {}
-    pending = {pool.submit(run_shard, ctx, *job): job for job in islice(jobs, 2 * workers)}
+    crashed: dict[int, frozenset[int]] = {}  # shard -> places of the items that killed a process
+
+    def submit(task, records) -> Future:
+        return pool.submit(run_shard, ctx, task, records, crashed.get(task.index, frozenset()))
+
+    pending = {submit(*job): job for job in islice(jobs, 2 * workers)}
     while pending:
         done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
         drain()
         if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
             wait(pending)  # every other task of the broken pool fails too
             again = [pending.pop(f) for f in list(pending) if isinstance(f.exception(), BrokenProcessPool)]
+            pool.renew()
             for task, records in again:
+                known = crashed.get(task.index, frozenset())
+                busy = read_busy(ctx.staging, task.index)
+                item = None if busy is None else _crasher(pool, ctx, records, *busy, known)
+                if item is not None:
+                    crashed[task.index] = known | {item}
+                    continue
                 tries[task.index] = tries.get(task.index, 0) + 1
                 if tries[task.index] >= RETRIES:
+                    where = "before it started an item" if busy is None else f"on items {busy[0]}..{busy[1] - 1}"
                     raise SourceError(f"{ctx.out}: the worker building {fmt.shard_dir_name(task.index)} died "
-                                      f"{RETRIES} times (a tokenizer or decoder crash); its first record is "
-                                      f"{ctx.raw / records[0][1].key}")
-            pool.renew()
-            pending.update({pool.submit(run_shard, ctx, *job): job for job in again})
+                                      f"{RETRIES} times {where} (no one item kills a process of its own); the "
+                                      f"shard starts at {ctx.raw / records[0][1].key}")
+            pending.update({submit(*job): job for job in again})
             continue
         for future in done:
             del pending[future]
             results.append(future.result())  # re-raises a worker's error here
-            pending.update({pool.submit(run_shard, ctx, *job): job for job in islice(jobs, 1)})
+            pending.update({submit(*job): job for job in islice(jobs, 1)})
     drain()
     return results
+
+
+def _crasher(pool: _Pool, ctx: ShardContext, records: list, lo: int, hi: int, known: frozenset[int]) -> int | None:
+    """The place of the one item among lo..hi-1 that kills a process of its own when read,
+    decoded and tokenized there (`probe`), by halving the range; None when none does alone."""
+    def kills(a: int, b: int) -> bool:
+        return pool.crashes(probe, ctx, records, a, b, known)
+
+    if not kills(lo, hi):
+        return None
+    proven = True  # whether [lo, hi) was seen to kill
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if kills(lo, mid):
+            hi, proven = mid, True
+        else:
+            lo, proven = mid, False
+    return lo if proven or kills(lo, hi) else None
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -173,10 +175,13 @@ def _flock(path: Path) -> Iterator[None]:
 
 
 # -- the shard function --------------------------------------------------------------------
-def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> ShardResult:
+def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
+              crashed: frozenset[int] = frozenset()) -> ShardResult:
     """Pack one planned shard into staging; deterministic: same inputs, same bytes. A shard that
-    another run finished while this one waited for its lock is reused as it is."""
-    return fill_shard(ctx, task, records).close()
+    another run finished while this one waited for its lock is reused as it is. `crashed`: the
+    places of items (records; documents for text) that killed the process that tried them,
+    skipped here, not tried again (found by `probe`)."""
+    return fill_shard(ctx, task, records, crashed).close()
 
 
 class FilledShard:
@@ -201,7 +206,8 @@ class FilledShard:
                 self.shard.abort()
 
 
-def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]) -> FilledShard:
+def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
+               crashed: frozenset[int] = frozenset()) -> FilledShard:
     """The first step of run_shard: every sample of shard `task` written, under its lock."""
     lock = contextlib.ExitStack()
     lock.enter_context(shard_lock(ctx.staging, task.index))
@@ -210,20 +216,25 @@ def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Rec
         if done is not None:
             Ticker().tick(done.items, flush=True)
             return FilledShard(ctx, task.index, lock, done=done)
-        shard, skipped, items = _fill(ctx, task, records)
+        shard, skipped, items = _fill(ctx, task, records, crashed)
     except BaseException:
         lock.close()
         raise
     return FilledShard(ctx, task.index, lock, shard=shard, skipped=skipped, items=items)
 
 
-def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]):
+def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]], crashed: frozenset[int] = frozenset()):
     skipped: list[fmt.Skip] = []
     ticker = Ticker()
     items = 0
     shard = ctx.shard_writer(task.index)
+    busy_file = busy_path(ctx.staging, task.index)
+    fd = os.open(busy_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for item in _samples(ctx, records, ticker):
+        def busy(lo: int, hi: int) -> None:
+            os.pwrite(fd, lo.to_bytes(8, "little") + hi.to_bytes(8, "little"), 0)
+
+        for item in _samples(ctx, records, ticker, crashed.__contains__, busy):
             items += 1
             if isinstance(item, fmt.Skip):
                 check_strict(ctx, item)
@@ -234,7 +245,34 @@ def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]
     except BaseException:
         shard.abort()
         raise
+    finally:  # an error is no crash: only a process that dies leaves the file behind
+        os.close(fd)
+        busy_file.unlink(missing_ok=True)
     return shard, skipped, items
+
+
+def busy_path(staging: Path, index: int) -> Path:
+    return staging / f"{fmt.shard_dir_name(index)}.busy"
+
+
+def read_busy(staging: Path, index: int) -> tuple[int, int] | None:
+    """The items (lo, hi) of shard `index` that a process was reading, decoding or tokenizing
+    when it died (None: it had not started one)."""
+    try:
+        raw = busy_path(staging, index).read_bytes()
+    except OSError:
+        return None
+    return (int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")) if len(raw) == 16 else None
+
+
+def probe(ctx: ShardContext, records: list[tuple[Span, Record]], lo: int, hi: int,
+          crashed: frozenset[int] = frozenset()) -> None:
+    """Read, decode and tokenize items lo..hi-1 of a shard (less those `crashed`) as the shard
+    function does, and write nothing: run in a process of its own, it tells whether one of them
+    kills it."""
+    set_progress_sink(None)
+    for _ in _samples(ctx, records, Ticker(), lambda n: n in crashed or not lo <= n < hi, stop=hi):
+        pass
 
 
 def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:
@@ -259,23 +297,42 @@ def check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
         raise SourceError(f"{ctx.raw / skip.key.split(':')[0]}: {skip.reason} (--strict)")
 
 
-def _samples(ctx: ShardContext, records, ticker: Ticker) -> Iterator:
-    """Samples (dicts of arrays) and Skips of a shard's records, in record order."""
+CRASHED = {"images": ("decode", "the decoder crashed (its process died) on this file"),
+           "pairs": ("decode", "its process died reading, decoding or tokenizing this pair"),
+           "text": ("tokenize", "the tokenizer crashed (its process died) on this document")}
+
+
+def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, busy=None,
+             stop: int | None = None) -> Iterator:
+    """Samples (dicts of arrays) and Skips of a shard's records, in record order; the items
+    (records; documents for text) at places n where skip(n) are skipped untried, as crashed.
+    busy(lo, hi): see `tokenized`. `stop`: no item from that place on."""
     records = read_ahead(records, lambda item: item[1])
+    stage, reason = CRASHED[ctx.kind]
     if ctx.kind == "images":
-        for _, record in records:
-            yield _image_sample(ctx, record)
+        for n, (_, record) in enumerate(islice(records, stop)):
+            if busy is not None:
+                busy(n, n + 1)
+            yield fmt.Skip(record.key, stage, reason) if skip(n) else _image_sample(ctx, record)
             ticker.tick()
         return
 
     def items() -> Iterator:
+        n = 0
         for span, record in records:
             if ctx.kind == "pairs":
-                yield _pair_item(ctx, record)
+                yield fmt.Skip(record.key, stage, reason) if skip(n) else _pair_item(ctx, record)
+                n += 1
             else:
-                yield from iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line)
+                for doc in iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line):
+                    yield fmt.Skip(doc.key, stage, reason) if skip(n) and isinstance(doc, Document) else doc
+                    n += 1
+                    if n == stop:
+                        return
+            if n == stop:
+                return
 
-    yield from tokenized(items(), ctx.tokenizer, ticker.tick)
+    yield from tokenized(items(), ctx.tokenizer, ticker.tick, busy)
 
 
 def _image_sample(ctx: ShardContext, record: Record):

@@ -264,10 +264,13 @@ def tokenizer_of(spec: TokenizerSpec):
     return tok
 
 
-def tokenized(items: Iterator, spec: TokenizerSpec, done: Callable[[int], None]) -> Iterator:
+def tokenized(items: Iterator, spec: TokenizerSpec, done: Callable[[int], None],
+              busy: Callable[[int, int], None] | None = None) -> Iterator:
     """Samples {"tokens", "key"} (plus the item's other fields) of documents or (document,
     fields) items, tokenized in batches, in order; Skips pass through in place, and a document
     the tokenizer refuses or turns into no tokens becomes one. `done(n)`: n more items are out.
+    `busy(lo, hi)`: from now on, until the next call, only items lo..hi-1 (by their place in
+    `items`) are being read or tokenized: one of them killed the process if it dies.
 
     Batches are encoded on threads (`tokenizers` releases the GIL and runs its own Rust
     threads), ENCODE_AHEAD at a time, while this thread reads the next documents and writes the
@@ -301,14 +304,23 @@ def tokenized(items: Iterator, spec: TokenizerSpec, done: Callable[[int], None])
         done(len(batch))
 
     encoder = ThreadPoolExecutor(ENCODE_AHEAD, thread_name_prefix="mmpack-encode")
-    inflight: deque = deque()
+    inflight: deque = deque()  # (first item's place, batch, its encoding)
+    read = 0  # items read so far
     try:
-        for batch in _batches(items, TOKENIZE_BATCH_DOCS):
-            inflight.append((batch, encoder.submit(encode, batch)))
+        while True:
+            if busy is not None:  # the batches in flight and the one about to be read
+                busy(inflight[0][0] if inflight else read, read + TOKENIZE_BATCH_DOCS)
+            batch = list(islice(items, TOKENIZE_BATCH_DOCS))
+            if not batch:
+                break
+            inflight.append((read, batch, encoder.submit(encode, batch)))
+            read += len(batch)
             if len(inflight) > ENCODE_AHEAD:
-                yield from samples(*inflight.popleft())
+                yield from samples(*inflight.popleft()[1:])
         while inflight:
-            yield from samples(*inflight.popleft())
+            if busy is not None:
+                busy(inflight[0][0], read)
+            yield from samples(*inflight.popleft()[1:])
     finally:  # also when the shard is dropped half-way (a full disk): no batch is started after
         encoder.shutdown(wait=True, cancel_futures=True)
 
@@ -319,8 +331,3 @@ def _encode_one(tok, text: str, args: dict):
         return encode_batch(tok, [text], **args)[0]
     except Exception as exc:  # noqa: BLE001
         return exc
-
-
-def _batches(items: Iterator, size: int) -> Iterator[list]:
-    while batch := list(islice(items, size)):
-        yield batch

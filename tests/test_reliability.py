@@ -352,10 +352,12 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_any_decoder_failure_is_a_skip_and_a_dying_worker_costs_one_record(tmp_path, workers):
+@pytest.mark.parametrize("workers,sizing", [(1, "crop"), (2, "crop"), (2, "keep-aspect")])
+def test_any_decoder_failure_is_a_skip_and_a_dying_worker_costs_one_record(tmp_path, workers, sizing):
     """Pillow's NotImplementedError (three real DDS files named .png) is a skip with its type; a
-    decoder that aborts its process costs that record alone, the build goes on."""
+    decoder that aborts its process costs that record alone, the build goes on: for fixed-size
+    images (shards in pieces) and keep-aspect ones (whole shards per worker) alike."""
+    size = ["--image-size", "32", *(["--keep-aspect"] if sizing == "keep-aspect" else [])]
     raw = tmp_path / "raw"
     data.make_image_folders(raw, 30, seed=5, max_side=100)
     extra = data.fetch(data.PILLOW_EXTRA)
@@ -366,8 +368,7 @@ def test_any_decoder_failure_is_a_skip_and_a_dying_worker_costs_one_record(tmp_p
     script = tmp_path / "crashing.py"
     script.write_text(CRASHING_DECODER)
     out = tmp_path / "out"
-    result = packer("build", raw, out, "--image-size", "32", "--shard-size", "8", "--workers", workers, "-q",
-                    script=str(script))
+    result = packer("build", raw, out, *size, "--shard-size", "8", "--workers", workers, "-q", script=str(script))
     assert result.returncode == 0, result.stderr[-3000:]
     m = load_manifest(out)
     skips = {s.key: s.reason for s in m.skipped}
@@ -378,10 +379,63 @@ def test_any_decoder_failure_is_a_skip_and_a_dying_worker_costs_one_record(tmp_p
     clean = tmp_path / "clean"
     for path in [*raw.glob("astronaut/unimplemented*"), raw / "coffee" / "crash-me.png"]:
         path.unlink()
-    assert main(["build", str(raw), str(clean), "--image-size", "32", "--shard-size", "8", "-q"]) == 0
+    assert main(["build", str(raw), str(clean), *size, "--shard-size", "8", "-q"]) == 0
     ds, ref = MMapDataset(out), MMapDataset(clean)
     assert [ds[i]["key"] for i in range(len(ds))] == [ref[i]["key"] for i in range(len(ref))]
     assert all(np.array_equal(ds[i]["image"], ref[i]["image"]) for i in range(len(ds)))
+
+
+CRASHING_TOKENIZER = """
+import os, sys
+import packer.cli
+from packer import text
+
+encode = text.encode_batch
+
+
+def crashing(tok, texts, **kwargs):
+    if any("CRASH-ME" in t for t in texts) and len(texts) >= int(os.environ.get("CRASH_FROM_DOCS", "1")):
+        os.abort()  # a tokenizer that kills its process (a segfault, the kernel's OOM killer alike)
+    return encode(tok, texts, **kwargs)
+
+
+text.encode_batch = crashing
+if __name__ == "__main__":
+    sys.exit(packer.cli.main(sys.argv[1:]))
+"""
+
+
+def test_a_document_that_kills_the_tokenizers_process_costs_that_document(tmp_path, minilm):
+    """A worker that dies tokenizing costs the one document it died on, found among the
+    documents it was on by halving them in processes of their own; every other document is
+    packed as a build without the crash packs it."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    lines = [{"text": f"document {i} of a corpus, with words " * (1 + i % 7)} for i in range(400)]
+    lines[233] = {"text": "this one has CRASH-ME inside"}
+    (raw / "docs.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    script = tmp_path / "crashing.py"
+    script.write_text(CRASHING_TOKENIZER)
+    out, ref = tmp_path / "out", tmp_path / "ref"
+    args = ["--tokenizer", str(minilm), "--shard-size", "8KB", "-q"]
+    result = packer("build", raw, out, *args, "--workers", 2, script=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = load_manifest(out)
+    assert [(s.key, s.stage) for s in m.skipped] == [("docs.jsonl:234", "tokenize")]
+    assert "crashed" in m.skipped[0].reason
+    assert m.counts == {"found": 400, "packed": 399, "skipped": 1} and len(m.shards) > 3
+    assert not list(out.rglob("*.busy"))
+    assert main(["build", str(raw), str(ref), *args]) == 0
+    ds, full = MMapDataset(out), MMapDataset(ref)
+    tokens = {full[i]["key"]: full[i]["tokens"] for i in range(len(full))}
+    assert [ds[i]["key"] for i in range(len(ds))] == [k for k in tokens if k != "docs.jsonl:234"]
+    assert all(np.array_equal(ds[i]["tokens"], tokens[ds[i]["key"]]) for i in range(len(ds)))
+    # a process that dies only on a batch (no one document kills it alone): RETRIES runs, then one line
+    again = packer("build", raw, tmp_path / "again", *args, "--workers", 2, script=str(script),
+                   env={"CRASH_FROM_DOCS": "2"})
+    err = one_line(again)
+    assert "died 3 times on items" in err and "no one item kills" in err and "docs.jsonl" in err, err
+    assert not (tmp_path / "again" / fmt.MANIFEST_NAME).exists()
 
 
 def test_a_document_the_tokenizer_refuses_is_a_skip(tmp_path, minilm):
