@@ -501,7 +501,9 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
             from .engines import run_ray
 
             ran, cores = run_ray(prep.ctx, jobs, advance, prep.config.ray_address), None
-        elif workers <= 1 and not in_pieces(prep.ctx):  # text in this process: its tokenizer threads
+        elif workers <= 1 and prep.ctx.kind == "text":  # text in this process: its tokenizer threads
+            # (images, pairs included, are decoded in worker processes only: a decoder that
+            # crashes costs its record, not the build)
             from .engines import run_here
 
             ran = run_here(prep.ctx, jobs, advance)

@@ -352,7 +352,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("workers,sizing", [(1, "crop"), (2, "crop"), (2, "keep-aspect")])
+@pytest.mark.parametrize("workers,sizing", [(1, "crop"), (2, "crop"), (1, "keep-aspect"), (2, "keep-aspect")])
 def test_any_decoder_failure_is_a_skip_and_a_dying_worker_costs_one_record(tmp_path, workers, sizing):
     """Pillow's NotImplementedError (three real DDS files named .png) is a skip with its type; a
     decoder that aborts its process costs that record alone, the build goes on: for fixed-size
@@ -383,6 +383,29 @@ def test_any_decoder_failure_is_a_skip_and_a_dying_worker_costs_one_record(tmp_p
     ds, ref = MMapDataset(out), MMapDataset(clean)
     assert [ds[i]["key"] for i in range(len(ds))] == [ref[i]["key"] for i in range(len(ref))]
     assert all(np.array_equal(ds[i]["image"], ref[i]["image"]) for i in range(len(ds)))
+
+
+@pytest.mark.parametrize("sizing", ["crop", "keep-aspect"])
+def test_several_crashing_files_cost_themselves_not_the_pieces_beside_them(tmp_path, sizing):
+    """Three files that each kill their decoder's process, in one piece (or shard), while the
+    other worker decodes an innocent one: each death is traced to its file, and the innocent
+    work, run again each time, is never taken for the culprit (nor the build failed for it)."""
+    raw = tmp_path / "raw"
+    for i, src in enumerate(sorted(data.make_image_folders(tmp_path / "src", 48, seed=9, max_side=90).rglob("*.*"))):
+        name = f"img-{i:03d}{'-crash-me' if i in (6, 10, 14) else ''}{src.suffix}"
+        (raw / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, raw / name)
+    script = tmp_path / "crashing.py"
+    script.write_text(CRASHING_DECODER.replace('.startswith("crash-me")', '.split(".")[0].endswith("crash-me")')
+                      .replace("import packer.cli", "import packer.cli, packer.pieces\npacker.pieces.PIECE_ROWS = 24"))
+    size = ["--image-size", "32", *(["--keep-aspect"] if sizing == "keep-aspect" else [])]
+    out = tmp_path / "out"
+    result = packer("build", raw, out, *size, "--shard-size", "48" if sizing == "crop" else "16", "--workers", 2,
+                    "-q", script=str(script))
+    assert result.returncode == 0, result.stderr[-3000:]
+    m = load_manifest(out)
+    assert sorted(s.key for s in m.skipped) == sorted(p.name for p in raw.iterdir() if "crash-me" in p.name)
+    assert all("crashed" in s.reason for s in m.skipped) and m.counts == {"found": 48, "packed": 45, "skipped": 3}
 
 
 CRASHING_TOKENIZER = """
@@ -434,7 +457,7 @@ def test_a_document_that_kills_the_tokenizers_process_costs_that_document(tmp_pa
     again = packer("build", raw, tmp_path / "again", *args, "--workers", 2, script=str(script),
                    env={"CRASH_FROM_DOCS": "2"})
     err = one_line(again)
-    assert "died 3 times on items" in err and "no one item kills" in err and "docs.jsonl" in err, err
+    assert "died 3 times" in err and "no one item kills" in err and "items 0.." in err and str(raw) in err, err
     assert not (tmp_path / "again" / fmt.MANIFEST_NAME).exists()
 
 
