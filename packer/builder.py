@@ -1,8 +1,8 @@
 """`packer build`: RAW --scan--> records --plan--> shard tasks --run--> whole shards in
 OUT/<generation> --commit--> manifest, published last (`packer.outdir`).
 
-The shard is the unit of work (`packer.shards.run_shard`): run in this process (text), in a pool
-of worker processes, or as Ray tasks, the bytes are the same. Each finished shard leaves a
+The shard is the unit of work (`packer.shards.run_shard`): run in a pool of worker processes
+(never in this one), or as Ray tasks, the bytes are the same. Each finished shard leaves a
 sidecar in staging, so a killed build started again with the same arguments reuses what is whole
 (sizes and checksums checked) and redoes the rest; a build with other arguments or changed inputs
 is refused unless --overwrite. `--part i/N` runs a share of the shards into a shared OUT and
@@ -194,14 +194,13 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
 
 
 def _start_pool_server(config: BuildConfig) -> None:
-    """A local image build (no tokenizer) with several workers uses a pool: where its workers
-    come from a forkserver (this process runs other threads), the server starts while this
-    process scans RAW. A text build may well run in this process alone (one shard), where a
-    server importing on the side would take a core from the tokenizer."""
-    if config.engine == "local" and config.num_workers > 1 and config.tokenizer is None:
+    """A local build runs its shards in a pool: where its workers come from a forkserver (a
+    text build; an image build from a process that runs other threads), the server starts
+    while this process scans RAW, so that its imports are not waited for."""
+    if config.engine == "local":
         from .engines import start_method, start_server
 
-        if start_method(tokenizer=False) == "forkserver":
+        if start_method(tokenizer=config.tokenizer is not None) == "forkserver":
             start_server()
 
 
@@ -501,13 +500,7 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
             from .engines import run_ray
 
             ran, cores = run_ray(prep.ctx, jobs, advance, prep.config.ray_address), None
-        elif workers <= 1 and prep.ctx.kind == "text":  # text in this process: its tokenizer threads
-            # (images, pairs included, are decoded in worker processes only: a decoder that
-            # crashes costs its record, not the build)
-            from .engines import run_here
-
-            ran = run_here(prep.ctx, jobs, advance)
-        else:
+        else:  # worker processes only, even one: a decoder or tokenizer that kills its process costs its item
             from .engines import run_pool
 
             ran = run_pool(prep.ctx, jobs, advance, workers, threads)

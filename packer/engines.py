@@ -1,4 +1,6 @@
-"""Where shard tasks run: in this process, in a pool of worker processes, or as Ray tasks.
+"""Where shard tasks run: in a pool of worker processes (a local build, even with one worker),
+or as Ray tasks. The build process never decodes or tokenizes: a decoder or tokenizer that
+kills its process costs the item it was on (found as below), not the build.
 
 Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s; the
 shard function is `packer.shards.run_shard`, except that a pool splits fixed-size image shards
@@ -30,36 +32,12 @@ from .sources import prefetch
 from .system import gc_frozen
 from .writer import partial_dir
 from .pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, read_progress, run_piece
-from .shards import ShardContext, ShardResult, busy_path, fill_shard, probe, read_busy, run_shard, set_progress_sink
+from .shards import ShardContext, ShardResult, busy_path, probe, read_busy, run_shard
 from .workers import init_worker
 
 Jobs = Iterable[tuple]
 Advance = Callable[[int], None]
 POLL_S = 0.1
-
-
-def run_here(ctx: ShardContext, jobs: Jobs, advance: Advance) -> list[ShardResult]:
-    """Shard after shard in this process; each shard is closed (its fsync waited for) on a
-    thread while the next one fills, at most one close in flight."""
-    set_progress_sink(advance)
-    results: list[ShardResult] = []
-    closing: Future | None = None
-    try:
-        with ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish") as finisher:
-            for task, records in jobs:
-                filled = fill_shard(ctx, task, records)
-                if closing is not None:
-                    try:
-                        results.append(closing.result())  # re-raises its error (a full disk) here
-                    except BaseException:
-                        filled.abort()
-                        raise
-                closing = finisher.submit(filled.close)
-            if closing is not None:
-                results.append(closing.result())
-        return results
-    finally:
-        set_progress_sink(None)
 
 
 def start_method(tokenizer: bool) -> str:

@@ -1,7 +1,7 @@
 """The shard function: one planned shard from its records to whole column files in staging.
 
-The same function runs in the build process (`--workers 1`), in pool worker processes (image
-shards there go in pieces, `packer.pieces`, with the same bytes), and as a Ray task: it takes a picklable
+The same function runs in pool worker processes (fixed-size image shards there go in pieces,
+`packer.pieces`, with the same bytes) and as a Ray task: it takes a picklable
 context and task and returns a picklable result. A finished shard is `OUT/<generation>/shard-k/`
 plus `OUT/.staging/shard-k.json` (its files with sizes and checksums, its skips, and the build
 fingerprint), which is what lets a killed build resume and what `packer commit` assembles the
@@ -177,50 +177,16 @@ def _flock(path: Path) -> Iterator[None]:
 # -- the shard function --------------------------------------------------------------------
 def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
               crashed: frozenset[int] = frozenset()) -> ShardResult:
-    """Pack one planned shard into staging; deterministic: same inputs, same bytes. A shard that
-    another run finished while this one waited for its lock is reused as it is. `crashed`: the
-    places of items (records; documents for text) that killed the process that tried them,
-    skipped here, not tried again (found by `probe`)."""
-    return fill_shard(ctx, task, records, crashed).close()
-
-
-class FilledShard:
-    """A shard whose samples are all written (or one found whole): close() finishes it (fsync,
-    checksums, sidecar), abort() drops it; either releases its lock. One process can close it on
-    a thread while it fills the next shard, instead of waiting for the fsync."""
-
-    def __init__(self, ctx: ShardContext, index: int, lock: contextlib.ExitStack, *, done: ShardResult | None = None,
-                 shard: writer.ShardWriter | None = None, skipped: list | None = None, items: int = 0):
-        self.ctx, self.index, self.lock, self.done = ctx, index, lock, done
-        self.shard, self.skipped, self.items = shard, skipped, items
-
-    def close(self) -> ShardResult:
-        with self.lock:
-            if self.done is None:
-                self.done = finish(self.ctx, self.index, self.shard, self.skipped, self.items)
-            return self.done
-
-    def abort(self) -> None:
-        with self.lock:
-            if self.done is None:
-                self.shard.abort()
-
-
-def fill_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
-               crashed: frozenset[int] = frozenset()) -> FilledShard:
-    """The first step of run_shard: every sample of shard `task` written, under its lock."""
-    lock = contextlib.ExitStack()
-    lock.enter_context(shard_lock(ctx.staging, task.index))
-    try:
+    """Pack one planned shard into staging, under its lock; deterministic: same inputs, same
+    bytes. A shard that another run finished while this one waited for its lock is reused as it
+    is. `crashed`: the places of items (records; documents for text) that killed the process
+    that tried them, skipped here, not tried again (found by `probe`)."""
+    with shard_lock(ctx.staging, task.index):
         done = reusable(ctx, task.index)
         if done is not None:
             Ticker().tick(done.items, flush=True)
-            return FilledShard(ctx, task.index, lock, done=done)
-        shard, skipped, items = _fill(ctx, task, records, crashed)
-    except BaseException:
-        lock.close()
-        raise
-    return FilledShard(ctx, task.index, lock, shard=shard, skipped=skipped, items=items)
+            return done
+        return finish(ctx, task.index, *_fill(ctx, task, records, crashed))
 
 
 def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]], crashed: frozenset[int] = frozenset()):

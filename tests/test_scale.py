@@ -71,9 +71,7 @@ def build(raw, out, *extra) -> None:
 IMG = ("--image-size", "32", "--shard-size", "8")
 
 
-def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, minilm, monkeypatch):
-    from packer import text as text_stage
-
+def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, minilm):
     for n in (1, 2, 3):
         build(image_raw, tmp_path / f"img{n}", *IMG, "--workers", n)
     assert tree(tmp_path / "img1") == tree(tmp_path / "img2") == tree(tmp_path / "img3")
@@ -84,9 +82,6 @@ def test_same_bytes_for_any_number_of_workers(tmp_path, image_raw, text_raw, min
     for n in (1, 2):
         build(text_raw, tmp_path / f"txt{n}", *text, "--workers", n)
     assert tree(tmp_path / "txt1") == tree(tmp_path / "txt2")
-    monkeypatch.setattr(text_stage, "TOKENIZE_BATCH_DOCS", 2)  # many batches in flight, written in order
-    build(text_raw, tmp_path / "txt-batches-of-2", *text, "--workers", 1)
-    assert tree(tmp_path / "txt1") == tree(tmp_path / "txt-batches-of-2")
     assert load_manifest(tmp_path / "txt1").build["cores_used"] == available_cores()  # tokenizer threads
     # big JSONL files were cut into line ranges: some shard starts inside a file
     ds = MMapDataset(tmp_path / "txt2")
@@ -404,14 +399,14 @@ def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, imag
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError while a lock is held
 
 
-def test_a_text_shard_that_fails_mid_way_leaves_no_encoder_running(tmp_path, text_raw, minilm, capsys, monkeypatch):
+def test_a_text_shard_that_fails_mid_way_leaves_no_encoder_running(tmp_path, text_raw, minilm, monkeypatch):
     """Text batches are encoded on threads ahead of the writer: a write that fails (a full disk)
-    part-way through a shard ends the build with one line, drops the shard, and returns only once
-    no encoder thread is left and no further batch was started."""
+    part-way through a shard drops the shard and returns only once no encoder thread is left
+    and no further batch was started (the shard function, in this process)."""
     import errno
     import threading
 
-    from packer import text, writer
+    from packer import builder, shards, text, writer
 
     add, encode, calls, at_failure = writer.ShardWriter.add, text.encode_batch, [], []
 
@@ -428,13 +423,33 @@ def test_a_text_shard_that_fails_mid_way_leaves_no_encoder_running(tmp_path, tex
     monkeypatch.setattr(writer.ShardWriter, "add", failing)
     monkeypatch.setattr(text, "encode_batch", counted)
     monkeypatch.setattr(text, "TOKENIZE_BATCH_DOCS", 2)
-    out = tmp_path / "out"
-    assert main(["build", str(text_raw), str(out), "--tokenizer", str(minilm), "--workers", "1", "-q"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "No space left on device" in err and "tokens.npy" in err, err
+    prep = builder._prepare(builder.BuildConfig(text_raw, tmp_path / "out", tokenizer=minilm, workers=1))
+    task = prep.plan.tasks[0]
+    with pytest.raises(OSError, match="No space left on device"):
+        shards.run_shard(prep.ctx, task, list(builder.records_of(prep.found, task)))
     assert not [t for t in threading.enumerate() if t.name.startswith("mmpack-encode")]
     assert len(calls) - at_failure[0] <= text.ENCODE_AHEAD  # only batches already submitted ran after it
-    assert not (out / fmt.MANIFEST_NAME).exists() and not list((out / fmt.STAGING_DIR).glob("*.partial"))
+    assert not list(prep.ctx.staging.glob("*.partial")) and not list(prep.ctx.staging.glob("*.busy"))
+    with shards.shard_lock(prep.ctx.staging, task.index):  # released
+        pass
+
+
+def test_many_batches_in_flight_are_written_in_order(tmp_path, text_raw, minilm, monkeypatch):
+    """The tokenizer pipeline gives the samples of a shard in their order whatever the batch
+    size, so with many batches in flight too (batches of 2 against the default)."""
+    from packer import builder, shards, text
+
+    def shard_rows(out):
+        prep = builder._prepare(builder.BuildConfig(text_raw, out, tokenizer=minilm, workers=1))
+        task = prep.plan.tasks[0]
+        shard, skipped, items = shards._fill(prep.ctx, task, list(builder.records_of(prep.found, task)))
+        result = shards.finish(prep.ctx, task.index, shard, skipped, items)
+        files = sorted((out / fmt.shard_path(prep.ctx.generation, task.index)).iterdir())
+        return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in files}, result.skipped
+
+    whole = shard_rows(tmp_path / "whole")
+    monkeypatch.setattr(text, "TOKENIZE_BATCH_DOCS", 2)
+    assert shard_rows(tmp_path / "pairs-of-2") == whole
 
 
 def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
