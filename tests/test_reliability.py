@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -428,7 +429,8 @@ if __name__ == "__main__":
 """
 
 
-def test_a_document_that_kills_the_tokenizers_process_costs_that_document(tmp_path, minilm):
+@pytest.mark.parametrize("workers,shard_size", [(1, "1MB"), (2, "8KB")])  # one shard in one worker; several in two
+def test_a_document_that_kills_the_tokenizers_process_costs_that_document(tmp_path, minilm, workers, shard_size):
     """A worker that dies tokenizing costs the one document it died on, found among the
     documents it was on by halving them in processes of their own; every other document is
     packed as a build without the crash packs it."""
@@ -440,13 +442,13 @@ def test_a_document_that_kills_the_tokenizers_process_costs_that_document(tmp_pa
     script = tmp_path / "crashing.py"
     script.write_text(CRASHING_TOKENIZER)
     out, ref = tmp_path / "out", tmp_path / "ref"
-    args = ["--tokenizer", str(minilm), "--shard-size", "8KB", "-q"]
-    result = packer("build", raw, out, *args, "--workers", 2, script=str(script))
+    args = ["--tokenizer", str(minilm), "--shard-size", shard_size, "-q"]
+    result = packer("build", raw, out, *args, "--workers", workers, script=str(script))
     assert result.returncode == 0, result.stderr[-3000:]
     m = load_manifest(out)
     assert [(s.key, s.stage) for s in m.skipped] == [("docs.jsonl:234", "tokenize")]
     assert "crashed" in m.skipped[0].reason
-    assert m.counts == {"found": 400, "packed": 399, "skipped": 1} and len(m.shards) > 3
+    assert m.counts == {"found": 400, "packed": 399, "skipped": 1} and (len(m.shards) > 3) == (workers == 2)
     assert not list(out.rglob("*.busy"))
     assert main(["build", str(raw), str(ref), *args]) == 0
     ds, full = MMapDataset(out), MMapDataset(ref)
@@ -454,10 +456,11 @@ def test_a_document_that_kills_the_tokenizers_process_costs_that_document(tmp_pa
     assert [ds[i]["key"] for i in range(len(ds))] == [k for k in tokens if k != "docs.jsonl:234"]
     assert all(np.array_equal(ds[i]["tokens"], tokens[ds[i]["key"]]) for i in range(len(ds)))
     # a process that dies only on a batch (no one document kills it alone): RETRIES runs, then one line
-    again = packer("build", raw, tmp_path / "again", *args, "--workers", 2, script=str(script),
+    again = packer("build", raw, tmp_path / "again", *args, "--workers", workers, script=str(script),
                    env={"CRASH_FROM_DOCS": "2"})
     err = one_line(again)
-    assert "died 3 times" in err and "no one item kills" in err and "items 0.." in err and str(raw) in err, err
+    assert "died 3 times" in err and "no one item kills" in err and str(raw) in err, err
+    assert re.search(r"shard-\d+ items \d+\.\.\d+", err), err
     assert not (tmp_path / "again" / fmt.MANIFEST_NAME).exists()
 
 
