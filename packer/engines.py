@@ -160,7 +160,7 @@ class _Pool:
         return False
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if wait and getattr(self.executor, "_broken", False):
+        if getattr(self.executor, "_broken", False):  # else its manager thread could block the exit too
             _stop_broken(self.executor)
         else:
             self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
