@@ -60,14 +60,17 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
     in a progress file, so that the build can tell which record killed a process."""
     ticker = Ticker()
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
-    progress = os.open(_progress_path(ctx, index, first), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    progress_path = _progress_path(ctx, index, first)
+    with writer.naming(progress_path):  # a full disk names the file here too
+        progress = os.open(progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     skips, digests = {}, {}
     try:
         for slot, record in enumerate(records, start=first):
             if slot in crashed:
                 skip = fmt.Skip(record.key, "decode", "the decoder crashed (its process died) on this file")
             else:
-                os.pwrite(progress, slot.to_bytes(8, "little"), 0)
+                with writer.naming(progress_path):
+                    os.pwrite(progress, slot.to_bytes(8, "little"), 0)
                 try:
                     digests[slot] = slots.put(slot, ctx.decode(record.path))
                     skip = None
@@ -82,7 +85,7 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
     finally:
         slots.close()
         os.close(progress)
-    os.unlink(_progress_path(ctx, index, first))
+    os.unlink(progress_path)
     ticker.tick(0, flush=True)
     return skips, {slot: d for slot, d in digests.items() if d is not None}
 

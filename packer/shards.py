@@ -193,12 +193,16 @@ def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]
     skipped: list[fmt.Skip] = []
     ticker = Ticker()
     items = 0
-    shard = ctx.shard_writer(task.index)
     busy_file = busy_path(ctx.staging, task.index)
-    fd = os.open(busy_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    with writer.naming(busy_file):  # a full disk names the file here too
+        fd = os.open(busy_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    shard = None
     try:
+        shard = ctx.shard_writer(task.index)
+
         def busy(lo: int, hi: int) -> None:
-            os.pwrite(fd, lo.to_bytes(8, "little") + hi.to_bytes(8, "little"), 0)
+            with writer.naming(busy_file):
+                os.pwrite(fd, lo.to_bytes(8, "little") + hi.to_bytes(8, "little"), 0)
 
         for item in _samples(ctx, records, ticker, crashed.__contains__, busy):
             items += 1
@@ -209,7 +213,8 @@ def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]
                 shard.add(item)
         ticker.tick(0, flush=True)
     except BaseException:
-        shard.abort()
+        if shard is not None:
+            shard.abort()
         raise
     finally:  # an error is no crash: only a process that dies leaves the file behind
         os.close(fd)

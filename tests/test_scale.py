@@ -452,6 +452,34 @@ def test_many_batches_in_flight_are_written_in_order(tmp_path, text_raw, minilm,
     assert shard_rows(tmp_path / "pairs-of-2") == whole
 
 
+def test_a_full_disk_at_the_crash_trace_files_names_them(tmp_path, image_raw, text_raw, minilm, monkeypatch):
+    """The files that trace a dying worker to its item (a piece's .progress, a whole shard's
+    .busy) are written with pwrite, whose ENOSPC names no file: the error names them (a full
+    disk at the first such write was the one-in-twenty failure of the full-disk test)."""
+    import errno
+
+    from packer import builder, pieces, shards
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    prep = builder._prepare(builder.BuildConfig(image_raw, tmp_path / "img", image_size=32, shard_rows=8,
+                                                shard_bytes=None, workers=2))
+    task = prep.plan.tasks[0]
+    assert pieces.open_pieces(prep.ctx, task) is None
+    records = [r for _, r in builder.records_of(prep.found, task)]
+    with pytest.raises(OSError) as caught:
+        pieces.run_piece(prep.ctx, task.index, 0, records)
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith(".0.progress")
+    prep = builder._prepare(builder.BuildConfig(text_raw, tmp_path / "txt", tokenizer=minilm, workers=1))
+    task = prep.plan.tasks[0]
+    with pytest.raises(OSError) as caught:
+        shards.run_shard(prep.ctx, task, list(builder.records_of(prep.found, task)))
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith(".busy")
+    assert not list(prep.ctx.staging.glob("*.partial")) and not list(prep.ctx.staging.glob("*.busy"))
+
+
 def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
     from packer import cli
 
