@@ -31,8 +31,8 @@ from .plan import ShardTask
 from .sources import prefetch
 from .system import gc_frozen
 from .writer import partial_dir
-from .pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, read_progress, run_piece
-from .shards import ShardContext, ShardResult, busy_path, probe, read_busy, run_shard
+from .pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, run_piece
+from .shards import ShardContext, ShardResult, probe, read_busy, run_shard
 from .workers import init_worker
 
 Jobs = Iterable[tuple]
@@ -210,7 +210,6 @@ def _run_shards(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, dr
                 busy = read_busy(ctx.staging, task.index)
                 if busy is None:  # queued, or not yet on an item: not what died
                     continue
-                busy_path(ctx.staging, task.index).unlink(missing_ok=True)  # not read again if it waits
                 on.append(f"{fmt.shard_dir_name(task.index)} items {busy[0]}..{busy[1] - 1}")
                 item = _crasher(pool, ctx, records, *busy, crashed.get(task.index, frozenset()))
                 if item is not None:
@@ -315,11 +314,12 @@ def _run_pieces(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, dr
         broken = [pending.pop(f) for f in list(pending) if pending[f] is not None
                   and isinstance(f.exception(), BrokenProcessPool)]
         pool.renew()
-        started = {piece: read_progress(ctx, piece.index, piece.first) for piece in broken}
         found, on = False, []
-        for piece, slot in started.items():
+        for piece in broken:
             crashed = set(piece.crashed)
-            if slot is not None:  # a piece that was decoding: its record is tried alone
+            busy = read_busy(ctx.staging, piece.index, piece.first)  # (slot, slot + 1)
+            if busy is not None:  # a piece that was decoding: its record is tried alone
+                slot = busy[0]
                 record = shards[piece.index].records[slot][1]
                 on.append(str(ctx.raw / record.key))
                 if slot not in crashed and pool.crashes(ctx.decode, record.path):

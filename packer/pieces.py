@@ -9,14 +9,14 @@ so no core waits while the last shard is packed by one worker.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from . import format as fmt
 from . import writer
 from .errors import SourceError
 from .plan import ShardTask, Span
-from .shards import ShardContext, ShardResult, Ticker, check_strict, finish, image_fields, reusable, shard_lock
+from .shards import (CRASHED, ShardContext, ShardResult, Ticker, check_strict, finish, image_fields, reusable,
+                     shard_lock, tracing)
 from .sources import Record
 
 PIECE_ROWS = 128
@@ -56,51 +56,33 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
     the written rows' checksum digests (SlotWriter.put), by slot. `writeback`: start writing the
     rows to disk at once (the build's last shard, whose fsync no decoding overlaps; the other
     shards' rows are written by their fsync, on the side). `crashed`: slots whose decode killed
-    the process that tried (skipped here, not decoded again). The slot being decoded is noted
-    in a progress file, so that the build can tell which record killed a process."""
+    the process that tried (skipped here, not decoded again). The slot being decoded is traced
+    (`shards.tracing`), so that the build can tell which record killed a process."""
     ticker = Ticker()
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
-    progress_path = _progress_path(ctx, index, first)
-    with writer.naming(progress_path):  # a full disk names the file here too
-        progress = os.open(progress_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     skips, digests = {}, {}
     try:
-        for slot, record in enumerate(records, start=first):
-            if slot in crashed:
-                skip = fmt.Skip(record.key, "decode", "the decoder crashed (its process died) on this file")
-            else:
-                with writer.naming(progress_path):
-                    os.pwrite(progress, slot.to_bytes(8, "little"), 0)
-                try:
-                    digests[slot] = slots.put(slot, ctx.decode(record.path))
-                    skip = None
-                except SourceError as exc:
-                    skip = fmt.Skip(record.key, "decode", str(exc))
-            if skip is not None:
-                check_strict(ctx, skip)
-                skips[slot] = skip
-            ticker.tick()
+        with tracing(ctx.staging, index, first) as busy:
+            for slot, record in enumerate(records, start=first):
+                if slot in crashed:
+                    skip = fmt.Skip(record.key, *CRASHED["images"])
+                else:
+                    busy(slot, slot + 1)
+                    try:
+                        digests[slot] = slots.put(slot, ctx.decode(record.path))
+                        skip = None
+                    except SourceError as exc:
+                        skip = fmt.Skip(record.key, "decode", str(exc))
+                if skip is not None:
+                    check_strict(ctx, skip)
+                    skips[slot] = skip
+                ticker.tick()
         if writeback:
             slots.start_writeback(first, len(records))
     finally:
         slots.close()
-        os.close(progress)
-    os.unlink(progress_path)
     ticker.tick(0, flush=True)
     return skips, {slot: d for slot, d in digests.items() if d is not None}
-
-
-def _progress_path(ctx: ShardContext, index: int, first: int) -> Path:
-    return ctx.staging / f"{fmt.shard_dir_name(index)}.{first}.progress"
-
-
-def read_progress(ctx: ShardContext, index: int, first: int) -> int | None:
-    """The slot a piece's process was decoding when it died (None: it had not started one)."""
-    try:
-        raw = _progress_path(ctx, index, first).read_bytes()
-    except OSError:
-        return None
-    return int.from_bytes(raw, "little") if len(raw) == 8 else None
 
 
 def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],

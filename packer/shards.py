@@ -193,46 +193,57 @@ def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]]
     skipped: list[fmt.Skip] = []
     ticker = Ticker()
     items = 0
-    busy_file = busy_path(ctx.staging, task.index)
-    with writer.naming(busy_file):  # a full disk names the file here too
-        fd = os.open(busy_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    shard = None
-    try:
+    with tracing(ctx.staging, task.index) as busy:
         shard = ctx.shard_writer(task.index)
-
-        def busy(lo: int, hi: int) -> None:
-            with writer.naming(busy_file):
-                os.pwrite(fd, lo.to_bytes(8, "little") + hi.to_bytes(8, "little"), 0)
-
-        for item in _samples(ctx, records, ticker, crashed.__contains__, busy):
-            items += 1
-            if isinstance(item, fmt.Skip):
-                check_strict(ctx, item)
-                skipped.append(item)
-            else:
-                shard.add(item)
-        ticker.tick(0, flush=True)
-    except BaseException:
-        if shard is not None:
+        try:
+            for item in _samples(ctx, records, ticker, crashed.__contains__, busy):
+                items += 1
+                if isinstance(item, fmt.Skip):
+                    check_strict(ctx, item)
+                    skipped.append(item)
+                else:
+                    shard.add(item)
+            ticker.tick(0, flush=True)
+        except BaseException:
             shard.abort()
-        raise
-    finally:  # an error is no crash: only a process that dies leaves the file behind
-        os.close(fd)
-        busy_file.unlink(missing_ok=True)
+            raise
     return shard, skipped, items
 
 
-def busy_path(staging: Path, index: int) -> Path:
-    return staging / f"{fmt.shard_dir_name(index)}.busy"
+# -- tracing a dying worker to its item --------------------------------------------------------
+def busy_path(staging: Path, index: int, first: int | None = None) -> Path:
+    """The trace file of shard `index` run whole, or of its piece from slot `first`."""
+    return staging / f"{fmt.shard_dir_name(index)}{'' if first is None else f'.{first}'}.busy"
 
 
-def read_busy(staging: Path, index: int) -> tuple[int, int] | None:
-    """The items (lo, hi) of shard `index` that a process was reading, decoding or tokenizing
-    when it died (None: it had not started one)."""
+@contextlib.contextmanager
+def tracing(staging: Path, index: int, first: int | None = None) -> Iterator[Callable[[int, int], None]]:
+    """busy(lo, hi): the items (places in the shard) this process is on from now, noted in a
+    file that only a process that dies leaves behind (an error is no crash)."""
+    path = busy_path(staging, index, first)
+    with writer.naming(path):  # pwrite's ENOSPC names no file
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def busy(lo: int, hi: int) -> None:
+        with writer.naming(path):
+            os.pwrite(fd, lo.to_bytes(8, "little") + hi.to_bytes(8, "little"), 0)
+
     try:
-        raw = busy_path(staging, index).read_bytes()
+        yield busy
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def read_busy(staging: Path, index: int, first: int | None = None) -> tuple[int, int] | None:
+    """The items (lo, hi) a process was reading, decoding or tokenizing when it died (None: it
+    had not started one), and the trace gone, so that a later look cannot find it again."""
+    path = busy_path(staging, index, first)
+    try:
+        raw = path.read_bytes()
     except OSError:
         return None
+    path.unlink(missing_ok=True)
     return (int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")) if len(raw) == 16 else None
 
 

@@ -453,8 +453,8 @@ def test_many_batches_in_flight_are_written_in_order(tmp_path, text_raw, minilm,
 
 
 def test_a_full_disk_at_the_crash_trace_files_names_them(tmp_path, image_raw, text_raw, minilm, monkeypatch):
-    """The files that trace a dying worker to its item (a piece's .progress, a whole shard's
-    .busy) are written with pwrite, whose ENOSPC names no file: the error names them (a full
+    """The files that trace a dying worker to its item (a piece's, a whole shard's) are
+    written with pwrite, whose ENOSPC names no file: the error names them (a full
     disk at the first such write was the one-in-twenty failure of the full-disk test)."""
     import errno
 
@@ -471,12 +471,12 @@ def test_a_full_disk_at_the_crash_trace_files_names_them(tmp_path, image_raw, te
     records = [r for _, r in builder.records_of(prep.found, task)]
     with pytest.raises(OSError) as caught:
         pieces.run_piece(prep.ctx, task.index, 0, records)
-    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith(".0.progress")
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith("shard-00000.0.busy")
     prep = builder._prepare(builder.BuildConfig(text_raw, tmp_path / "txt", tokenizer=minilm, workers=1))
     task = prep.plan.tasks[0]
     with pytest.raises(OSError) as caught:
         shards.run_shard(prep.ctx, task, list(builder.records_of(prep.found, task)))
-    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith(".busy")
+    assert caught.value.errno == errno.ENOSPC and caught.value.filename.endswith("shard-00000.busy")
     assert not list(prep.ctx.staging.glob("*.partial")) and not list(prep.ctx.staging.glob("*.busy"))
 
 
