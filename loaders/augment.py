@@ -128,12 +128,12 @@ def random_flip(x: torch.Tensor, p: float = 0.5, generator: torch.Generator | No
 
 
 def random_resized_crop(x: torch.Tensor, size: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3),
-                        generator: torch.Generator | None = None) -> torch.Tensor:
+                        generator: torch.Generator | None = None, sizes=None) -> torch.Tensor:
     """[B, C, H, W] float -> [B, C, size, size]: `train_transform`'s crop and resize (no flip,
-    no normalisation) of a batch that is already float."""
+    no normalisation) of a batch that is already float (`sizes` as there)."""
     hwc = x.permute(0, 2, 3, 1)
     C = hwc.shape[3]
-    rows, cols = _box_spans(rrc_boxes(_sizes(hwc, None), scale, ratio, generator).to(x.device), size)
+    rows, cols = _box_spans(rrc_boxes(_sizes(hwc, sizes), scale, ratio, generator).to(x.device), size)
     return _transform(hwc, rows, cols, size, None, x.dtype, (0.0,) * C, (1 / 255,) * C, False)
 
 
@@ -156,16 +156,22 @@ def _sizes(images: torch.Tensor, sizes) -> torch.Tensor:
 def _refuse_a_padded_canvas(images: torch.Tensor) -> None:
     """Without sizes, every sample is taken to fill the canvas. A keep-aspect (or 'keep') batch
     does not: each sample narrower or shorter than the batch's largest ends in zeroed columns or
-    rows, which a crop would then take for the image, silently. So a batch in which half of the
-    samples or more (two at least) end in an all-zero last row or last column is refused: in a
-    canvas of mixed shapes nearly all do. Real photos stored at a fixed size do too, now and
-    then (2 of the 90 crops of the test photos: a dark scene), but half a batch of them at once
-    practically never; for images that really end in black, pass their full sizes."""
+    rows below or right of its pixels, which a crop would then take for the image, silently. A
+    sample looks padded when its last row (column) is all zero while its first is not: a
+    canvas pads only below and right, where a black background or a letterbox is black on both
+    sides. A batch in which half of the samples or more (two at least) look padded is refused:
+    in a canvas of mixed shapes nearly all do; of the 90 test photo crops at a fixed size, 2
+    end in a black row (a dark scene), and half a batch of such never comes together. For
+    images that really end in black, pass their full sizes."""
     B, H, W, _ = images.shape
     if not B or H == 0 or W == 0:
         return
-    ends_in_zeros = (images[:, -1] == 0).flatten(1).all(1) | (images[:, :, -1] == 0).flatten(1).all(1)
-    padded = int(ends_in_zeros.sum())
+
+    def black(edge: torch.Tensor) -> torch.Tensor:
+        return (edge == 0).flatten(1).all(1)
+
+    padded = int(((black(images[:, -1]) & ~black(images[:, 0])) |
+                  (black(images[:, :, -1]) & ~black(images[:, :, 0]))).sum())
     if padded >= max(2, (B + 1) // 2):
         raise ValueError(f"{padded} of {B} samples end in all-zero rows or columns, as in a keep-aspect batch's "
                          "canvas: pass sizes=batch['image_size'] (Loader gives it with the canvas); for images "

@@ -454,8 +454,12 @@ def test_a_canvas_without_its_sizes_is_refused_not_cropped_into_its_padding(phot
         assert eval_transform(batch["image"], size=48, resize=64).shape == (len(batch["image"]), 3, 48, 48)
     images = batch["image"].clone()
     n = len(images)
-    black = (images[:, -1] == 0).flatten(1).all(1)  # real photos that end in a black row (a dark scene)
-    clear = torch.nonzero(~black).flatten()
+    def zero(edge):
+        return (edge == 0).flatten(1).all(1)
+
+    # real photos that look padded already: a black last row or column under a first that is not (a dark scene)
+    black = (zero(images[:, -1]) & ~zero(images[:, 0])) | (zero(images[:, :, -1]) & ~zero(images[:, :, 0]))
+    clear = torch.nonzero(~black & ~zero(images[:, 0])).flatten()  # a black bottom makes these look padded
     images[clear[: (n + 1) // 2 - 1 - int(black.sum())], -3:] = 0  # one short of half the batch: images
     train_transform(images, size=48)
     images[clear[: (n + 1) // 2 - int(black.sum())], -3:] = 0  # half: a canvas, unless told the sizes
@@ -463,6 +467,10 @@ def test_a_canvas_without_its_sizes_is_refused_not_cropped_into_its_padding(phot
         train_transform(images, size=48)
     full = torch.tensor([[64, 64]]).expand(n, 2)
     assert train_transform(images, full, size=48).shape == (n, 3, 48, 48)
+    assert augment.random_resized_crop(images.permute(0, 3, 1, 2).float(), 48, sizes=full).shape == (n, 3, 48, 48)
+    framed = batch["image"].clone()  # a black background (MNIST, the night sky) or a letterbox: black on both sides
+    framed[:, :3], framed[:, -3:], framed[:, :, :3], framed[:, :, -3:] = 0, 0, 0, 0
+    assert train_transform(framed, size=48).shape == (n, 3, 48, 48)
 
 
 def test_eval_transform_of_a_keep_aspect_dataset_matches_pillow_on_the_original(tmp_path):
