@@ -169,6 +169,18 @@ def bench_loaders(args) -> dict:
     r = run("mmpack Loader, default threads", "mmpack", lambda: loader, lambda b: len(b["label"]), mmpack_conv,
             files, threads=cores)
     r.update(threads=loader.num_threads, best_memcpy=True, system=f"mmpack Loader, default ({loader.num_threads} chosen)")
+    from loaders import native
+
+    if native.LIB is not None:  # the same Loader without its C copies: what an install without a compiler gets
+        lib, native.LIB = native.LIB, None
+        try:
+            loader = Loader(ds, bs)
+            r = run("mmpack Loader, numpy copies", "mmpack", lambda: loader, lambda b: len(b["label"]), mmpack_conv,
+                    files, threads=cores)
+            r.update(threads=loader.num_threads, best_memcpy=True,
+                     system=f"mmpack Loader, default, numpy copies ({loader.num_threads} chosen)")
+        finally:
+            native.LIB = lib
     batched = StatefulDataLoader(ds.batched(bs), num_workers=workers, pin_memory=PIN,
                                  multiprocessing_context=MP_CONTEXT if workers else None)
     run(f"mmpack batched + StatefulDataLoader({workers} worker processes)", "mmpack", lambda: batched,

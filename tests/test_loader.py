@@ -32,7 +32,7 @@ def pass_mode(request, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_batches_equal_per_sample_reads(built, threads, pass_mode):
+def test_batches_equal_per_sample_reads(built, threads, pass_mode, copies):
     ds = MMapDataset(built["images"])
     loader = Loader(ds, 7, seed=3, num_threads=threads)
     ids = pass_ids(loader)  # the sample ids this loader will yield, in order
@@ -454,3 +454,21 @@ def test_a_plain_dataloader_over_batched_advances_epochs_where_it_can_and_warns_
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         warn_if_epochs_repeat(batched._plan, batched._epoch_given)
+
+
+def test_the_native_copies_are_built_where_a_c_compiler_is():
+    """`pip install` builds loaders/_copy.c with the compiler Python names; without one the
+    gather runs in numpy, to the same bytes but slower, so a build that failed quietly would
+    show only as speed. MMPACK_NATIVE=0 turns the native copies off."""
+    import shutil
+    import sysconfig
+
+    from loaders import native
+
+    compiler = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    if shutil.which(compiler) is None or os.environ.get("MMPACK_NATIVE") == "0":
+        pytest.skip(f"no C compiler ({compiler}) on this machine, or the native copies turned off")
+    assert native.LIB is not None, "loaders/_copy.c was not built: run pip install -e . again and read its output"
+    off = subprocess.run([sys.executable, "-c", "from loaders import native; print(native.LIB is None)"],
+                         env={**os.environ, "MMPACK_NATIVE": "0"}, capture_output=True, text=True)
+    assert off.stdout.strip() == "True", off.stderr
