@@ -95,13 +95,14 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
     from packer import load_manifest
 
     cmd = [sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
-    alone, busy, seconds = [raw_rate(what, raw)], [], []
+    alone, busy, seconds, waits = [raw_rate(what, raw)], [], [], []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)
         before()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         m = load_manifest(out)
         seconds.append(m.build["seconds"])
+        waits.append(m.build.get("disk_wait") or 0.0)
         alone.append(raw_rate(what, raw))
         cores = m.build["cores_used"]
         busy.append(raw_rate(what, raw, cores) if cores > 1 else alone[-1])
@@ -114,7 +115,7 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
     m = load_manifest(out)
     return {"seconds": statistics.mean(seconds), "seconds_runs": seconds, "raw_per_core": statistics.mean(alone),
             "raw_per_core_runs": alone, "raw_per_core_busy": statistics.mean(busy), "raw_per_core_busy_runs": busy,
-            "cores_used": m.build["cores_used"], "samples": m.num_samples,
+            "cores_used": m.build["cores_used"], "disk_wait": statistics.mean(waits), "samples": m.num_samples,
             "shards": len(m.shards), "size_bytes": m.size_bytes,
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
@@ -125,7 +126,8 @@ def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, i
     raw work (what the machine's cores can give, without anything of the build); raw_scaling =
     busy / alone, how much of the linear ideal the raw work itself reaches on these cores;
     pct_disk = bytes written per second of build against the output device's write rate `disk`
-    (near 100%: the disk, not the cores, sets the pace)."""
+    (near 100%: the disk, not the cores, sets the pace); disk_wait (in `r`) = the share of the
+    workers' time spent waiting on writes and fsyncs, as the build measures it itself."""
     rates = [units / s for s in r["seconds_runs"]]
     written = r["size_bytes"] / r["seconds"]
     ideal, ideal_busy = r["raw_per_core"] * r["cores_used"], r["raw_per_core_busy"] * r["cores_used"]

@@ -101,7 +101,7 @@ def sampler_table(report: dict) -> str:
 def packer_table(report: dict) -> str:
     lines = [f"{'build':12} {'workers':>7} {'cores':>5} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'runs':>9} "
              f"{'raw scaling':>11} {'vs busy':>7} {'seconds':>8} {'shards':>6} {'out MB':>8} {'MB/s out':>8} {'% disk':>6} "
-             f"{'peak RSS MB':>11}"]
+             f"{'disk wait':>9} {'peak RSS MB':>11}"]
     for r in report["builds"]:
         runs = "/".join(f"{100 * e:.0f}" for e in r.get("efficiency_runs", [r["efficiency"]]))
         what = r["what"] + (" cold" if r.get("inputs") == "cold" else "")
@@ -109,7 +109,8 @@ def packer_table(report: dict) -> str:
                      f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {runs:>8}% "
                      f"{100 * r['raw_scaling']:>10.0f}% {100 * r['efficiency_busy']:>6.0f}% {r['seconds']:>8.1f} "
                      f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {_f(r.get('written_bytes_per_s', 0) / 1e6, '>8,.0f')} "
-                     f"{_f(r.get('pct_disk'), '>5.0f')}% {r['peak_rss_mb']:>11,.0f}")
+                     f"{_f(r.get('pct_disk'), '>5.0f')}% {_f(100 * r.get('disk_wait', 0), '>8.0f')}% "
+                     f"{r['peak_rss_mb']:>11,.0f}")
     lines.append("efficiency = build rate / (raw per-core rate x cores used), means over the timed builds (runs: "
                  "each build's own); raw = Pillow decode+resize or tokenizers batch encode alone, one core (a fresh "
                  "process, one Rust thread), same inputs, measured before the first build and after each; raw "
@@ -120,7 +121,9 @@ def packer_table(report: dict) -> str:
                  "and tokenizers' threads for text (every core when one process builds); cold: the build's inputs "
                  "evicted from the page cache before it (the raw rate stays cached); MB/s out = bytes the build wrote "
                  "per second of its run; % disk = that against the output file system's write rate with fsync, "
-                 f"{report.get('disk_write_bytes_per_s', 0) / 1e6:,.0f} MB/s here (near 100%: the disk is the limit)")
+                 f"{report.get('disk_write_bytes_per_s', 0) / 1e6:,.0f} MB/s here (near 100%: the disk is the limit); disk wait "
+                 "= the share of the workers' time spent in writes and fsyncs, as the build measures it (the build's "
+                 "summary line gives it from 25%)")
     for a in report["archives"]:
         lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
                      f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "

@@ -36,7 +36,7 @@ from .pieces import in_pieces, piece_bounds
 from .shards import ShardContext, ShardResult, read_sidecar, reusable, wait_for_writers
 from .sources import MULTI_DOC_EXTS, Scan, scan
 from .workers import wait_for_old_workers
-from .writer import checksum_file
+from .writer import checksum_file, take_disk_wait
 from .system import available_cores, gc_frozen, gc_paused
 from .text import TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer, resolve_eos, token_dtype
 
@@ -173,9 +173,9 @@ def build(config: BuildConfig, *, on_progress: Progress | None = None) -> fmt.Ma
             outdir.publish(config.out, prep.published)
             return prep.published
         try:
-            _, cores = _run(prep, prep.plan.tasks, on_progress)
+            _, cores, disk_wait = _run(prep, prep.plan.tasks, on_progress)
             return _commit(config.out, seconds=time.time() - started, workers=_workers_used(config), cores=cores,
-                           max_skipped=config.max_skipped)
+                           max_skipped=config.max_skipped, disk_wait=disk_wait)
         except MmpackError:
             _discard(config)
             raise
@@ -188,7 +188,7 @@ def build_part(config: BuildConfig, *, on_progress: Progress | None = None) -> P
         i, n = config.part or (0, 1)
         tasks = prep.plan.tasks
         mine = tasks[len(tasks) * i // n: len(tasks) * (i + 1) // n]
-        results, _ = _run(prep, mine, on_progress)
+        results, _, _ = _run(prep, mine, on_progress)
     return PartReport(config.part, len(mine), sum(not r.reused for r in results), sum(r.reused for r in results),
                       sum(r.items for r in results), len(tasks))
 
@@ -467,10 +467,11 @@ def pool_tasks(ctx: ShardContext, items: list[int], workers: int) -> int:
     return sum(len(piece_bounds(n, last=k == len(items) - 1, lanes=workers)) for k, n in enumerate(items))
 
 
-def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[ShardResult], int | None]:
-    """The shard results of `tasks` in order (reused or built), and the cores the build kept busy:
-    one per process decoding images, every tokenizer thread for text, at most the cores there are
-    (None on Ray)."""
+def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[ShardResult], int | None, float | None]:
+    """The shard results of `tasks` in order (reused or built); the cores the build kept busy:
+    one per process decoding images, every tokenizer thread for text, at most the cores there are;
+    and the share of the workers' time spent waiting on the disk (writes, fsyncs; with the build
+    process's own fsyncs of image shards). Both None on Ray."""
     total = sum(t.items for t in tasks)
     done = 0
 
@@ -495,6 +496,8 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
     workers = prep.config.num_workers
     workers, threads = parallelism(workers, pool_tasks(prep.ctx, [t.items for t in todo], workers))
     cores = min(workers * (threads if prep.ctx.tokenizer is not None else 1), available_cores())
+    take_disk_wait()  # from here on, this build's
+    started = time.perf_counter()
     with gc_frozen():  # the scan's objects: a collector's pass over them, here or in a fork, finds nothing
         if prep.config.engine == "ray":
             from .engines import run_ray
@@ -504,8 +507,9 @@ def _run(prep: Prepared, tasks, on_progress: Progress | None) -> tuple[list[Shar
             from .engines import run_pool
 
             ran = run_pool(prep.ctx, jobs, advance, workers, threads)
+    waited = take_disk_wait() / max(1e-9, (time.perf_counter() - started) * workers) if todo else 0.0
     results.update((r.shard.index, r) for r in ran)
-    return [results[t.index] for t in tasks], cores
+    return [results[t.index] for t in tasks], cores, None if cores is None else min(1.0, waited)
 
 
 # -- commit: every shard there -> manifest, published last ------------------------------------
@@ -517,7 +521,7 @@ def commit(out: str | Path, *, max_skipped: float | None = None) -> fmt.Manifest
 
 
 def _commit(out: Path, *, seconds: float | None = None, workers: int | str | None = None,
-            cores: int | None = None, max_skipped: float | None = None) -> fmt.Manifest:
+            cores: int | None = None, max_skipped: float | None = None, disk_wait: float | None = None) -> fmt.Manifest:
     doc = _read_plan(out)
     if doc is None:
         raise ConfigError(f"{out}: nothing to commit (no build staged in {out / fmt.STAGING_DIR})")
@@ -551,7 +555,8 @@ def _commit(out: Path, *, seconds: float | None = None, workers: int | str | Non
     _check_skip_rate(doc, skipped, counts, max_skipped)
     build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
                   "seconds": round(seconds, 3) if seconds is not None else None,
-                  "workers": workers, "cores_used": cores, "created_unix": round(time.time(), 3),
+                  "workers": workers, "cores_used": cores, "disk_wait": round(disk_wait, 3) if disk_wait is not None else None,
+                  "created_unix": round(time.time(), 3),
                   "mmpack_version": _version(), "layout": f"{doc['kind']}: {doc.get('layout', '')}"}
     if base is not None:  # the append's own counts in its entry, the dataset's in `counts`
         build_info["appended"] = [*base.build.get("appended", []),

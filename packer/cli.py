@@ -23,6 +23,9 @@ from .sources import scan
 from .verify import verify
 
 SKIPS_SHOWN = 10
+# From this share of the workers' time spent waiting on writes (and fsyncs), the build's summary
+# says so: the disk, not the cores, is then much of what sets the pace.
+DISK_BOUND = 0.25
 
 
 def show_progress() -> bool:
@@ -204,8 +207,11 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
         if len(skips) > SKIPS_SHOWN:
             print(f"... and {len(skips) - SKIPS_SHOWN} more (packer info {out} --skipped)")
     rate = f"{new.get('packed', 0) / max(seconds, 1e-9):,.0f} samples/s"
-    if not appended:  # against the disk's write rate, the bytes per second say whether the disk set the pace
+    if not appended:
         rate += f", {manifest.size_bytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s written"
+        waited = manifest.build.get("disk_wait")
+        if waited is not None and waited >= DISK_BOUND:  # the cores were not what set the pace
+            rate += f"; the workers spent {100 * waited:.0f}% of their time waiting on the disk"
     if not quiet and manifest.build.get("layout") and not appended:
         print(f"layout {manifest.build['layout']}")
     if appended:

@@ -30,7 +30,7 @@ from .errors import ConfigError, SourceError
 from .plan import ShardTask
 from .sources import prefetch
 from .system import gc_frozen
-from .writer import partial_dir
+from .writer import add_disk_wait, partial_dir
 from .pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, run_piece
 from .shards import ShardContext, ShardResult, probe, read_busy, run_shard
 from .workers import init_worker
@@ -92,7 +92,9 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
     def drain() -> None:
         while True:
             try:
-                advance(progress.get_nowait())
+                items, waited = progress.get_nowait()
+                advance(items)
+                add_disk_wait(waited)
             except queue_mod.Empty:
                 break
 

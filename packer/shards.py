@@ -81,10 +81,10 @@ class ShardResult:
 
 
 # -- progress: a sink set per process (a callback in the build process, a queue in workers) ---
-_sink: Callable[[int], None] | None = None
+_sink: Callable[[tuple[int, float]], None] | None = None
 
 
-def set_progress_sink(sink: Callable[[int], None] | None) -> None:
+def set_progress_sink(sink: Callable[[tuple[int, float]], None] | None) -> None:
     global _sink
     _sink = sink
 
@@ -94,10 +94,14 @@ class Ticker:
         self.pending, self.last = 0, time.monotonic()
 
     def tick(self, n: int = 1, *, flush: bool = False) -> None:
+        """n more items done; sent on (with the seconds this process waited on the disk since it
+        last sent, `writer.take_disk_wait`) every PROGRESS_EVERY_S, and when flushed."""
         self.pending += n
         now = time.monotonic()
-        if _sink is not None and self.pending and (flush or now - self.last >= PROGRESS_EVERY_S):
-            _sink(self.pending)
+        if _sink is not None and (flush or now - self.last >= PROGRESS_EVERY_S):
+            waited = writer.take_disk_wait()
+            if self.pending or waited:
+                _sink((self.pending, waited))
             self.pending, self.last = 0, now
 
 
@@ -186,7 +190,9 @@ def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Reco
         if done is not None:
             Ticker().tick(done.items, flush=True)
             return done
-        return finish(ctx, task.index, *_fill(ctx, task, records, crashed))
+        result = finish(ctx, task.index, *_fill(ctx, task, records, crashed))
+    Ticker().tick(0, flush=True)  # the shard's fsyncs, in the build's disk wait
+    return result
 
 
 def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]], crashed: frozenset[int] = frozenset()):

@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -32,6 +33,34 @@ def checksum_file(path: Path, algo: str = fmt.CHECKSUM) -> str:
                                     "use the release that wrote it, or a newer one")
     with open(path, "rb") as f:
         return hashlib.file_digest(f, lambda: digest).hexdigest()
+
+
+# Seconds this process spent blocked writing shard files (their writes and fsyncs). Pool
+# workers send theirs to the build with their progress (`shards.Ticker`), and the build's summary
+# says from the total whether the disk set its pace.
+_disk_wait = [0.0]
+
+
+@contextlib.contextmanager
+def on_disk(path: Path) -> Iterator[None]:
+    """A write or an fsync of `path`: its OSError names the file (`naming`), its time is disk wait."""
+    started = time.perf_counter()
+    try:
+        with naming(path):
+            yield
+    finally:
+        _disk_wait[0] += time.perf_counter() - started
+
+
+def take_disk_wait() -> float:
+    """The disk wait noted in this process since the last take (`on_disk`, `add_disk_wait`)."""
+    waited, _disk_wait[0] = _disk_wait[0], 0.0
+    return waited
+
+
+def add_disk_wait(seconds: float) -> None:
+    """Another process's disk wait (a pool worker's), noted here."""
+    _disk_wait[0] += seconds
 
 
 @contextlib.contextmanager
@@ -57,12 +86,13 @@ class _NpyStream:
             self._file.write(fmt.npy_header(self.dtype.str, (0, *sample_shape)))
 
     def write(self, array: np.ndarray, num_rows: int) -> None:
-        with naming(self.path):
-            self._file.write(np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data)
+        data = np.ascontiguousarray(array, dtype=self.dtype).reshape(-1).data
+        with on_disk(self.path):
+            self._file.write(data)
         self.num_rows += num_rows
 
     def close(self) -> None:
-        with naming(self.path):
+        with on_disk(self.path):
             self._file.seek(0)
             self._file.write(fmt.npy_header(self.dtype.str, (self.num_rows, *self.sample_shape)))
             self._file.flush()
@@ -137,7 +167,7 @@ class _ColumnWriter:
 
 def write_npy(path: Path, array: np.ndarray) -> None:
     """A whole array as one column file (fixed 128-byte header), fsynced."""
-    with naming(path), open(path, "wb") as f:
+    with on_disk(path), open(path, "wb") as f:
         f.write(fmt.npy_header(array.dtype.str, array.shape))
         f.write(np.ascontiguousarray(array).reshape(-1).data)
         f.flush()
@@ -173,7 +203,7 @@ class SlotWriter:
         data = memoryview(np.ascontiguousarray(value, dtype=self.column.dtype)).cast("B")
         digest = fmt.block_digest(data) if fmt.rows_per_block(self.row) == 1 else None
         offset = fmt.NPY_HEADER_BYTES + slot * self.row
-        with naming(self.path):
+        with on_disk(self.path):
             while data:
                 done = os.pwrite(self.fd, data, offset)
                 data, offset = data[done:], offset + done
@@ -223,7 +253,7 @@ class _SlotColumn:
     def close(self) -> None:
         path, col, row = self.paths[0], self.column, _row_bytes(self.column)
         kept = [slot for slot, k in enumerate(self.keep) if k]
-        with naming(path), open(path, "r+b") as f:
+        with on_disk(path), open(path, "r+b") as f:
             for new, slot in enumerate(kept):
                 if new != slot:  # only after a skip: move the row up
                     data = os.pread(f.fileno(), row, fmt.NPY_HEADER_BYTES + slot * row)

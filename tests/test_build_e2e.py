@@ -268,6 +268,28 @@ def test_build_summary_says_counts(tmp_path, capsys, pairs_raw, minilm):
     assert "skipped 000/orphan.txt: caption without an image" in out
 
 
+@pytest.mark.parametrize("layout", ["images", "text"])
+def test_a_build_on_a_slow_disk_says_the_workers_waited_on_it(tmp_path, image_raw, text_raw, minilm, layout):
+    """Every process of the build (the pool's workers too) gets an fsync that takes 0.3 s, as a
+    slow disk's would: the summary line says what share of the workers' time went waiting on
+    it, and the manifest keeps it. The data comes out as it would on a fast disk."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, time\n_fsync = os.fsync\n"
+        "def fsync(fd):\n    time.sleep(0.3)\n    _fsync(fd)\nos.fsync = fsync\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    raw, extra = (image_raw, ["--image-size", "32"]) if layout == "images" else (text_raw, ["--tokenizer", str(minilm)])
+    res = subprocess.run([sys.executable, "-m", "packer.cli", "build", str(raw), str(tmp_path / "o"), "--workers", "2",
+                          *extra], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    summary = res.stdout.strip().splitlines()[-1]
+    share = int(summary.split("the workers spent ")[1].split("%")[0])  # absent: IndexError
+    assert 25 <= share <= 100
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["build"]["disk_wait"] == pytest.approx(share / 100, abs=0.01)
+
+
 def test_console_scripts_are_installed(tmp_path, built):
     res = subprocess.run(["packer", "info", str(built["images"]), "--json"], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
