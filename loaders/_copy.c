@@ -51,19 +51,21 @@ void mm_gather_rows(char *dst, const uint64_t *src, const int64_t *pos, size_t c
 }
 
 /* Image i (hw[2i] rows of hw[2i+1] pixels of `pixel` bytes, contiguous at src[i]) to the top-left
- * of canvas slot pos[i] (`height` rows of `width` pixels), the rest of that slot zeroed. */
+ * of canvas slot pos[i] (`height` rows of `width` pixels), the rest of that slot zeroed. Through
+ * the cache: a canvas row is a few hundred bytes of image and then zeros in the same cache lines,
+ * and streaming the image part while the zeros go through the cache made a canvas of 448 px
+ * photos 5% slower to gather, streaming the zeros too 45% slower. */
 void mm_gather_canvas(char *dst, const uint64_t *src, const int64_t *pos, const int64_t *hw, size_t count,
-                      size_t height, size_t width, size_t pixel, int stream) {
+                      size_t height, size_t width, size_t pixel) {
     size_t row_bytes = width * pixel;
     for (size_t i = 0; i < count; i++) {
         char *slot = dst + (size_t)pos[i] * height * row_bytes;
         const char *from = (const char *)(uintptr_t)src[i];
         size_t h = (size_t)hw[2 * i], w = (size_t)hw[2 * i + 1] * pixel;
         for (size_t r = 0; r < h; r++) {
-            copy(slot + r * row_bytes, from + r * w, w, stream);
+            memcpy(slot + r * row_bytes, from + r * w, w);
             memset(slot + r * row_bytes + w, 0, row_bytes - w);
         }
         memset(slot + h * row_bytes, 0, (height - h) * row_bytes);
     }
-    fence(stream);
 }

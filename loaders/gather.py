@@ -267,10 +267,9 @@ def _canvas(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buf
         sources = (addresses[shard] + starts * np.uint64(dtype.itemsize))[order]
         sizes = np.ascontiguousarray(shapes[order, :2])
         pixel = int(np.prod(top[2:])) * dtype.itemsize
-        stream = dst.nbytes >= native.STREAM_FROM
 
         def fill(a, b):
-            native.gather_canvas(dst, sources[a:b], order[a:b], sizes[a:b], pixel, stream)
+            native.gather_canvas(dst, sources[a:b], order[a:b], sizes[a:b], pixel)
         return fill, {name: canvas, f"{name}_size": size}
     sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
     positions = order.tolist()

@@ -32,7 +32,7 @@ def _load():
             pointer, size = ctypes.c_void_p, ctypes.c_size_t
             lib.mm_gather_rows.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
             lib.mm_gather_rows.restype = None
-            lib.mm_gather_canvas.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_int]
+            lib.mm_gather_canvas.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size]
             lib.mm_gather_canvas.restype = None
             return lib
     return None
@@ -67,9 +67,9 @@ def gather_rows(dst: np.ndarray, sources: np.ndarray, positions: np.ndarray, nby
 
 
 def gather_canvas(dst: np.ndarray, sources: np.ndarray, positions: np.ndarray, sizes: np.ndarray,
-                  pixel_bytes: int, stream: bool) -> None:
+                  pixel_bytes: int) -> None:
     """Copies image i (sizes[i] = (h, w) pixels of `pixel_bytes`, contiguous at sources[i]) into
     the top-left of canvas slot positions[i] of dst [B, H, W, ...], zeroing the rest of the
-    slot, GIL released."""
+    slot, GIL released (through the cache: see _copy.c)."""
     LIB.mm_gather_canvas(dst.ctypes.data, sources.ctypes.data, positions.ctypes.data, sizes.ctypes.data,
-                         len(sources), dst.shape[1], dst.shape[2], pixel_bytes, int(stream))
+                         len(sources), dst.shape[1], dst.shape[2], pixel_bytes)
