@@ -104,6 +104,15 @@ class ColumnGather:
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
 
+    def __getstate__(self) -> dict:
+        """Without the maps and addresses found so far: pickled (to a DataLoader's spawned
+        worker), the maps' bytes would go whole into the pickle, and their addresses mean
+        nothing in another process. The reader pickles as its path."""
+        return {"reader": self.reader, "names": [c.name for c in self.columns]}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["reader"], state["names"])
+
     def _arrays(self, name: str) -> list[ColumnArrays]:
         """Every shard's maps of one column, built once: not O(shards) work per batch."""
         arrays = self._by_column.get(name)

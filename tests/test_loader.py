@@ -292,6 +292,24 @@ def test_batched_dataset_resumes_mid_epoch_with_another_worker_count(built):
     assert [tuple(b["key"]) for b in again] == full[5:]
 
 
+@pytest.mark.parametrize("context", ["spawn", "forkserver"])
+def test_batches_made_here_first_then_in_spawned_workers_are_the_same(built, context):
+    """A BatchedDataset that already made batches in this process (its maps opened, their
+    addresses noted) pickles as small as a fresh one, and spawned workers open their own maps:
+    the maps' bytes went whole into the pickle before, and their addresses are another
+    process's."""
+    import pickle
+
+    ds = MMapDataset(built["images"], columns=["image", "label", "key"])
+    bd = ds.batched(6, shuffle=False)
+    here = list(bd)
+    assert len(pickle.dumps(bd)) < 100_000
+    dl = torch.utils.data.DataLoader(bd, batch_size=None, num_workers=2, multiprocessing_context=context)
+    there = list(dl)
+    assert [b["key"] for b in there] == [b["key"] for b in here]
+    assert all(torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"]) for a, b in zip(here, there))
+
+
 @pytest.mark.parametrize("num_buffers", [2, 3])
 def test_a_held_batch_is_never_refilled(built, num_buffers, pass_mode):
     """The producer runs ahead while the caller holds a batch: the ring must not reuse it."""
