@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, StatefulDataLoader, TokenWindows, to_device
 from loaders.gather import SHORT_PIECES
@@ -490,3 +492,63 @@ def test_the_native_copies_are_built_where_a_c_compiler_is():
     off = subprocess.run([sys.executable, "-c", "from loaders import native; print(native.LIB is None)"],
                          env={**os.environ, "MMPACK_NATIVE": "0"}, capture_output=True, text=True)
     assert off.stdout.strip() == "True", off.stderr
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), threads=st.integers(1, 4), stream=st.booleans())
+def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, threads, stream):
+    """`_rows` and `_canvas` with the native copies and with numpy's: the same bytes, for any
+    sample size (odd ones too: rows that straddle cache lines), dtype, shard split, repeated ids
+    and thread count, streamed or not. The numpy copies are the oracle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loaders import native
+    from loaders.gather import _canvas, _rows, _split
+    from packer.reader import ColumnArrays
+
+    if native.LIB is None:
+        pytest.skip("the native copies were not built (no C compiler at install time)")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    dtype = np.dtype(data.draw(st.sampled_from(["|u1", "<i2", "<f4", "<f8"])))
+    per_shard = data.draw(st.lists(st.integers(1, 7), min_size=1, max_size=4))
+    n = data.draw(st.integers(1, 12))
+    shard = rng.integers(0, len(per_shard), n)
+    rows = np.array([rng.integers(0, per_shard[k]) for k in shard], np.int64)
+    order = np.lexsort((rows, shard))
+    pool = ThreadPoolExecutor(threads)
+
+    def run(copy):
+        for f in _split(copy, n, pool, threads):
+            f.result()
+
+    # fixed-shape rows, as the gather of an image column
+    shape = data.draw(st.tuples(st.integers(1, 40), st.integers(1, 9), st.sampled_from([1, 3])))
+    fixed = [ColumnArrays(rng.integers(0, 100, (m, *shape)).astype(dtype)) for m in per_shard]
+    addresses = np.array([a.values.ctypes.data for a in fixed], np.uint64)
+    want, got = np.full((n, *shape), 7, dtype), np.full((n, *shape), 7, dtype)
+    run(_rows(want, fixed, None, shard, rows, order))
+    saved = native.STREAM_FROM
+    native.STREAM_FROM = 0 if stream else 1 << 62
+    try:
+        run(_rows(got, fixed, addresses, shard, rows, order))
+    finally:
+        native.STREAM_FROM = saved
+    assert np.array_equal(want, got)
+    # ragged images into a canvas
+    channels = data.draw(st.sampled_from([1, 3]))
+    ragged = []
+    for m in per_shard:
+        sizes = rng.integers(0, 12, (m, 2))
+        samples = [rng.integers(1, 100, (h, w, channels)).astype(dtype) for h, w in sizes]
+        lengths = [s.size for s in samples]
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        values = np.concatenate([s.reshape(-1) for s in samples]) if sum(lengths) else np.zeros(0, dtype)
+        ragged.append(ColumnArrays(values, offsets, np.column_stack([sizes, np.full(m, channels)]).astype(np.int64)))
+    addresses = np.array([a.values.ctypes.data for a in ragged], np.uint64)
+    canvases = []
+    for addr in (None, addresses):
+        fill, out = _canvas("x", ragged, addr, shard, rows, order, {}, "test")
+        out["x"].fill_(7)  # stale bytes, which the fill must overwrite
+        run(fill)
+        canvases.append(out)
+    assert torch.equal(canvases[0]["x"], canvases[1]["x"]) and torch.equal(canvases[0]["x_size"], canvases[1]["x_size"])
