@@ -115,8 +115,9 @@ class Loader(Resumable):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
-        self._measure_threads = num_threads is None  # chosen at the first batch (see _gathered)
-        self.num_threads = num_threads or default_threads()
+        self._measure_threads = num_threads is None  # chosen at the first batches of two passes (see _gathered)
+        self._most_threads = self.num_threads = num_threads or default_threads()
+        self._looks = 0  # passes whose first batch was timed
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
         if num_buffers < 2:
@@ -152,12 +153,15 @@ class Loader(Resumable):
         return self._hand_over(p, batches)
 
     def _gathered(self, p: Pass):
-        """The batches of pass `p`. The first is made here. The Loader's first pass makes it
-        again, timed (buffers allocated, pages mapped; with each thread count it tries when
-        `num_threads` was not given, see `_first_timings`): when that took less than
+        """The batches of pass `p`. The first is made here. The Loader's first pass then times
+        gathers (buffers allocated, pages mapped; with each thread count it tries when
+        `num_threads` was not given, see `_first_timings`): when one took less than
         INLINE_BELOW_S (token windows, small batches), every pass makes its batches here, on
         demand, since handing a batch over from a thread costs more than making it; otherwise a
-        producer thread makes them up to num_buffers - 1 ahead. The batches are the same either way."""
+        producer thread makes them up to num_buffers - 1 ahead. The batches are the same either
+        way. A thread count the Loader chose itself is chosen again at the second pass, keeping
+        the larger: one look is one moment of the machine, and another process busy then (a
+        compile, a checkpoint write) makes more threads look useless."""
         plan = self._plan
         if self._ring is None:
             memory = "pinned" if self.pin_memory else "ring"
@@ -173,8 +177,11 @@ class Loader(Resumable):
             try:
                 ids = plan.batch_ids(p, b)
                 batch = self.source.gather(ids, buffers, self._pool, self.num_threads)
-                if self._inline is None:  # decided once, by timed gathers (buffers made, pages mapped)
-                    self._inline = self._first_timings(p, buffers) < INLINE_BELOW_S
+                if b == 0 and self._looks < (2 if self._measure_threads and not self._inline else 1):
+                    seconds = self._first_timings(p, buffers)
+                    if self._inline is None:
+                        self._inline = seconds < INLINE_BELOW_S
+                    self._looks += 1
                     batch = self.source.gather(ids, buffers, self._pool, self.num_threads)  # they wrote other batches there
                 return batch
             finally:
@@ -244,23 +251,29 @@ class Loader(Resumable):
         full = max(1, p.num_batches - 1)  # batches of the whole batch size (the last may be short)
         batches = itertools.count(1)
 
-        def seconds_with(threads: int, tries: int) -> float:
+        def seconds_with(threads: int, tries: int, pool) -> float:
             best = float("inf")
             for _ in range(tries):
                 ids = self._plan.batch_ids(p, next(batches) % full)
-                self.source.gather(ids, buffers, self._pool, threads)  # its pages mapped
+                self.source.gather(ids, buffers, pool, threads)  # its pages mapped
                 started = time.perf_counter()
-                self.source.gather(ids, buffers, self._pool, threads)
+                self.source.gather(ids, buffers, pool, threads)
                 best = min(best, time.perf_counter() - started)
             return best
 
         if not self._measure_threads:
-            return seconds_with(self.num_threads, 1)
-        threads, seconds = fewest_threads(lambda n: seconds_with(n, 3), self.num_threads)
+            return seconds_with(self.num_threads, 1, self._pool)
+        most = self._most_threads
+        pool = self._pool if self.num_threads == most else ThreadPoolExecutor(most) if most > 1 else None
+        threads, seconds = fewest_threads(lambda n: seconds_with(n, 3, pool), most)
+        if self._looks:  # the second look: only ever more threads
+            threads = max(threads, self.num_threads)
         if threads != self.num_threads:
-            self.close()
+            # the old pool is not shut down: an earlier pass's iterator, if still open, may be
+            # handing it work (it takes the new one from its next batch); its threads end once it
+            # is dropped
             self.num_threads = threads
-            self._pool = ThreadPoolExecutor(threads) if threads > 1 else None
+            self._pool = pool if threads == most else ThreadPoolExecutor(threads) if threads > 1 else None
         return seconds
 
     def close(self) -> None:

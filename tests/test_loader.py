@@ -90,6 +90,36 @@ def test_a_loader_without_num_threads_measures_it_and_gives_the_same_batches(bui
     assert [b["key"] for b in loader] == ref and 1 <= loader.num_threads <= batches.default_threads()
 
 
+@pytest.mark.parametrize("looks,kept", [((1, 2), 2), ((2, 1), 2), ((1, 1), 1)])
+def test_a_chosen_thread_count_is_chosen_again_at_the_second_pass_keeping_the_larger(built, monkeypatch, looks, kept):
+    """One look is one moment of the machine: the Loader times the second pass's first batches
+    too, with a pool of every thread it may use (even when the first look kept one thread),
+    and keeps the larger count; no third look; the batches do not depend on any of it."""
+    from loaders import batches
+
+    ds = MMapDataset(built["images"])
+    reference = Loader(ds, 7, seed=3, num_threads=1)
+    ref = [[b["key"] for b in reference] for _ in range(3)]
+    answers, pools = list(looks), []
+    monkeypatch.setattr(batches, "default_threads", lambda: 2)
+
+    def fake(seconds_with, most):
+        seconds_with(2)  # as fewest_threads would: times 2 threads
+        return answers.pop(0), 1.0
+
+    monkeypatch.setattr(batches, "fewest_threads", fake)
+    loader = Loader(ds, 7, seed=3)
+    gather = loader.source.gather
+    monkeypatch.setattr(loader.source, "gather", lambda ids, buffers, pool=None, n=1: (pools.append((pool, n)), gather(ids, buffers, pool, n))[1])
+    assert [b["key"] for b in loader] == ref[0] and loader.num_threads == looks[0]
+    assert all(pool is not None for pool, n in pools if n == 2)
+    pools.clear()
+    assert [b["key"] for b in loader] == ref[1] and loader.num_threads == kept
+    assert all(pool is not None for pool, n in pools if n == 2)  # 2 threads timed with a pool of 2
+    assert [b["key"] for b in loader] == ref[2] and loader.num_threads == kept and not answers
+    assert (loader._pool is None) == (kept == 1)
+
+
 @pytest.mark.parametrize("docs", ["long", "short"])
 def test_padded_tokens_land_in_the_ring_and_equal_per_sample_reads(built, short_docs, docs):
     """Ragged tokens come back padded to the batch's longest sample, zeros after each, with
