@@ -95,9 +95,10 @@ class Loader(Resumable):
         seed: with the epoch, fixes the order.
         drop_last: drop the last partial global batch (else pad by repeating, as
             DistributedSampler does, so every rank gets the same number of batches).
-        num_threads: gather threads (default: measured on the first batch, see
-            `fewest_threads`: the fewest, up to the cores this process may use, past which
-            more make it less than 10% faster; `num_threads` then says how many).
+        num_threads: gather threads (default: measured at the start of the first two passes,
+            see `fewest_threads`: the fewest, up to the cores this process may use, past which
+            more make it less than 10% faster, the larger of the two; `num_threads` then says
+            how many).
         pin_memory: None = pinned when CUDA is available.
         device: hand batches over already on this device (see `loaders.to_device`).
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
