@@ -66,6 +66,16 @@ def default_threads() -> int:
     return max(1, available_cores())
 
 
+def copy_pool(threads: int):
+    """The copiers of a Loader's gathers: a pool of C threads (`loaders.native`), or, where the
+    native copies were not built, Python threads for numpy's; None for one thread."""
+    from . import native
+
+    if threads <= 1:
+        return None
+    return native.Pool(threads) if native.LIB is not None else ThreadPoolExecutor(threads)
+
+
 def fewest_threads(seconds_with, most: int) -> tuple[int, float]:
     """(threads, seconds): the fewest threads, doubling from 1 up to `most`, past which doubling
     them again makes `seconds_with(threads)` less than THREAD_GAIN faster. Where the copies stop
@@ -126,7 +136,7 @@ class Loader(Resumable):
         self.num_buffers = num_buffers
         self._ring: Ring | None = None
         self._inline: bool | None = None  # batches made in the caller's thread (see _gathered)
-        self._pool = ThreadPoolExecutor(self.num_threads) if self.num_threads > 1 else None
+        self._pool = copy_pool(self.num_threads)
 
     @property
     def batch_size(self) -> int:
@@ -265,7 +275,7 @@ class Loader(Resumable):
         if not self._measure_threads:
             return seconds_with(self.num_threads, 1, self._pool)
         most = self._most_threads
-        pool = self._pool if self.num_threads == most else ThreadPoolExecutor(most) if most > 1 else None
+        pool = self._pool if self.num_threads == most else copy_pool(most)
         threads, seconds = fewest_threads(lambda n: seconds_with(n, 3, pool), most)
         if self._looks:  # the second look: only ever more threads
             threads = max(threads, self.num_threads)
@@ -274,7 +284,7 @@ class Loader(Resumable):
             # handing it work (it takes the new one from its next batch); its threads end once it
             # is dropped
             self.num_threads = threads
-            self._pool = pool if threads == most else ThreadPoolExecutor(threads) if threads > 1 else None
+            self._pool = pool if threads == most else copy_pool(threads)
         return seconds
 
     def close(self) -> None:

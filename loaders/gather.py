@@ -17,6 +17,7 @@ operators. The widening is part of the copy (`token_dtype`), here and in every t
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -168,8 +169,8 @@ class ColumnGather:
             self._addresses_of[name] = np.array([a.values.ctypes.data for a in arrays], np.uint64) if ok else None
         return self._addresses_of[name]
 
-    def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor], pool: ThreadPoolExecutor | None = None,
-               num_threads: int = 1) -> dict:
+    def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor],
+               pool: native.Pool | ThreadPoolExecutor | None = None, num_threads: int = 1) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]
@@ -188,8 +189,22 @@ class ColumnGather:
                 copies.append(fill)
             else:
                 rest.append(col)
-        # the big copies start first (in the pool they release the GIL); small columns meanwhile
-        pending = [f for copy in copies for f in _split(copy, n, pool, num_threads)]
+        # the big copies start first, small columns meanwhile: a native job on the Loader's C
+        # pool (the first; any others after it), else split over a thread pool
+        on_pool = [c for c in copies if isinstance(c, native.Job)] if isinstance(pool, native.Pool) else []
+        threads = pool if isinstance(pool, ThreadPoolExecutor) else None
+        pending = [f for copy in copies if copy not in on_pool for f in _split(copy, n, threads, num_threads)]
+        with pool.running(on_pool[0], num_threads) if on_pool else contextlib.nullcontext():
+            self._small(rest, shard, rows, buffers, n, out)
+        for job in on_pool[1:]:
+            with pool.running(job, num_threads):
+                pass
+        for f in pending:
+            f.result()
+        return {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
+
+    def _small(self, rest, shard, rows, buffers, n: int, out: dict) -> None:
+        """The columns gathered in this thread: labels, strings, ragged 1-D."""
         for col in rest:
             arrays = self._arrays(col.name)
             if col.encoding:
@@ -203,9 +218,6 @@ class ColumnGather:
                     sel = shard == k
                     dst[sel] = arrays[k].values[rows[sel]]
                 out[col.name] = buf
-        for f in pending:
-            f.result()
-        return {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
 
 
 def _rows(dst: np.ndarray, arrays: list[ColumnArrays], addresses, shard, rows, order):
@@ -214,11 +226,7 @@ def _rows(dst: np.ndarray, arrays: list[ColumnArrays], addresses, shard, rows, o
     if addresses is not None and arrays and dst.dtype == arrays[0].values.dtype:  # not widened (token ids)
         nbytes = int(np.prod(dst.shape[1:])) * dst.itemsize
         sources = (addresses[shard] + rows.astype(np.uint64) * np.uint64(nbytes))[order]
-        stream = dst.nbytes >= native.STREAM_FROM
-
-        def copy(a, b):
-            native.gather_rows(dst, sources[a:b], order[a:b], nbytes, stream)
-        return copy
+        return native.Job(dst, sources, order, nbytes=nbytes, stream=dst.nbytes >= native.STREAM_FROM)
     values = [a.values for a in arrays]
     shard, rows, order = shard.tolist(), rows.tolist(), order.tolist()
 
@@ -275,11 +283,8 @@ def _canvas(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buf
             starts[sel] = arrays[k].offsets[rows[sel]]
         sources = (addresses[shard] + starts * np.uint64(dtype.itemsize))[order]
         sizes = np.ascontiguousarray(shapes[order, :2])
-        pixel = int(np.prod(top[2:])) * dtype.itemsize
-
-        def fill(a, b):
-            native.gather_canvas(dst, sources[a:b], order[a:b], sizes[a:b], pixel)
-        return fill, {name: canvas, f"{name}_size": size}
+        job = native.Job(dst, sources, order, sizes=sizes, pixel_bytes=int(np.prod(top[2:])) * dtype.itemsize)
+        return job, {name: canvas, f"{name}_size": size}
     sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
     positions = order.tolist()
 

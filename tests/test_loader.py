@@ -3,6 +3,7 @@ once; token windows match the token column."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -84,7 +85,7 @@ def test_a_loader_without_num_threads_measures_it_and_gives_the_same_batches(bui
         assert [b["key"] for b in loader] == ref
         assert loader.num_threads == fake and (loader._pool is None) == (fake == 1)
         if fake == 2:
-            assert loader._pool._max_workers == 2
+            assert getattr(loader._pool, "threads", getattr(loader._pool, "_max_workers", None)) == 2
     monkeypatch.undo()
     loader = Loader(ds, 7, seed=3)
     assert [b["key"] for b in loader] == ref and 1 <= loader.num_threads <= batches.default_threads()
@@ -525,11 +526,12 @@ def test_the_native_copies_are_built_where_a_c_compiler_is():
 
 
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), threads=st.integers(1, 4), stream=st.booleans())
-def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, threads, stream):
+@given(data=st.data(), threads=st.integers(1, 4), stream=st.booleans(), on_pool=st.booleans())
+def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, threads, stream, on_pool):
     """`_rows` and `_canvas` with the native copies and with numpy's: the same bytes, for any
     sample size (odd ones too: rows that straddle cache lines), dtype, shard split, repeated ids
-    and thread count, streamed or not. The numpy copies are the oracle."""
+    and thread count, streamed or not, on a C pool or range by range on Python threads. The
+    numpy copies are the oracle."""
     from concurrent.futures import ThreadPoolExecutor
 
     from loaders import native
@@ -545,9 +547,12 @@ def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, thr
     shard = rng.integers(0, len(per_shard), n)
     rows = np.array([rng.integers(0, per_shard[k]) for k in shard], np.int64)
     order = np.lexsort((rows, shard))
-    pool = ThreadPoolExecutor(threads)
+    pool, copiers = ThreadPoolExecutor(threads), native.Pool(threads)
 
     def run(copy):
+        if on_pool and isinstance(copy, native.Job):
+            with copiers.running(copy, threads):
+                return
         for f in _split(copy, n, pool, threads):
             f.result()
 
@@ -582,3 +587,67 @@ def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, thr
         run(fill)
         canvases.append(out)
     assert torch.equal(canvases[0]["x"], canvases[1]["x"]) and torch.equal(canvases[0]["x_size"], canvases[1]["x_size"])
+
+
+def test_a_forked_child_gathers_without_its_parents_copy_threads(built):
+    """A process forked from one whose Loader has a pool of C copy threads has none of those
+    threads, and its copy of the pool's locks may be held (the fork came mid-batch): its
+    gathers copy by themselves, the same bytes, and do not hang. A pool that was shut down
+    does the same."""
+    import signal
+    import threading
+    import time
+
+    from loaders import native
+
+    if native.LIB is None:
+        pytest.skip("the native copies were not built (no C compiler at install time)")
+    ds = MMapDataset(built["images"], columns=["image", "label"])
+    loader = Loader(ds, 7, seed=3, num_threads=2)
+    ids = pass_ids(loader)[:7]
+    assert isinstance(loader._pool, native.Pool)
+    stop = threading.Event()
+
+    def busy():  # gathers on the pool the whole time, so that the fork comes mid-job
+        buffers = loader.source.alloc(7, "plain")
+        while not stop.is_set():
+            loader.source.gather(ids, buffers, loader._pool, 2)
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    time.sleep(0.05)
+    try:
+        children = []
+        for _ in range(5):
+            pid = os.fork()
+            if pid == 0:  # the child: the same gather, on the inherited pool object
+                ok = False
+                try:
+                    buffers = loader.source.alloc(7, "plain")
+                    batch = loader.source.gather(ids, buffers, loader._pool, 2)
+                    ok = all(torch.equal(batch["image"][j], ds[int(i)]["image"]) for j, i in enumerate(ids))
+                finally:
+                    os._exit(0 if ok else 1)
+            children.append(pid)
+            time.sleep(0.003)
+    finally:
+        stop.set()
+        thread.join()
+    deadline = time.monotonic() + 20
+    for pid in children:
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if done[0] == 0:
+            for p in children:
+                with contextlib.suppress(OSError):
+                    os.kill(p, signal.SIGKILL)
+            pytest.fail("a forked child's gather hung")
+        assert os.waitstatus_to_exitcode(done[1]) == 0
+    loader._pool.shutdown()
+    ids = pass_ids(loader)
+    seen = 0
+    for batch in loader:  # an epoch on a pool that was shut down
+        for j in range(len(batch["label"])):
+            assert torch.equal(batch["image"][j], ds[int(ids[seen])]["image"])
+            seen += 1
+    assert seen == len(ds)
