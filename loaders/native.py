@@ -83,6 +83,8 @@ class Pool:
         if not self.handle:
             raise MemoryError("no memory for the gather's copy threads")
         self._free = weakref.finalize(self, LIB.mm_pool_free, self.handle)
+        # not at exit: a daemon producer may still be copying on it then; the process's end frees it
+        self._free.atexit = False
         self._lock = threading.Lock()  # one job at a time; shutdown waits for it
 
     @contextlib.contextmanager
