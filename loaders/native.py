@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-STREAM_CACHE_SHARE = 2  # a batch column of at least 1/this of the largest cache is written with non-temporal stores
+STREAM_CACHE_SHARE = 4  # a batch column of at least 1/this of the largest cache is written with non-temporal stores
 
 
 def _load():
@@ -66,9 +66,11 @@ def largest_cache_bytes(default: int = 32 << 20) -> int:
 
 
 LIB = _load()
-# A batch this large leaves the cache before anyone reads it (the ring holds 3 of them): writing
-# it around the cache saves reading every line of the destination first. Smaller batches are
-# written through the cache, where the training step finds them.
+# A batch this large leaves the cache before anyone reads it (the ring holds 3 of them, and the
+# gather reads as much): writing it around the cache saves reading every line of the
+# destination first. Smaller batches are written through the cache, where the training step
+# finds them. On the 2-core VM (32 MB of L3), 2 threads: batches of 4.8 MB gathered 5% faster
+# through the cache, of 9.6 MB 15% faster streamed, of 19.3 MB 30% faster streamed.
 STREAM_FROM = largest_cache_bytes() // STREAM_CACHE_SHARE
 
 
