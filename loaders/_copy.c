@@ -1,5 +1,5 @@
-/* The gather's copies in one C call per thread and batch: Python builds the address lists
- * (numpy, vectorised), this copies, and ctypes releases the GIL for the whole call. Loaded with
+/* The gather's copies: Python builds the address lists (numpy, vectorised), this copies them,
+ * on a pool of C threads (below) or in one call per range, the GIL released. Loaded with
  * ctypes (loaders/native.py), not imported: it needs no Python headers, so it builds with any C
  * compiler, and the gather falls back to numpy where none was there at install time.
  *

@@ -277,10 +277,7 @@ def _canvas(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buf
     dst = canvas.numpy()
     fixed_tail = bool((shapes[:, 2:] == top[2:]).all())  # images: every sample has the canvas' channels
     if addresses is not None and fixed_tail and n:
-        starts = np.empty(n, np.uint64)
-        for k in np.unique(shard):
-            sel = shard == k
-            starts[sel] = arrays[k].offsets[rows[sel]]
+        starts = _spans(arrays, shard, rows)[0].astype(np.uint64)
         sources = (addresses[shard] + starts * np.uint64(dtype.itemsize))[order]
         sizes = np.ascontiguousarray(shapes[order, :2])
         job = native.Job(dst, sources, order, sizes=sizes, pixel_bytes=int(np.prod(top[2:])) * dtype.itemsize)
