@@ -1,11 +1,13 @@
 """`MMapDataset`: map-style, zero-copy access to a dataset dir (its iterable twin is in
 `loaders.iterable`).
 
-`ds[i]` is a dict of tensors that share memory with the mapped files: `torch.from_numpy` over
-copy-on-write maps, so there is no copy and no non-writable warning; token ids (uint16 / uint32
-on disk) are the exception, copied as int64 (`loaders.gather.batch_dtype`). Pickles as its path
-and generation; each DataLoader worker re-maps that very build lazily (a rebuild of the dir
-meanwhile does not change what it reads) and shares the page cache with every other process.
+`ds[i]` is a dict of fresh tensors, copied out of the read-only maps, as ImageFolder's are: a
+transform that edits a sample in place (a cutout, a normalisation) changes that copy only, never
+what a later `ds[i]` returns. Token ids (uint16 / uint32 on disk) come out as int64
+(`loaders.gather.batch_dtype`). Whole batches (`Loader`, `ds.batched`) are one gather each, not
+a copy per sample. Pickles as its path and generation; each DataLoader worker re-maps that very
+build lazily (a rebuild of the dir meanwhile does not change what it reads) and shares the page
+cache with every other process.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from .gather import batch_dtype
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
-    """A view of the map; a copy in the batch dtype where that differs (token ids to int64)."""
-    wanted = batch_dtype(array.dtype)
-    return torch.from_numpy(array if wanted == array.dtype else array.astype(wanted))
+    """A copy of a sample (or a 0-d scalar) of the read-only map, in the batch dtype (token ids
+    int64): the caller's to change."""
+    return torch.from_numpy(np.array(array, dtype=batch_dtype(array.dtype)))
 
 
 def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:
@@ -83,9 +85,6 @@ class MMapDataset(torch.utils.data.Dataset):
             value = self.reader.column(shard, name).sample(row)
             if col.encoding:
                 out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
-            elif value.ndim == 0:  # a scalar column: a 0-d view, not a numpy scalar copy
-                arrays = self.reader.column(shard, name)
-                out[name] = _tensor(arrays.values[row : row + 1]).view(())
             else:
                 out[name] = _tensor(value)
         return out

@@ -1,10 +1,13 @@
 """Opens and validates a dataset dir as read-only maps (pairs with `packer.writer`).
 
 Opening reads the manifest (validated: `format.Manifest.from_json`) and stats each file:
-O(shards), never O(samples). Column files are mapped lazily, once per process, with
-`np.memmap(mode="c")`: pages come from the shared page cache, and the arrays are writable
-copy-on-write views, so `torch.from_numpy` neither copies nor warns. A ragged column's offsets
-are checked (from 0, non-decreasing, ending at its values' length) before they index anything.
+O(shards), never O(samples). Column files are mapped lazily, once per process, read-only and
+shared (`np.memmap(mode="r")`): pages come from the page cache every process shares, a write
+through a map raises instead of changing what later reads see, and a map costs nothing against
+the kernel's commit limit (a private copy-on-write map of a 25 GB shard does, and fails under
+strict overcommit). The loaders copy out of the maps (`ds[i]`, every batch gather). A ragged
+column's offsets are checked (from 0, non-decreasing, ending at its values' length) before they
+index anything.
 
 A reader holds a shared lock on each generation dir its manifest uses, so a rebuild of the
 same OUT (which writes a new generation) removes the old one only once no reader has it open;
@@ -122,7 +125,7 @@ def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
                              f"{fmt.NPY_HEADER_BYTES + nbytes:,}; run 'packer verify'")
     if nbytes == 0:
         return np.zeros(shape, dtype=dtype)
-    mapped = np.memmap(path, dtype=dtype, mode="c", offset=fmt.NPY_HEADER_BYTES, shape=tuple(shape))
+    mapped = np.memmap(path, dtype=dtype, mode="r", offset=fmt.NPY_HEADER_BYTES, shape=tuple(shape))
     # a plain ndarray view of the map (which it keeps open): indexing an np.memmap runs Python
     # (__array_finalize__, __getitem__) per access: a gather of 256 images ran at 59k/s on np.memmap
     # objects, 74k/s on these views
