@@ -11,6 +11,7 @@ to it: batches are safe to keep.
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import os
 import queue
@@ -23,13 +24,11 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from packer.errors import ConfigError
+
 from .gather import Memory
 from .ring import Ring
-from .sampler import EpochPlan, Order, Pass, Resumable, worker_batches
-
-# A first batch made faster than this keeps the pass in the caller's thread: a thread hands a
-# batch over in about 0.1 ms (a queue put, a wake-up, a GIL switch), more than such a batch costs.
-INLINE_BELOW_S = 100e-6
+from .sampler import EpochPlan, Order, Pass, Resumable, check_int, worker_batches
 
 
 class BatchSource(Protocol):
@@ -51,20 +50,36 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
         dataset = MMapDataset(dataset)
     if isinstance(dataset, MMapDataset):
         return dataset.batch_source(columns)
+    if not all(hasattr(dataset, name) for name in ("alloc", "gather", "source_id", "__len__")):
+        raise ConfigError(f"a Loader reads an MMapDataset, a dataset dir, TokenWindows or PackedDocuments, not "
+                          f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
     if columns is not None:
-        raise ValueError("columns= applies to an MMapDataset only")
+        raise ConfigError("columns= applies to an MMapDataset only")
     return dataset
 
 
-# A default thread count is doubled while that makes the gather at least this much faster.
+# A batch of fewer bytes than this is made in the caller's thread, on demand: handing a batch
+# over from a producer thread costs about 0.1 ms (a queue put, a wake-up, a GIL switch), more
+# than gathering such a batch does (token windows, small batches). Larger ones are made ahead.
+INLINE_BELOW_BYTES = 1 << 20
+# Gather threads a Loader takes by default: past this many the copies are bound by the memory
+# bus, not by cores (see docs/design.md), and the cores not taken are the training job's.
+MAX_DEFAULT_THREADS = 8
+# With num_threads="auto", a thread count is doubled while that makes the gather at least this much faster.
 THREAD_GAIN = 0.10
 
 
 def default_threads() -> int:
-    """The most gather threads a Loader tries by default: the cores this process may use."""
+    """The gather threads of a Loader not told how many: the cores this process may use, shared
+    by the ranks on the node (LOCAL_WORLD_SIZE, as torchrun sets it), at most MAX_DEFAULT_THREADS.
+    A pure function of the machine: the first epoch runs as fast as the last."""
     from packer.system import available_cores
 
-    return max(1, available_cores())
+    try:
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local_ranks = 1
+    return max(1, min(MAX_DEFAULT_THREADS, available_cores() // local_ranks))
 
 
 def copy_pool(threads: int):
@@ -79,10 +94,8 @@ def copy_pool(threads: int):
 
 def fewest_threads(seconds_with, most: int) -> tuple[int, float]:
     """(threads, seconds): the fewest threads, doubling from 1 up to `most`, past which doubling
-    them again makes `seconds_with(threads)` less than THREAD_GAIN faster. Where the copies stop
-    scaling depends on the machine (its memory bandwidth, its cores, the GIL's share of a
-    sample's copy) and on the columns (a token batch does not use the threads at all), so it is
-    measured; the threads not taken are CPU the training job keeps."""
+    them again makes `seconds_with(threads)` less than THREAD_GAIN faster (num_threads="auto").
+    The threads not taken are CPU the training job keeps."""
     threads, best = 1, seconds_with(1)
     while threads < most:
         more = min(2 * threads, most)
@@ -102,32 +115,35 @@ def fewest_threads(seconds_with, most: int) -> tuple[int, float]:
 _PRODUCERS: set = set()
 
 
-@atexit.register
-def _stop_producers() -> None:
-    for stop, wake, _ in list(_PRODUCERS):
+def _stop(producers) -> None:
+    for stop, wake, _ in list(producers):
         stop.set()
         wake()
-    for _, _, thread in list(_PRODUCERS):
+    for _, _, thread in list(producers):
         thread.join(timeout=10)
+
+
+atexit.register(_stop, _PRODUCERS)
 
 
 class Loader(Resumable):
     """Batches of a packed dataset (or TokenWindows / PackedDocuments) at memory bandwidth.
 
-    Iterating it again starts the next epoch; `state_dict()` / `load_state_dict()` resume
-    exactly (see `loaders.sampler.EpochPlan`).
+    A pass that reaches the end of its epoch moves the Loader to the next epoch; any other new
+    iteration starts the epoch from its beginning (a peek with `next(iter(loader))` or a `break`
+    costs the next pass nothing), except the first after `load_state_dict()`, which goes on
+    exactly where the state was saved (see `loaders.sampler.EpochPlan`).
 
     Args:
         dataset: an MMapDataset, a dataset dir, or a TokenWindows / PackedDocuments view.
         batch_size: samples per batch on this rank.
         shuffle: False means order="sequential" unless `order` is given.
-        seed: with the epoch, fixes the order.
+        seed: with the epoch, fixes the order (an int in [0, 2**64)).
         drop_last: drop the last partial global batch (else pad by repeating, as
             DistributedSampler does, so every rank gets the same number of batches).
-        num_threads: gather threads (default: measured at the start of the first two passes,
-            see `fewest_threads`: the fewest, up to the cores this process may use, past which
-            more make it less than 10% faster, the larger of the two; `num_threads` then says
-            how many).
+        num_threads: gather threads; default `default_threads()`: the cores this process may
+            use, divided among the node's ranks (LOCAL_WORLD_SIZE), at most 8. "auto": timed
+            at the first pass (`fewest_threads`: the fewest past which doubling gains under 10%).
         pin_memory: None = pinned when CUDA is available.
         device: hand batches over already on this device (see `loaders.to_device`).
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
@@ -136,26 +152,30 @@ class Loader(Resumable):
         num_buffers: batch buffers in the ring, >= 2: the batch the caller holds and
             num_buffers - 1 gathered ahead (more are allocated only while the caller keeps
             batches; see `loaders.ring`).
+
+    `close()` (or leaving a `with Loader(...) as loader:` block) stops its open iterations and
+    frees its buffers and threads at once; iterating it again makes new ones.
     """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 num_threads: int | None = None, pin_memory: bool | None = None, device=None,
+                 num_threads: int | str | None = None, pin_memory: bool | None = None, device=None,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None, num_buffers: int = 3):
         self.source = as_source(dataset, columns)
         self._plan = EpochPlan(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
-        self._measure_threads = num_threads is None  # chosen at the first batches of two passes (see _gathered)
-        self._most_threads = self.num_threads = num_threads or default_threads()
-        self._looks = 0  # passes whose first batch was timed
+        self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
+        if num_threads is None or self._timed:
+            self.num_threads = default_threads()
+        else:
+            self.num_threads = check_int("num_threads", num_threads, 1, 1 << 12)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
-        if num_buffers < 2:
-            raise ValueError("num_buffers must be >= 2")
-        self.num_buffers = num_buffers
+        self.num_buffers = check_int("num_buffers", num_buffers, 2, 1 << 12)
         self._ring: Ring | None = None
-        self._inline: bool | None = None  # batches made in the caller's thread (see _gathered)
-        self._pool = copy_pool(self.num_threads)
+        self._pool = None
+        self._pool_threads = 0  # the size of _pool (0: none made yet)
+        self._running: set = set()  # this Loader's producers (see _PRODUCERS)
 
     @property
     def batch_size(self) -> int:
@@ -170,8 +190,14 @@ class Loader(Resumable):
         return self._plan.world_size
 
     def __len__(self) -> int:
-        """Batches left in the current epoch."""
+        """Batches of the next pass: the whole epoch, or its rest after `load_state_dict`."""
         return self._plan.num_batches()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def __iter__(self):
         p = self._plan.start()
@@ -182,21 +208,28 @@ class Loader(Resumable):
             batches = to_device(batches, self.device)
         return self._hand_over(p, batches)
 
+    def _pool_of(self, threads: int):
+        """The copy pool of `threads` threads, made on first use (and again after close)."""
+        if self._pool_threads != threads:
+            # an old pool is not shut down: an earlier pass's iterator, if still open, may be
+            # handing it work; its threads end once it is dropped
+            self._pool, self._pool_threads = copy_pool(threads), threads
+        return self._pool
+
     def _gathered(self, p: Pass):
-        """The batches of pass `p`. The first is made here. The Loader's first pass then times
-        gathers (buffers allocated, pages mapped; with each thread count it tries when
-        `num_threads` was not given, see `_first_timings`): when one took less than
-        INLINE_BELOW_S (token windows, small batches), every pass makes its batches here, on
-        demand, since handing a batch over from a thread costs more than making it; otherwise a
-        producer thread makes them up to num_buffers - 1 ahead. The batches are the same either
-        way. A thread count the Loader chose itself is chosen again at the second pass, keeping
-        the larger: one look is one moment of the machine, and another process busy then (a
-        compile, a checkpoint write) makes more threads look useless."""
-        plan = self._plan
+        """The batches of pass `p`. A batch of fewer than INLINE_BELOW_BYTES is made here, on
+        demand; larger ones by a producer thread, up to num_buffers - 1 ahead. The batches are
+        the same either way."""
+        plan, source = self._plan, self.source
         if self._ring is None:
             memory = "pinned" if self.pin_memory else "ring"
-            self._ring = Ring(lambda: self.source.alloc(plan.batch_size, memory), self.num_buffers)
+            # the ring holds the source's alloc, not this Loader: no cycle keeps a dropped
+            # Loader's buffers (hundreds of MB of canvases) until the garbage collector runs
+            self._ring = Ring(functools.partial(source.alloc, plan.batch_size, memory), self.num_buffers)
         ring = self._ring
+        if self._timed:
+            self._time_threads(p, ring)
+        pool, threads = self._pool_of(self.num_threads), self.num_threads
         stop = threading.Event()
         waiting_for = [-1]  # the batch the consumer is blocked on, if any
 
@@ -205,29 +238,19 @@ class Loader(Resumable):
             if buffers is None:
                 return None
             try:
-                ids = plan.batch_ids(p, b)
-                batch = self.source.gather(ids, buffers, self._pool, self.num_threads)
-                if b == 0 and self._looks < (2 if self._measure_threads and not self._inline else 1):
-                    seconds = self._first_timings(p, buffers)
-                    if self._inline is None:
-                        self._inline = seconds < INLINE_BELOW_S
-                    self._looks += 1
-                    batch = self.source.gather(ids, buffers, self._pool, self.num_threads)  # they wrote other batches there
-                return batch
+                return source.gather(plan.batch_ids(p, b), buffers, pool, threads)
             finally:
                 ring.filled(buffers)
 
         if p.num_batches == 0:
             return
-        first = make(0, lambda: True)  # the caller waits for it
-        if self._inline:
-            yield first
-            del first
-            for b in range(1, p.num_batches):
+        if ring.batch_bytes < INLINE_BELOW_BYTES:
+            for b in range(p.num_batches):
                 yield make(b, lambda: True)
             return
         ready: queue.SimpleQueue = queue.SimpleQueue()
         ahead = threading.Semaphore(self.num_buffers - 1)  # batches the producer may make before they are asked for
+        first = make(0, lambda: True)  # the caller waits for it
 
         def produce():
             try:
@@ -248,6 +271,7 @@ class Loader(Resumable):
         producer.start()
         running = (stop, ring.wake, producer)
         _PRODUCERS.add(running)
+        self._running.add(running)
         try:
             yield first
             del first
@@ -272,21 +296,25 @@ class Loader(Resumable):
             ring.wake()
             producer.join()
             _PRODUCERS.discard(running)
+            self._running.discard(running)
 
-    def _first_timings(self, p: Pass, buffers) -> float:
-        """Seconds of a warm gather of one of the pass's batches into `buffers`, with the threads
-        given; without them, with the thread count chosen here by timing such gathers
-        (`fewest_threads`, the best of three for each count), which becomes `num_threads` and
-        the pool's size. Each try takes another batch of the pass and gathers it twice, timing
-        the second: a fresh process's first touches of the maps are page faults, serial work that
-        hid the second thread's gain on the 2-core machine (one thread looked as fast as two,
-        which are 20% faster once the pages are mapped, as they stay for the rest of training)."""
+    def _time_threads(self, p: Pass, ring: Ring) -> None:
+        """num_threads="auto": the thread count chosen by timing gathers of the pass's batches at
+        1, 2, 4, ... threads (`fewest_threads`, the best of three for each count), once. Each try
+        gathers a batch twice and times the second: a fresh process's first touches of the maps
+        are page faults, serial work that would hide what more threads gain."""
+        self._timed = False
+        if p.num_batches == 0:
+            return
         full = max(1, p.num_batches - 1)  # batches of the whole batch size (the last may be short)
         batches = itertools.count(1)
+        pool = copy_pool(self.num_threads)
+        stop = threading.Event()
+        buffers = ring.take(lambda: True, stop)
 
-        def seconds_with(threads: int, tries: int, pool) -> float:
+        def seconds_with(threads: int) -> float:
             best = float("inf")
-            for _ in range(tries):
+            for _ in range(3):
                 ids = self._plan.batch_ids(p, next(batches) % full)
                 self.source.gather(ids, buffers, pool, threads)  # its pages mapped
                 started = time.perf_counter()
@@ -294,24 +322,21 @@ class Loader(Resumable):
                 best = min(best, time.perf_counter() - started)
             return best
 
-        if not self._measure_threads:
-            return seconds_with(self.num_threads, 1, self._pool)
-        most = self._most_threads
-        pool = self._pool if self.num_threads == most else copy_pool(most)
-        threads, seconds = fewest_threads(lambda n: seconds_with(n, 3, pool), most)
-        if self._looks:  # the second look: only ever more threads
-            threads = max(threads, self.num_threads)
-        if threads != self.num_threads:
-            # the old pool is not shut down: an earlier pass's iterator, if still open, may be
-            # handing it work (it takes the new one from its next batch); its threads end once it
-            # is dropped
-            self.num_threads = threads
-            self._pool = pool if threads == most else copy_pool(threads)
-        return seconds
+        try:
+            threads, _ = fewest_threads(seconds_with, self.num_threads)
+        finally:
+            ring.filled(buffers)
+        if threads == self.num_threads:
+            self._pool, self._pool_threads = pool, threads
+        self.num_threads = threads
 
     def close(self) -> None:
+        """Stop this Loader's open iterations and free its buffers and copy threads now."""
+        _stop(self._running)
+        self._running.clear()
         if self._pool is not None:
             self._pool.shutdown()
+        self._pool, self._pool_threads, self._ring = None, 0, None
 
 
 class EpochDataset(torch.utils.data.IterableDataset):

@@ -41,6 +41,8 @@ class Ring:
         self._filling: set[int] = set()  # ids of buffers taken and not yet given back by `filled`
         for _ in range(keep):
             self._grow()
+        self.batch_bytes = sum(t.numel() * t.element_size() for t in self._buffers[0][0].values())
+        """Bytes of one buffer: what a batch fills at most (a wider ragged batch gets a fresh one)."""
 
     def __len__(self) -> int:
         return len(self._buffers)

@@ -21,6 +21,19 @@ from .orders import ORDERS, Order, Permutation
 
 CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
 STATE_VERSION = 2  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
+KEY_LIMIT = 1 << 64  # seeds and epochs key the orders as 64-bit integers: larger ones would wrap
+
+
+def check_int(name: str, value, low: int = 0, high: int = KEY_LIMIT) -> int:
+    """`value` when it is an int (not a bool) in [low, high), else a ConfigError naming it."""
+    if type(value) is not int and not (isinstance(value, np.integer) and not isinstance(value, np.bool_)):
+        raise ConfigError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if not low <= value < high:
+        if high < KEY_LIMIT:
+            raise ConfigError(f"{name} {value} is outside [{low}, {high})")
+        floor = "a non-negative int" if low == 0 else f"an int >= {low}"
+        raise ConfigError(f"{name} must be {floor} below 2**64, got {value}")
+    return int(value)
 
 
 def rank_count(remaining: int, *, world_size: int, batch_size: int, drop_last: bool) -> int:
@@ -55,8 +68,8 @@ class Topology:
     world_size: int
 
     def __post_init__(self) -> None:
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is not in [0, world_size={self.world_size})")
+        check_int("world_size", self.world_size, 1, 1 << 31)
+        check_int("rank", self.rank, 0, self.world_size)
 
 
 def resolve_topology(rank: int | None = None, world_size: int | None = None) -> Topology:
@@ -88,37 +101,55 @@ class EpochPlan:
     """The state around the functions above, shared by every reader: order, seed, epoch, this
     rank's place, and the cursor.
 
-    Epochs advance by themselves: a pass that reaches the end of its epoch moves the plan to the
-    next epoch, cursor 0. `set_epoch(e)` for another epoch starts e at its beginning; for the
-    epoch the plan is in, it keeps the cursor (so the usual loop, which calls it at the top of
-    every epoch, does not replay a resumed epoch)."""
+    A pass starts at the beginning of the plan's epoch, as a DataLoader's iterator does, except
+    the first pass after `load_state_dict`, which starts at the loaded cursor: only a loaded
+    state resumes mid-epoch. A pass left early (a peek with `next(iter(loader))`, a `break`)
+    keeps its place in `state_dict()` for a checkpoint, but the next pass starts its epoch
+    afresh. A pass that reaches the end of its epoch moves the plan to the next epoch.
+    `set_epoch(e)` for another epoch starts e at its beginning; for the epoch the plan is in, it
+    keeps a loaded cursor (so the usual loop, which calls it at the top of every epoch, does not
+    replay a resumed epoch)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
                  drop_last: bool, rank: int | None, world_size: int | None, source: str = ""):
-        if batch_size <= 0:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        check_int("batch_size", batch_size, 1)
         order = order or ("random" if shuffle else "sequential")
         if order not in ORDERS:
-            raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
+            raise ConfigError(f"order must be one of {ORDERS}, not {order!r}")
         topo = resolve_topology(rank, world_size)
-        self.num_samples, self.batch_size, self.seed, self.order = num_samples, batch_size, seed, order
+        self.num_samples, self.batch_size, self.seed, self.order = num_samples, int(batch_size), check_int("seed", seed), order
         self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
         self.source = source  # what the samples are (a dataset and view fingerprint)
         self.epoch = 0
         self.cursor = 0
+        self.resuming = False  # a loaded state's cursor is where the next pass starts
         self._perm: Permutation | None = None
         self._chunk: tuple[tuple[int, int, int], np.ndarray] | None = None  # (epoch, cursor, chunk) -> ids
 
     def set_epoch(self, epoch: int) -> None:
+        epoch = check_int("epoch", epoch)
         if epoch != self.epoch:
-            self.epoch, self.cursor = int(epoch), 0
+            self.epoch, self.cursor, self.resuming = epoch, 0, False
+
+    @property
+    def next_cursor(self) -> int:
+        """Where the next pass starts in the epoch: a loaded state's cursor, else 0."""
+        return self.cursor if self.resuming else 0
+
+    def upcoming(self) -> Pass:
+        """The pass the next iteration makes (from a loaded state's cursor, else from the epoch's
+        beginning), without starting it."""
+        return Pass(self.epoch, self.next_cursor, self.num_batches())
 
     def start(self) -> Pass:
-        """The pass from the current (epoch, cursor)."""
-        return Pass(self.epoch, self.cursor, self.num_batches())
+        """Start the next pass (`upcoming`): a loaded cursor is used once."""
+        p = self.upcoming()
+        self.resuming = False
+        return p
 
     def per_rank(self, cursor: int | None = None) -> int:
-        cursor = self.cursor if cursor is None else cursor
+        """Samples this rank takes from `cursor` (default: the next pass's start)."""
+        cursor = self.next_cursor if cursor is None else cursor
         return rank_count(max(self.num_samples - cursor, 0), world_size=self.world_size,
                           batch_size=self.batch_size, drop_last=self.drop_last)
 
@@ -179,10 +210,10 @@ class EpochPlan:
                                   "it was saved over another dataset, view or order; load it into a loader "
                                   "built like the one that saved it")
         epoch, cursor = state.get("epoch"), state.get("cursor")
-        if not isinstance(epoch, int) or not isinstance(cursor, int) or epoch < 0 or not 0 <= cursor <= self.num_samples:
+        if type(epoch) is not int or type(cursor) is not int or not 0 <= epoch < KEY_LIMIT or not 0 <= cursor <= self.num_samples:
             raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
                               f"{self.num_samples} samples")
-        self.epoch, self.cursor = epoch, cursor
+        self.epoch, self.cursor, self.resuming = epoch, cursor, True
 
 
 class Resumable:

@@ -35,7 +35,8 @@ class _Keyed(torch.utils.data.Dataset):
 
 
 class _PassKeys(torch.utils.data.Sampler):
-    """The keys of one pass from the plan's current epoch and cursor, taken when iterated."""
+    """The keys of the plan's next pass. Iterating does not start the pass: a DataLoader
+    iterator iterates its sampler twice as it starts (once made, once reset)."""
 
     def __init__(self, plan: EpochPlan):
         self.plan = plan
@@ -45,7 +46,7 @@ class _PassKeys(torch.utils.data.Sampler):
         return self.plan.num_batches()
 
     def __iter__(self):
-        p = self.current = self.plan.start()
+        p = self.current = self.plan.upcoming()
         return ((p, b) for b in range(p.num_batches))
 
 
@@ -75,5 +76,6 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
         return self.batches._plan
 
     def __iter__(self):
-        batches = super().__iter__()  # takes the pass from the plan (the sampler is iterated here)
-        return self._hand_over(self._keys.current, batches)
+        batches = super().__iter__()  # iterates the sampler: the keys of the plan's next pass
+        p = self._plan.start()  # that pass, started: a loaded cursor is used once
+        return self._hand_over(p, batches)

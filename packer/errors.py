@@ -8,8 +8,9 @@ class MmpackError(Exception):
     """Base class: a problem the user can fix, reported as one line."""
 
 
-class ConfigError(MmpackError):
-    """Bad arguments or options (missing tokenizer, OUT exists, bad shard size)."""
+class ConfigError(MmpackError, ValueError):
+    """Bad arguments or options (missing tokenizer, OUT exists, bad shard size); also a
+    ValueError, what Python code that checks arguments raises and catches."""
 
 
 class SourceError(MmpackError):

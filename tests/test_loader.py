@@ -21,16 +21,16 @@ from loaders.gather import SHORT_PIECES
 def pass_ids(loader) -> np.ndarray:
     """The sample ids the loader's next pass yields, in order."""
     plan = loader._plan
-    return plan.ids(plan.start(), 0, plan.per_rank())
+    return plan.ids(plan.upcoming(), 0, plan.per_rank())
 
 
 @pytest.fixture(params=["inline", "threaded"])
 def pass_mode(request, monkeypatch):
-    """Loader makes a pass's batches in the caller's thread when the first one is cheap, else in
-    a producer thread: both ways, the same contract."""
+    """Loader makes a pass's batches in the caller's thread when a batch is small, else in a
+    producer thread: both ways, the same contract."""
     from loaders import batches
 
-    monkeypatch.setattr(batches, "INLINE_BELOW_S", 1e9 if request.param == "inline" else 0.0)
+    monkeypatch.setattr(batches, "INLINE_BELOW_BYTES", 1 << 62 if request.param == "inline" else 0)
     return request.param
 
 
@@ -71,54 +71,52 @@ def test_the_default_thread_count_is_the_fewest_past_which_doubling_gains_under_
     assert tried[0] == 1 and all(b == min(2 * a, most) for a, b in zip(tried, tried[1:-1]))
 
 
-def test_a_loader_without_num_threads_measures_it_and_gives_the_same_batches(built, monkeypatch):
-    """Left to itself, the Loader times its first batch at 1, 2, ... threads and keeps the
-    count it chose (num_threads, and a pool of that size); the batches do not depend on it."""
+def test_the_default_thread_count_follows_from_the_machine_not_the_clock(built, monkeypatch):
+    """Without num_threads a Loader takes the cores it may use, shared by the node's ranks, at
+    most 8: the same count on its first pass as on its last, with no gather timed."""
     from loaders import batches
+    from packer import system
 
-    ds = MMapDataset(built["images"])
-    ref = [b["key"] for b in Loader(ds, 7, seed=3, num_threads=1)]
-    for fake in (1, 2):
-        monkeypatch.setattr(batches, "default_threads", lambda: 2)
-        monkeypatch.setattr(batches, "fewest_threads", lambda seconds_with, most, fake=fake: (fake, seconds_with(fake)))
-        loader = Loader(ds, 7, seed=3)
-        assert [b["key"] for b in loader] == ref
-        assert loader.num_threads == fake and (loader._pool is None) == (fake == 1)
-        if fake == 2:
-            assert getattr(loader._pool, "threads", getattr(loader._pool, "_max_workers", None)) == 2
+    for cores, local, want in ((2, None, 2), (16, None, 8), (64, "8", 8), (16, "8", 2), (1, "4", 1), (3, "x", 3)):
+        monkeypatch.setattr(system, "available_cores", lambda cores=cores: cores)
+        if local is None:
+            monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        else:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+        assert batches.default_threads() == want
     monkeypatch.undo()
+    monkeypatch.setattr(batches, "fewest_threads", lambda *a: pytest.fail("a default Loader timed its gathers"))
+    ds = MMapDataset(built["images"])
+    one = Loader(ds, 7, seed=3, num_threads=1)
+    ref = [[b["key"] for b in one] for _ in range(2)]
     loader = Loader(ds, 7, seed=3)
-    assert [b["key"] for b in loader] == ref and 1 <= loader.num_threads <= batches.default_threads()
+    assert loader.num_threads == batches.default_threads()
+    assert [[b["key"] for b in loader] for _ in range(2)] == ref and loader.num_threads == batches.default_threads()
 
 
-@pytest.mark.parametrize("looks,kept", [((1, 2), 2), ((2, 1), 2), ((1, 1), 1)])
-def test_a_chosen_thread_count_is_chosen_again_at_the_second_pass_keeping_the_larger(built, monkeypatch, looks, kept):
-    """One look is one moment of the machine: the Loader times the second pass's first batches
-    too, with a pool of every thread it may use (even when the first look kept one thread),
-    and keeps the larger count; no third look; the batches do not depend on any of it."""
+def test_num_threads_auto_times_the_first_pass_once_and_gives_the_same_batches(built, monkeypatch):
+    """num_threads="auto" times gathers at 1, 2, ... threads at the first pass only and keeps the
+    count it chose (and a pool of that size); the batches do not depend on it."""
     from loaders import batches
 
     ds = MMapDataset(built["images"])
-    reference = Loader(ds, 7, seed=3, num_threads=1)
-    ref = [[b["key"] for b in reference] for _ in range(3)]
-    answers, pools = list(looks), []
+    one = Loader(ds, 7, seed=3, num_threads=1)
+    ref = [[b["key"] for b in one] for _ in range(2)]
     monkeypatch.setattr(batches, "default_threads", lambda: 2)
+    for fake in (1, 2):
+        looks = []
 
-    def fake(seconds_with, most):
-        seconds_with(2)  # as fewest_threads would: times 2 threads
-        return answers.pop(0), 1.0
+        def choose(seconds_with, most, fake=fake):
+            looks.append(most)
+            return fake, seconds_with(fake)
 
-    monkeypatch.setattr(batches, "fewest_threads", fake)
-    loader = Loader(ds, 7, seed=3)
-    gather = loader.source.gather
-    monkeypatch.setattr(loader.source, "gather", lambda ids, buffers, pool=None, n=1: (pools.append((pool, n)), gather(ids, buffers, pool, n))[1])
-    assert [b["key"] for b in loader] == ref[0] and loader.num_threads == looks[0]
-    assert all(pool is not None for pool, n in pools if n == 2)
-    pools.clear()
-    assert [b["key"] for b in loader] == ref[1] and loader.num_threads == kept
-    assert all(pool is not None for pool, n in pools if n == 2)  # 2 threads timed with a pool of 2
-    assert [b["key"] for b in loader] == ref[2] and loader.num_threads == kept and not answers
-    assert (loader._pool is None) == (kept == 1)
+        monkeypatch.setattr(batches, "fewest_threads", choose)
+        loader = Loader(ds, 7, seed=3, num_threads="auto")
+        assert [[b["key"] for b in loader] for _ in range(2)] == ref
+        assert looks == [2] and loader.num_threads == fake and (loader._pool is None) == (fake == 1)
+    monkeypatch.undo()
+    loader = Loader(ds, 7, seed=3, num_threads="auto")
+    assert [b["key"] for b in loader] == ref[0] and 1 <= loader.num_threads <= batches.default_threads()
 
 
 @pytest.mark.parametrize("docs", ["long", "short"])
@@ -280,7 +278,8 @@ def test_real_torch_distributed_gloo_two_ranks(built, tmp_path):
 
 def test_abandoning_an_epoch_near_its_end_does_not_hang(built, pass_mode):
     """The consumer stops while the producer is handing over the end of the epoch: the next
-    epoch starts at once (the producer never blocks on a queue nobody reads)."""
+    pass starts at once (the producer never blocks on a queue nobody reads), from the epoch's
+    beginning."""
     import threading
     import time
 
@@ -295,13 +294,13 @@ def test_abandoning_an_epoch_near_its_end_does_not_hang(built, pass_mode):
                 next(it)
             time.sleep(0.3)  # the producer fills the queue and reaches the end-of-epoch marker
             del it
-            seen.append(sum(len(b["label"]) for b in loader))  # resumes: the rest of the epoch
+            seen.append(sum(len(b["label"]) for b in loader))  # the whole epoch again
 
     t = threading.Thread(target=epochs, daemon=True)
     t.start()
     t.join(60)
     assert not t.is_alive(), "abandoning an iterator hung the loader"
-    assert seen == [len(ds) - 4 * (len(loader) - 1)] * 3
+    assert seen == [len(ds)] * 3
 
 
 def test_batched_dataset_resumes_mid_epoch_with_another_worker_count(built):
@@ -605,7 +604,7 @@ def test_a_forked_child_gathers_without_its_parents_copy_threads(built):
     ds = MMapDataset(built["images"], columns=["image", "label"])
     loader = Loader(ds, 7, seed=3, num_threads=2)
     ids = pass_ids(loader)[:7]
-    assert isinstance(loader._pool, native.Pool)
+    assert isinstance(loader._pool_of(2), native.Pool)  # made at the first pass, or here
     stop = threading.Event()
 
     def busy():  # gathers on the pool the whole time, so that the fork comes mid-job
@@ -681,3 +680,95 @@ def test_a_script_that_exits_while_batches_are_being_made_ahead_exits_cleanly(bu
         res = subprocess.run([sys.executable, str(script), str(built["images"])], capture_output=True, text=True,
                              timeout=120)
         assert res.returncode == 0 and "terminate" not in res.stderr, res.stderr[-2000:]
+
+
+@pytest.mark.parametrize("make", ["Loader", "StatefulDataLoader"])
+def test_a_peek_or_a_break_costs_the_next_pass_nothing(built, make, pass_mode):
+    """`next(iter(loader))` to see the shapes, then the README's loop: epoch 0 trains on every
+    sample; a `break` out of an evaluation pass leaves the next evaluation whole. Only a loaded
+    state resumes mid-epoch (as with torch's DataLoader and torchdata's StatefulDataLoader)."""
+    ds = MMapDataset(built["images"], columns=["image", "label", "key"])
+
+    def new():
+        if make == "Loader":
+            return Loader(ds, 8, seed=1, num_threads=2)
+        return StatefulDataLoader(ds.batched(8, seed=1), num_workers=0)
+
+    loader = new()
+    peek = next(iter(loader))
+    assert peek["image"].shape[1:] == ds[0]["image"].shape
+    epochs = []
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        epochs.append(sorted(k for b in loader for k in b["key"]))
+    assert epochs == [sorted(ds[i]["key"] for i in range(len(ds)))] * 2
+    evaluation = new()
+    for b in evaluation:
+        break
+    assert sum(len(b["key"]) for b in evaluation) == len(ds)
+    # a state saved mid-epoch still resumes there, in a loader built like it
+    it = iter(evaluation)
+    done = [k for _ in range(3) for k in next(it)["key"]]
+    state = evaluation.state_dict()
+    again = new()
+    again.load_state_dict(state)
+    rest = [k for b in again for k in b["key"]]
+    assert sorted(done + rest) == sorted(ds[i]["key"] for i in range(len(ds)))
+    assert len(again) == -(-len(ds) // 8)  # the resumed pass is over: the next is whole
+
+
+def test_a_dropped_loader_frees_its_buffers_without_the_garbage_collector(built):
+    """No reference cycle keeps a dropped Loader (its ring of batch buffers, hundreds of MB for
+    keep-aspect canvases) or its dataset's reader lock alive until the cyclic GC runs; close()
+    and `with` free them at once."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        ds = MMapDataset(built["images"])
+        loader = Loader(ds, 8, num_threads=2)
+        it = iter(loader)
+        next(it)  # a pass left open: its producer is running
+        del it
+        for _ in loader:
+            pass
+        ref, reader = weakref.ref(loader), weakref.ref(ds.reader)
+        del loader, ds
+        assert ref() is None and reader() is None
+        with Loader(MMapDataset(built["images"]), 8) as loader:
+            keys = [k for b in loader for k in b["key"]]
+            it = iter(loader)
+            next(it)
+        assert loader._ring is None and loader._pool is None and not loader._running
+        assert [k for b in loader for k in b["key"]] != keys  # usable again: the next epoch
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda ds: Loader(ds, 4, seed="x"), "seed must be an int"),
+    (lambda ds: Loader(ds, 4, seed=2**64), "seed must be a non-negative int below 2\\*\\*64"),
+    (lambda ds: Loader(ds, 4, seed=-1), "seed must be a non-negative int"),
+    (lambda ds: Loader(ds, True), "batch_size must be an int"),
+    (lambda ds: Loader(ds, 0), "batch_size must be an int >= 1"),
+    (lambda ds: Loader(ds, 4, num_threads=0), "num_threads 0 is outside"),
+    (lambda ds: Loader(ds, 4, num_buffers=1), "num_buffers 1 is outside"),
+    (lambda ds: Loader(ds, 4).set_epoch(-1), "epoch must be a non-negative int"),
+    (lambda ds: Loader(ds, 4).set_epoch(None), "epoch must be an int, not NoneType"),
+    (lambda ds: Loader(ds, 4).set_epoch(2**64), "epoch must be a non-negative int below"),
+    (lambda ds: ds.batched(4).set_epoch(1.5), "epoch must be an int, not float"),
+    (lambda ds: Loader(torch.utils.data.TensorDataset(torch.zeros(4)), 2), "not TensorDataset"),
+    (lambda ds: Loader(ds, 4).load_state_dict({**Loader(ds, 4).state_dict(), "cursor": True}), "cursor True"),
+    (lambda ds: Loader(ds, 4).load_state_dict({**Loader(ds, 4).state_dict(), "epoch": 2**64}), "epoch"),
+])
+def test_bad_arguments_and_states_are_one_line_config_errors(built, call, match):
+    """cursor=True was taken as 1 (a sample skipped), epochs and seeds of 2**64 wrapped onto
+    smaller ones' orders, set_epoch(-1) was taken and its state then refused, and a seed of the
+    wrong type or a TensorDataset gave foreign errors."""
+    from packer.errors import ConfigError
+
+    ds = MMapDataset(built["images"])
+    with pytest.raises(ConfigError, match=match):
+        call(ds)

@@ -128,8 +128,8 @@ def test_rank_shares_are_equal_and_cover_the_rest_once(n, world, batch, drop_las
     shares = []
     for r in range(world):
         plan = _plan(n, batch, rank=r, world=world, drop_last=drop_last, seed=seed)
-        plan.cursor = cursor
-        shares.append(plan.ids(plan.start(), 0, plan.per_rank()))
+        plan.load_state_dict({**plan.state_dict(), "cursor": cursor})
+        shares.append(plan.ids(plan.upcoming(), 0, plan.per_rank()))
     assert len({len(s) for s in shares}) == 1
     taken = np.concatenate(shares)
     order = epoch_order(n, order="random", seed=seed, epoch=0)
@@ -163,7 +163,7 @@ def test_elastic_resume_covers_the_epoch_once(n, w1, w2, b1, b2, steps):
     for r in range(w2):
         plan = _plan(n, b2, rank=r, world=w2, seed=7)
         plan.load_state_dict(states[0])
-        seen += plan.ids(plan.start(), 0, plan.per_rank()).tolist()
+        seen += plan.ids(plan.upcoming(), 0, plan.per_rank()).tolist()
     assert set(seen) == set(range(n))
     assert len(seen) - n < w2  # only the final padding repeats
 
