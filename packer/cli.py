@@ -116,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("inputs", type=Path, nargs="+", metavar="DATASET", help="two or more dataset dirs")
     m.add_argument("out", type=Path)
     m.add_argument("--overwrite", action="store_true")
+    m.add_argument("--allow-duplicate-keys", action="store_true",
+                   help="merge even when a key is in more than one input (those samples are then in OUT twice)")
 
     pk = sub.add_parser("pack", help="write a zstd archive of a dataset dir")
     pk.add_argument("out", type=Path, help="dataset dir")
@@ -341,7 +343,7 @@ def _cmd_merge(args) -> int:
     if len(args.inputs) < 2:
         raise ConfigError("merge: give at least two dataset dirs, then OUT")
     started = time.perf_counter()
-    manifest = merge(args.inputs, args.out, overwrite=args.overwrite)
+    manifest = merge(args.inputs, args.out, overwrite=args.overwrite, allow_duplicate_keys=args.allow_duplicate_keys)
     print(f"merged {len(args.inputs)} datasets: {manifest.num_samples:,} samples in {len(manifest.shards)} shards, "
           f"{_human_bytes(manifest.size_bytes)} in {time.perf_counter() - started:.1f} s -> {args.out}")
     return 0

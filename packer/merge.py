@@ -1,6 +1,8 @@
 """`packer merge A B ... OUT`: one dataset from several with the same schema, without re-encoding.
 
-Shards are hard-linked (copied across file systems) into a new generation of OUT in input order
+The same input given twice is refused, and so are keys found in more than one input (two builds
+of overlapping folders), unless `allow_duplicate_keys`: the merged dataset would hold those
+samples twice. Shards are hard-linked (copied across file systems) into a new generation of OUT in input order
 and renumbered; the manifest lists them all, and is published as a build's is (`packer.outdir`). Tokenizers must match by sha256. Classes are reconciled by name:
 the first input's list, then each new name in order of appearance; a label file is rewritten
 only when its input's class indexes differ from the merged ones (labels are 8 bytes a sample).
@@ -14,6 +16,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from . import format as fmt
 from . import outdir, writer
@@ -21,11 +24,23 @@ from .errors import ConfigError
 from .reader import DatasetReader, map_npy
 
 
-def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False) -> fmt.Manifest:
+DUPLICATES_SHOWN = 3
+
+
+def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
+          allow_duplicate_keys: bool = False) -> fmt.Manifest:
     inputs, out = [Path(p) for p in inputs], Path(out)
     if len(inputs) < 2:
         raise ConfigError("merge: give at least two dataset dirs to merge")
+    seen: dict[Path, Path] = {}
+    for path in inputs:
+        same = seen.setdefault(path.resolve(), path)
+        if same is not path:
+            raise ConfigError(f"merge: {path} is given twice (as {same} too); each of its samples would be "
+                              "in the merged dataset twice")
     readers = [DatasetReader(p) for p in inputs]  # open (their generations held) until the merge is done
+    if not allow_duplicate_keys:
+        check_unique_keys(inputs, readers)
     manifests = [r.manifest for r in readers]
     first = manifests[0]
     for path, m in zip(inputs[1:], manifests[1:]):
@@ -86,3 +101,39 @@ def _place(src_root: Path, shard: fmt.Shard, index: int, out: Path, generation: 
             shutil.copyfile(src, dst)
         files.append(fmt.FileEntry(f"{rel}/{base}", entry.size_bytes, entry.checksum, entry.algo))
     return fmt.Shard(index, shard.num_samples, tuple(files))
+
+
+def _key_hashes(reader: DatasetReader) -> np.ndarray:
+    """A 64-bit hash of every sample's key, in sample order: 8 bytes a sample, not a set of strings."""
+    out = []
+    for pos in range(len(reader.manifest.shards)):
+        keys = reader.column(pos, "key")
+        raw, offsets = keys.values.tobytes(), keys.offsets.tolist()
+        out.append(np.fromiter((xxhash.xxh3_64_intdigest(raw[a:b]) for a, b in zip(offsets, offsets[1:])),
+                               np.uint64, len(offsets) - 1))
+    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+
+
+def check_unique_keys(inputs: list[Path], readers: list[DatasetReader]) -> None:
+    """ConfigError naming how many keys more than one input holds, and the first few, with the
+    inputs that hold them. Keys are compared by a 64-bit hash first, then as strings."""
+    hashes = [_key_hashes(r) for r in readers]
+    owner = np.repeat(np.arange(len(readers)), [len(h) for h in hashes])
+    flat = np.concatenate(hashes)
+    order = np.argsort(flat, kind="stable")
+    same = flat[order][1:] == flat[order][:-1]
+    candidates = np.unique(np.concatenate([order[1:][same], order[:-1][same]]))
+    holders: dict[str, set[int]] = {}
+    starts = np.cumsum([0, *map(len, hashes)])
+    for i in candidates.tolist():
+        k = int(owner[i])
+        key = readers[k].sample(i - int(starts[k]), "key").tobytes().decode("utf-8", "backslashreplace")
+        holders.setdefault(key, set()).add(k)
+    shared = {key: sorted(ks) for key, ks in holders.items() if len(ks) > 1}
+    if shared:
+        shown = "; ".join(f"{key} (in {', '.join(str(inputs[k]) for k in ks)})"
+                          for key, ks in list(shared.items())[:DUPLICATES_SHOWN])
+        raise ConfigError(f"merge: {len(shared):,} keys are in more than one input ({shown}"
+                          f"{'; ...' if len(shared) > DUPLICATES_SHOWN else ''}): the merged dataset would hold "
+                          "those samples twice. Merge datasets of disjoint inputs, or pass --allow-duplicate-keys "
+                          "to keep every copy")

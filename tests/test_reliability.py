@@ -53,10 +53,12 @@ def small_raw(tmp_path_factory) -> Path:
 def test_a_second_writer_is_refused_at_once_naming_the_holder(tmp_path, small_raw):
     out = tmp_path / "out"
     assert main(["build", str(small_raw), str(out), "--image-size", "16", "-q"]) == 0
+    shutil.copytree(out, tmp_path / "copy")
     commands = [("build", small_raw, out, "--image-size", "16", "--overwrite"),
                 ("build", small_raw, out, "--image-size", "16", "--append"),
                 ("build", small_raw, out, "--image-size", "16", "--part", "0/2"), ("commit", out),
-                ("merge", out, out, out, "--overwrite"), ("unpack", tmp_path / "arc", out, "--overwrite")]
+                ("merge", out, tmp_path / "copy", out, "--overwrite", "--allow-duplicate-keys"),
+                ("unpack", tmp_path / "arc", out, "--overwrite")]
     assert main(["pack", str(out), str(tmp_path / "arc")]) == 0
     with outdir.locked(out):
         for command in commands:

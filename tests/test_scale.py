@@ -234,7 +234,8 @@ def test_append_text_and_refusals(tmp_path, text_raw, minilm, big_tokenizer, cap
     assert main(["build", str(text_raw), str(tmp_path / "grown"), "-q", "--tokenizer", str(big_tokenizer),
                  "--append-eos", "--append"]) == 2
     assert "columns differ" in capsys.readouterr().err  # uint32 tokens vs uint16
-    assert main(["merge", str(tmp_path / "whole"), str(tmp_path / "grown"), str(tmp_path / "m")]) == 0
+    assert main(["merge", str(tmp_path / "whole"), str(tmp_path / "grown"), str(tmp_path / "m"),
+                 "--allow-duplicate-keys"]) == 0  # the same documents twice, asked for
     other = tmp_path / "other.json"  # the same vocabulary, another file: another sha256
     other.write_text(Path(minilm).read_text() + "\n")
     build(text_raw, tmp_path / "other", "--tokenizer", other, "--append-eos", "--shard-size", "16KB")
