@@ -36,11 +36,9 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
     for path in inputs:
         same = seen.setdefault(path.resolve(), path)
         if same is not path:
-            raise ConfigError(f"merge: {path} is given twice (as {same} too); each of its samples would be "
+            raise ConfigError(f"{path} is given twice (as {same} too); each of its samples would be "
                               "in the merged dataset twice")
     readers = [DatasetReader(p) for p in inputs]  # open (their generations held) until the merge is done
-    if not allow_duplicate_keys:
-        check_unique_keys(inputs, readers)
     manifests = [r.manifest for r in readers]
     first = manifests[0]
     for path, m in zip(inputs[1:], manifests[1:]):
@@ -52,6 +50,8 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
         if sha[0] != sha[1]:
             raise ConfigError(f"{path}: built with another tokenizer than {inputs[0]} (sha256 "
                               f"{str(sha[0])[:12]} vs {str(sha[1])[:12]})")
+    if not allow_duplicate_keys:
+        check_unique_keys(inputs, readers)
     classes = None
     if first.classes is not None:
         classes = list(first.classes)
@@ -133,7 +133,7 @@ def check_unique_keys(inputs: list[Path], readers: list[DatasetReader]) -> None:
     if shared:
         shown = "; ".join(f"{key} (in {', '.join(str(inputs[k]) for k in ks)})"
                           for key, ks in list(shared.items())[:DUPLICATES_SHOWN])
-        raise ConfigError(f"merge: {len(shared):,} keys are in more than one input ({shown}"
+        raise ConfigError(f"{len(shared):,} keys are in more than one input ({shown}"
                           f"{'; ...' if len(shared) > DUPLICATES_SHOWN else ''}): the merged dataset would hold "
                           "those samples twice. Merge datasets of disjoint inputs, or pass --allow-duplicate-keys "
                           "to keep every copy")
