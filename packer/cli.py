@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 
 from . import _one_blas_thread  # noqa: F401  first: before numpy is imported
+import numpy as np
+
 from . import format as fmt
 from .builder import BuildConfig, build, build_part, commit, parse_part, parse_shard_size
 from .errors import ConfigError, IntegrityError, MmpackError
@@ -23,6 +25,7 @@ from .sources import scan
 from .verify import verify
 
 SKIPS_SHOWN = 10
+CLASSES_SHOWN = 5
 # From this share of the workers' time spent waiting on writes (and fsyncs), the build's summary
 # says so: the disk, not the cores, is then much of what sets the pace.
 DISK_BOUND = 0.25
@@ -216,6 +219,9 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
             rate += f"; the workers spent {100 * waited:.0f}% of their time waiting on the disk"
     if not quiet and manifest.build.get("layout") and not appended:
         print(f"layout {manifest.build['layout']}")
+    empty = empty_classes(DatasetReader(out))
+    if empty:
+        print(_empty_classes_line(empty, len(manifest.classes)))
     if appended:
         print(f"appended {new.get('found', 0):,} new records = packed {new.get('packed', 0):,} + skipped "
               f"{new.get('skipped', 0):,} in {seconds:.1f} s ({rate}); {out} now holds found {c['found']:,} = "
@@ -266,6 +272,18 @@ def _cmd_sizes(args) -> int:
     return 0
 
 
+def empty_classes(reader: DatasetReader) -> list[str]:
+    """The classes no packed sample has (an empty folder, or only files that were skipped)."""
+    counts = reader.class_counts()
+    return [] if counts is None else [reader.manifest.classes[i] for i in np.flatnonzero(counts == 0)]
+
+
+def _empty_classes_line(empty: list[str], total: int) -> str:
+    shown = ", ".join(empty[:CLASSES_SHOWN]) + (", ..." if len(empty) > CLASSES_SHOWN else "")
+    return (f"{len(empty)} of {total} classes have no packed image: {shown} (their labels are kept, "
+            "as torchvision's ImageFolder numbers them)")
+
+
 def info_dict(root: Path) -> dict:
     reader = DatasetReader(root)
     m = reader.manifest
@@ -278,6 +296,7 @@ def info_dict(root: Path) -> dict:
         "size_bytes": m.size_bytes,
         "columns": {c.name: {"dtype": c.dtype, "shape": list(c.shape), "ragged": c.ragged} for c in m.columns},
         "classes": list(m.classes) if m.classes is not None else None,
+        "empty_classes": empty_classes(reader),
         "counts": m.counts,
         "tokenizer": m.tokenizer,
         "images": _image_policy(m),
@@ -313,6 +332,8 @@ def _cmd_info(args) -> int:
     if d["classes"] is not None:
         shown = ", ".join(d["classes"][:10]) + (" ..." if len(d["classes"]) > 10 else "")
         print(f"classes   {len(d['classes'])}: {shown}")
+        if d["empty_classes"]:
+            print(f"          {_empty_classes_line(d['empty_classes'], len(d['classes']))}")
     if d["tokenizer"]:
         t = d["tokenizer"]
         print(f"tokenizer {t['path']} (sha256 {t['sha256'][:12]}, vocab {t['vocab_size']:,}, {t['dtype']}, eos {t['eos_id']})")

@@ -285,6 +285,19 @@ class DatasetReader:
             self._maps[key] = arrays
         return arrays
 
+    def class_counts(self) -> np.ndarray | None:
+        """Samples of each class (int64 [len(classes)]); None without classes. Reads the label
+        column: 8 bytes a sample."""
+        classes = self.manifest.classes
+        if classes is None or not any(c.name == "label" for c in self.manifest.columns):
+            return None
+        counts = np.zeros(len(classes), np.int64)
+        for k in range(len(self.manifest.shards)):
+            labels = self.column(k, "label").values
+            inside = labels[(labels >= 0) & (labels < len(classes))]  # packer verify names the others
+            counts += np.bincount(inside, minlength=len(classes))
+        return counts
+
     def sample(self, sample_id: int, name: str) -> np.ndarray:
         shard_pos, row = self.locate(sample_id)
         return self.column(shard_pos, name).sample(row)

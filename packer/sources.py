@@ -53,49 +53,75 @@ class Scan:
 
 def list_files(raw: Path) -> tuple[list[tuple[str, str]], list[Skip], dict[str, tuple[int, int]]]:
     """All files under RAW as sorted (relative posix path, path), the skips (hidden files,
-    dangling links, FIFOs and other non-regular files, unreadable folders) and each file's
-    (size, mtime_ns), from one stat per file. Symlinked files are followed; a symlinked folder
-    is not (no cycles) and is a skip. Hidden folders are left out, as version-control and
+    dangling links, FIFOs and other non-regular files, unreadable folders, names that are not
+    UTF-8) and each file's (size, mtime_ns), from one stat per file. Symlinks are followed, to
+    files and to folders, as torchvision's ImageFolder follows them; a folder that links back to
+    one it is inside is a skip (a loop). Hidden folders are left out, as version-control and
     editor folders should be."""
     files, skipped, stats = [], [], {}
     root = os.fspath(raw)
     cut = len(os.path.join(root, ""))
-    todo = [root]
+    todo = [(root, frozenset())]  # a folder, and the (device, inode) of it and every folder above it
     while todo:
-        folder = todo.pop()
+        folder, above = todo.pop()
         try:
+            st = os.stat(folder)
             entries = list(os.scandir(folder))
         except OSError as exc:
             if folder == root:
                 raise SourceError(f"{raw}: cannot read the folder ({exc.strerror or exc})") from None
-            rel = folder[cut:].replace(os.sep, "/")
-            skipped.append(Skip(rel, "scan", f"unreadable folder ({exc.strerror or exc})"))
+            skipped.append(Skip(printable(folder[cut:]), "scan", f"unreadable folder ({exc.strerror or exc})"))
             continue
+        above = above | {(st.st_dev, st.st_ino)}
         for entry in entries:
             rel = entry.path[cut:].replace(os.sep, "/")
             if _is_dir(entry):
                 if entry.name.startswith("."):
                     continue
-                if entry.is_symlink():
-                    skipped.append(Skip(rel, "scan", "symlinked folder (not followed)"))
+                try:
+                    target = entry.stat()
+                except OSError as exc:
+                    skipped.append(Skip(printable(rel), "scan", f"unreadable folder ({exc.strerror or exc})"))
+                    continue
+                if (target.st_dev, target.st_ino) in above:
+                    skipped.append(Skip(printable(rel), "scan", "symlink to a folder it is inside (a loop, not followed)"))
                 else:
-                    todo.append(entry.path)
+                    todo.append((entry.path, above))
             elif entry.name.startswith("."):
-                skipped.append(Skip(rel, "scan", "hidden file"))
+                skipped.append(Skip(printable(rel), "scan", "hidden file"))
             else:
                 try:
                     st = entry.stat()
                 except OSError:
-                    skipped.append(Skip(rel, "scan", "dangling symlink"))
+                    skipped.append(Skip(printable(rel), "scan", "dangling symlink"))
                     continue
                 if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build that reads it
-                    skipped.append(Skip(rel, "scan", "not a regular file"))
-                    continue
-                files.append((rel, entry.path))
-                stats[entry.path] = (st.st_size, st.st_mtime_ns)
+                    skipped.append(Skip(printable(rel), "scan", "not a regular file"))
+                elif printable(rel) != rel:  # no key for it: keys are UTF-8
+                    skipped.append(Skip(printable(rel), "scan", "its path is not valid UTF-8; rename it"))
+                else:
+                    files.append((rel, entry.path))
+                    stats[entry.path] = (st.st_size, st.st_mtime_ns)
     files.sort()
     skipped.sort(key=lambda s: s.key)
     return files, skipped, stats
+
+
+def printable(name: str) -> str:
+    """A name as the manifest can hold it: as is when it is valid UTF-8; else its bytes that are
+    not, written as \\xNN escapes (file names are bytes on Linux; a key is UTF-8)."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def find_classes(raw: Path) -> list[str]:
+    """torchvision ImageFolder's `find_classes`: every folder in RAW (hidden ones and links to
+    folders included), sorted, so that labels are the ones ImageFolder gives the same tree."""
+    with os.scandir(raw) as entries:
+        return sorted(entry.name for entry in entries if _is_dir(entry))
 
 
 def _is_dir(entry: os.DirEntry) -> bool:
@@ -151,15 +177,16 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
             "*.jsonl/*.txt/*.parquet; use --kind to force one"
         )
     if kind == "images":
-        found = _scan_images(files, skipped, classes)
+        found = _scan_images(raw, files, skipped, classes)
     else:
         found = {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
     return replace(found, stats=stats, why=why)
 
 
-def _scan_images(files, skipped, known: tuple[str, ...] | None) -> Scan:
-    """Class folders (labels index the sorted folder names, after `known` ones: an append), or,
-    when no image is in a folder, one flat folder of unlabeled images (classes None)."""
+def _scan_images(raw: Path, files, skipped, known: tuple[str, ...] | None) -> Scan:
+    """Class folders, or, when no image is in a folder, one flat folder of unlabeled images
+    (classes None). Labels index ImageFolder's classes (`find_classes`: every folder of RAW,
+    sorted, those with no image included), after `known` ones (an append)."""
     flat = known is None and not any("/" in rel for rel, _ in files if _ext(rel) in IMAGE_EXTS)
     images = []  # (rel, path, class name)
     for rel, path in files:
@@ -173,10 +200,11 @@ def _scan_images(files, skipped, known: tuple[str, ...] | None) -> Scan:
     if flat:
         return Scan("images", tuple(Record(rel, path) for rel, path, _ in images), tuple(skipped), None)
     known = known or ()
-    classes = [*known, *sorted({name for _, _, name in images} - set(known))]
-    index = {name: i for i, name in enumerate(classes)}
+    names = [name for name in find_classes(raw) if printable(name) not in known]
+    index = {name: len(known) + i for i, name in enumerate(names)}
+    index.update((name, i) for i, name in enumerate(known))
     records = [Record(rel, path, label=index[name]) for rel, path, name in images]
-    return Scan("images", tuple(records), tuple(skipped), tuple(classes))
+    return Scan("images", tuple(records), tuple(skipped), (*known, *map(printable, names)))
 
 
 def _scan_pairs(files, skipped) -> Scan:

@@ -299,13 +299,15 @@ def test_console_scripts_are_installed(tmp_path, built):
     assert res.returncode == 2 and "not an mmpack dataset" in res.stderr and "Traceback" not in res.stderr
 
 
-def test_mmapdataset_is_zero_copy_and_quiet(built):
+def test_mmapdataset_samples_are_the_callers_copies_and_quiet(built):
     ds = MMapDataset(built["images"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s = ds[3]
-    arrays = ds.reader.column(ds.reader.locate(3)[0], "image")
-    assert np.shares_memory(s["image"].numpy(), arrays.values)
+    shard, row = ds.reader.locate(3)
+    arrays = ds.reader.column(shard, "image")
+    assert np.array_equal(s["image"].numpy(), arrays.values[row])
+    assert not np.shares_memory(s["image"].numpy(), arrays.values) and s["image"].numpy().flags.writeable
     assert s["label"].dtype == __import__("torch").int64 and s["label"].dim() == 0
     assert ds[-1]["key"] == ds[len(ds) - 1]["key"]
     with pytest.raises(IndexError):
@@ -364,14 +366,16 @@ def test_a_forkservers_workers_decode_with_the_callers_pixel_limit(tmp_path, mon
 
 def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, monkeypatch):
     """Hidden files, dangling links, FIFOs and unreadable folders are skips; a symlinked folder
-    is not followed; each file listed carries the size and mtime of its one stat (the inputs digest)."""
+    is followed, as ImageFolder follows it, once (a loop is a skip); each file listed carries
+    the size and mtime of its one stat (the inputs digest)."""
 
     raw = tmp_path / "raw"
     for rel in ("a/1.jpg", "a/.hidden.jpg", "b/2.png", "locked/3.jpg"):
         (raw / rel).parent.mkdir(parents=True, exist_ok=True)
         (raw / rel).write_bytes(b"x" * len(rel))
     os.symlink(raw / "gone.jpg", raw / "a" / "dangling.jpg")
-    os.symlink(raw / "b", raw / "c")  # a symlinked folder: not walked (no cycles)
+    os.symlink(raw / "b", raw / "c")  # a symlinked folder: walked
+    os.symlink(raw, raw / "b" / "up")  # a loop
     os.mkfifo(raw / "b" / "pipe.jpg")  # reading it would block the build
     real_scandir = os.scandir
 
@@ -382,15 +386,17 @@ def test_scan_lists_every_file_once_and_reports_what_it_cannot_read(tmp_path, mo
 
     monkeypatch.setattr(sources.os, "scandir", scandir)
     files, skipped, stats = sources.list_files(raw)
-    assert [rel for rel, _ in files] == ["a/1.jpg", "b/2.png"]
+    assert [rel for rel, _ in files] == ["a/1.jpg", "b/2.png", "c/2.png"]
+    loop = "symlink to a folder it is inside (a loop, not followed)"
     assert [(s.key, s.reason) for s in skipped] == [
         ("a/.hidden.jpg", "hidden file"), ("a/dangling.jpg", "dangling symlink"),
-        ("b/pipe.jpg", "not a regular file"), ("c", "symlinked folder (not followed)"), ("locked", "unreadable folder (Permission denied)")]
+        ("b/pipe.jpg", "not a regular file"), ("b/up", loop), ("c/pipe.jpg", "not a regular file"), ("c/up", loop),
+        ("locked", "unreadable folder (Permission denied)")]
     st = (raw / "b/2.png").stat()
-    assert stats[str(raw / "b/2.png")] == (st.st_size, st.st_mtime_ns) and len(stats) == 2
+    assert stats[str(raw / "b/2.png")] == (st.st_size, st.st_mtime_ns) and len(stats) == 3
     monkeypatch.chdir(raw / "b")  # RAW given as "."
     files, _, stats = sources.list_files(Path("."))
-    assert [rel for rel, _ in files] == ["2.png"] and all(path in stats for _, path in files)
+    assert [rel for rel, _ in files] == ["2.png", "up/a/1.jpg"] and all(path in stats for _, path in files)
 
 
 @given(n=st.integers(0, 60), ahead=st.integers(0, 10))
