@@ -34,7 +34,7 @@ from .plan import Plan, plan, records_of
 from .reader import DatasetReader, check_file_sizes, load_manifest
 from .pieces import in_pieces, piece_bounds
 from .shards import ShardContext, ShardResult, read_sidecar, reusable, wait_for_writers
-from .sources import MULTI_DOC_EXTS, Scan, scan
+from .sources import MULTI_DOC_EXTS, Scan, printable, scan
 from .workers import wait_for_old_workers
 from .writer import checksum_file, take_disk_wait
 from .system import available_cores, gc_frozen, gc_paused
@@ -373,7 +373,7 @@ def _columns(config: BuildConfig, kind: str, tokenizer, *, labeled: bool) -> tup
 def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> dict:
     """The arguments a dataset's bytes depend on (not workers, engine, part or timings)."""
     return {
-        "raw": str(config.raw.resolve()),
+        "raw": printable(str(config.raw.resolve())),
         "kind": kind,
         "image_size": config.image_size,
         "tokenizer_sha256": tokenizer.sha256 if tokenizer else None,

@@ -22,6 +22,7 @@ from . import format as fmt
 from . import outdir, writer
 from .errors import ConfigError
 from .reader import DatasetReader, map_npy
+from .sources import printable
 
 
 DUPLICATES_SHOWN = 3
@@ -75,7 +76,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
             kind=first.kind, columns=first.columns, shards=tuple(shards), counts=counts,
             skipped=tuple(s for m in manifests for s in m.skipped),
             classes=tuple(classes) if classes is not None else None, tokenizer=first.tokenizer,
-            build={"merged_from": [str(p.resolve()) for p in inputs], "created_unix": round(time.time(), 3)},
+            build={"merged_from": [printable(str(p.resolve())) for p in inputs], "created_unix": round(time.time(), 3)},
             generation=generation,
         )
         outdir.publish(out, manifest)

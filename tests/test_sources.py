@@ -28,9 +28,9 @@ def imagefolder_classes(root: Path) -> list[str]:
 def odd_tree(tmp_path, image_raw) -> Path:
     """Class folders as users have them: one empty, one holding only a format that is not packed,
     one a link to a folder elsewhere, one with a link back to itself inside, one hidden, one
-    whose name is not UTF-8, and a file whose name is not UTF-8."""
+    whose name is not UTF-8, and a file whose name is not UTF-8; RAW's own path is not UTF-8."""
     photos = [p for d in sorted(image_raw.iterdir()) if d.is_dir() and d.name != "hostile" for p in sorted(d.iterdir())][:4]
-    raw = tmp_path / "raw"
+    raw = Path(os.fsdecode(os.fsencode(tmp_path) + b"/r\xe5w"))
     for name in ("apple", "cherry", "kiwi"):
         (raw / name).mkdir(parents=True)
         for p in photos[:2]:
