@@ -44,10 +44,16 @@ class MMapDataset(torch.utils.data.Dataset):
         columns: the columns to return (default: all).
         cache_dir: where an archive is unpacked, once, on first open (safe when several
             processes open it at once); default `$MMPACK_CACHE` or ~/.cache/mmpack/archives.
+        padding_value: what follows each sample of a ragged 1-D column (tokens) in a batch, up
+            to the batch's longest (`Loader`, `ds.batched`); `tokens_lengths` says where it
+            starts. Default 0, which is a real token of many vocabularies: pass your pad id, or
+            use the lengths. (Images of different sizes are padded with black, see `_size`.)
     """
 
-    def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None):
+    def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None,
+                 padding_value: int = 0):
         self.root = resolve_root(root, cache_dir)
+        self.padding_value = padding_value
         self._reader: DatasetReader | None = DatasetReader(self.root)
         self._generation = self._reader.generation  # what a worker re-opens: this very build
         self._reader.check_columns(columns or ())
@@ -93,7 +99,7 @@ class MMapDataset(torch.utils.data.Dataset):
         """The batch gather over `columns` (default: this dataset's), for Loader."""
         from .gather import ColumnGather
 
-        return ColumnGather(self.reader, list(columns) if columns else self._names)
+        return ColumnGather(self.reader, list(columns) if columns else self._names, self.padding_value)
 
     def batched(self, batch_size: int, **kwargs):
         """Whole batches for an existing DataLoader (see `loaders.BatchedDataset`)."""
@@ -102,11 +108,12 @@ class MMapDataset(torch.utils.data.Dataset):
         return BatchedDataset(self, batch_size, **kwargs)
 
     def __getstate__(self) -> dict:
-        return {"root": str(self.root), "names": self._names, "generation": self._generation}
+        return {"root": str(self.root), "names": self._names, "generation": self._generation,
+                "padding_value": self.padding_value}
 
     def __setstate__(self, state: dict) -> None:
         self.root, self._names, self._reader = Path(state["root"]), state["names"], None
-        self._generation = state.get("generation")
+        self._generation, self.padding_value = state.get("generation"), state.get("padding_value", 0)
 
     def __repr__(self) -> str:
         return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"

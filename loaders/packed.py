@@ -123,7 +123,7 @@ def _best_fit(length: np.ndarray, seq_len: int) -> np.ndarray:
 class PackedDocuments:
     """Rows of `seq_len` tokens of packed documents, as a Loader source.
 
-    A batch is a dict: `tokens` int64 [B, seq_len] (0 after the last piece), `position_ids`
+    A batch is a dict: `tokens` int64 [B, seq_len] (`padding_value` after the last piece), `position_ids`
     [B, seq_len] (restarting at 0 in every piece, 0 in the padding), `lengths` [B] (real tokens
     per row), and `cu_seqlens` int32 [segments + 1]: cumulative segment lengths over the
     flattened B x seq_len tokens, each row's pieces then, if the row is not full, its padding as
@@ -136,12 +136,14 @@ class PackedDocuments:
         policy: "best-fit" (least padding) or "in-order" (document order kept).
         truncate: keep the first seq_len tokens of each document only (`num_truncated_tokens`
             counts the rest); by default no token is dropped.
+        padding_value: the token after a row's last piece (default 0; `lengths` and
+            `cu_seqlens` say where the padding starts whatever it is).
     """
 
     def __init__(self, root: str | Path, seq_len: int, *, column: str = "tokens", policy: Policy = "best-fit",
-                 truncate: bool = False):
+                 truncate: bool = False, padding_value: int = 0):
         self.root, self.seq_len, self.column = Path(root), seq_len, column
-        self.policy, self.truncate = policy, truncate
+        self.policy, self.truncate, self.padding_value = policy, truncate, padding_value
         self.generation: str | None = None  # set at open: a pickled copy re-opens this very build
         self._open()
 
@@ -181,7 +183,7 @@ class PackedDocuments:
 
     def __getstate__(self) -> dict:
         return {"root": self.root, "seq_len": self.seq_len, "column": self.column, "policy": self.policy,
-                "truncate": self.truncate, "generation": self.generation}
+                "truncate": self.truncate, "padding_value": self.padding_value, "generation": self.generation}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -213,7 +215,7 @@ class PackedDocuments:
         t, pos = tokens.numpy().reshape(-1), positions.numpy().reshape(-1)
         for r, u in enumerate(used.tolist()):  # the rows' padding: zeros
             if u < L:
-                t[r * L + u:(r + 1) * L] = 0
+                t[r * L + u:(r + 1) * L] = self.padding_value
                 pos[r * L + u:(r + 1) * L] = 0
         src, shard = self._src[p], self._shard[p]
         long = length >= SLICE_TOKENS

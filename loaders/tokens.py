@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from packer.errors import ConfigError
 from packer.reader import DatasetReader
 
 from .gather import Memory, empty
@@ -57,6 +58,9 @@ class TokenWindows:
         self._token_ends = np.cumsum(counts, dtype=np.int64)
         self._token_starts = self._token_ends - np.asarray(counts, dtype=np.int64)
         self.num_tokens = int(self._token_ends[-1]) if counts else 0
+        if self.num_tokens <= self.seq_len:
+            raise ConfigError(f"{self.root}: holds {self.num_tokens:,} tokens, and a window of seq_len {self.seq_len:,} "
+                              f"needs {self.seq_len + 1:,} (its inputs and the next token); use a shorter seq_len")
         self.source_id = f"{self._reader.fingerprint}:windows:{self.column}:{self.seq_len}:{self.stride}"
 
     def __getstate__(self) -> dict:

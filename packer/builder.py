@@ -38,7 +38,7 @@ from .sources import MULTI_DOC_EXTS, Scan, printable, scan
 from .workers import wait_for_old_workers
 from .writer import checksum_file, take_disk_wait
 from .system import available_cores, gc_frozen, gc_paused
-from .text import TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer, resolve_eos, token_dtype
+from .text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer, resolve_eos, token_dtype
 
 log = logging.getLogger(__name__)
 DEFAULT_SHARD_BYTES = 256 * 1024**2
@@ -85,6 +85,7 @@ class BuildConfig:
     background: tuple[int, int, int] | None = None  # composite transparent images over this colour
     keep_aspect: bool = False  # shorter side to image_size, the whole image (no centre crop)
     max_side: int | None = None  # keep-aspect: cap of the longer side (default 2 x image_size)
+    max_doc_bytes: int = MAX_DOC_BYTES  # a longer document (a .txt file, a JSONL line, a caption) is a skip
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "raw", Path(self.raw))
@@ -114,6 +115,8 @@ class BuildConfig:
             raise ConfigError("--max-side caps keep-aspect images: add --keep-aspect")
         if self.max_side is not None and not self.image_size <= self.max_side <= 65535:
             raise ConfigError(f"--max-side: {self.max_side} must lie between --image-size ({self.image_size}) and 65535")
+        if not 1 <= self.max_doc_bytes <= 1 << 40:
+            raise ConfigError(f"--max-doc-bytes: {self.max_doc_bytes} must lie between 1 and 2**40")
         if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
             raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
 
@@ -242,7 +245,8 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     itemsize = np.dtype(tokenizer[1].dtype).itemsize if tokenizer else 2
     first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
     the_plan = plan(found, image_size=config.image_size, max_side=config.side_cap, token_itemsize=itemsize,
-                    shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first)
+                    shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first,
+                    text_key=config.text_key, max_doc_bytes=config.max_doc_bytes)
     skipped = (*found.skipped, *the_plan.skipped)
     if config.strict and skipped:
         raise SourceError(f"{config.raw / skipped[0].key}: {skipped[0].reason} (--strict)")
@@ -268,7 +272,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
     ctx = ShardContext(config.out, doc["generation"], fingerprint, found.kind, columns, config.image_size,
                        config.text_key, tokenizer[1] if tokenizer else None, config.strict, config.raw,
-                       config.background, config.side_cap)
+                       config.background, config.side_cap, max_doc_bytes=config.max_doc_bytes)
     return Prepared(config, found, the_plan, ctx, base, published)
 
 
@@ -341,6 +345,13 @@ def _inputs_digest(found: Scan) -> str:
 
 def _tokenizer_for(config: BuildConfig, kind: str, why: str = ""):
     if kind == "images":
+        text_flags = [flag for flag, given in (("--tokenizer", config.tokenizer is not None),
+                                                ("--text-key", config.text_key != "text"),
+                                                ("--append-eos", config.append_eos is not None),
+                                                ("--special-tokens", config.special_tokens)) if given]
+        if text_flags:
+            raise ConfigError(f"{', '.join(text_flags)}: RAW {config.raw} holds images ({why}), which are not "
+                              "tokenized; drop the flag, or pass --kind pairs or --kind text if RAW is not images")
         return None
     if config.tokenizer is None:
         raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind}: RAW {config.raw} holds "
@@ -387,6 +398,7 @@ def _params(config: BuildConfig, kind: str, tokenizer: TokenizerSpec | None) -> 
         # only where set: the fingerprint of every other build stays what earlier versions wrote,
         # so running a finished build's command again after an upgrade still does nothing
         **({"max_side": config.side_cap} if config.side_cap else {}),
+        **({"max_doc_bytes": config.max_doc_bytes} if config.max_doc_bytes != MAX_DOC_BYTES else {}),
     }
 
 

@@ -22,6 +22,7 @@ from .errors import ConfigError, IntegrityError, MmpackError
 from .plan import SIZES_SAMPLE, size_report
 from .reader import DatasetReader
 from .sources import scan
+from .text import MAX_DOC_BYTES
 from .verify import verify
 
 SKIPS_SHOWN = 10
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="composite transparent images over this colour (default: alpha dropped, as Pillow's convert)")
     b.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer.json (required for text and pairs)")
     b.add_argument("--text-key", default="text", help="JSONL key / Parquet column holding the text")
+    b.add_argument("--max-doc-bytes", type=int, default=MAX_DOC_BYTES, metavar="N",
+                   help=f"skip a longer document: a .txt file, JSONL line or caption (default {MAX_DOC_BYTES >> 20} MiB)")
     b.add_argument("--append-eos", nargs="?", const="auto", default=None, metavar="ID",
                    help="append the tokenizer's end token (or token ID) to each document")
     b.add_argument("--special-tokens", action="store_true", help="let the tokenizer add its special tokens ([CLS] ...)")
@@ -176,7 +179,7 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         workers=args.workers, engine=args.engine, ray_address=args.ray_address,
         part=parse_part(args.part) if args.part else None, append=args.append, max_skipped=args.max_skipped,
         allow_changed=args.allow_changed, background=background, keep_aspect=args.keep_aspect,
-        max_side=args.max_side,
+        max_side=args.max_side, max_doc_bytes=args.max_doc_bytes,
     )
 
 

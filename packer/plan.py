@@ -18,9 +18,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from .errors import ConfigError
 from .format import Skip
 from .images import keep_aspect_size
 from .sources import JSONL, PARQUET, Record, Scan
+from .text import MAX_DOC_BYTES, read_lines
+
+KEY_PROBES = 8  # JSON objects of a file parsed to look for an escaped --text-key (and to name its keys)
 
 TEXT_BYTES_PER_TOKEN = 4  # UTF-8 bytes per token for English BPE/WordPiece, to size text shards
 _SAMPLE_OVERHEAD = 64  # label, key and offsets of one sample, roughly
@@ -102,9 +106,12 @@ class _Cutter:
 
 
 def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows: int | None,
-         shard_bytes: int | None, first_index: int = 0, max_side: int | None = None) -> Plan:
+         shard_bytes: int | None, first_index: int = 0, max_side: int | None = None, text_key: str = "text",
+         max_doc_bytes: int = MAX_DOC_BYTES) -> Plan:
     """Cut the records of a scan into shard tasks numbered from `first_index` (`max_side`: a
-    keep-aspect build's cap, whose samples' sizes come from each file's header)."""
+    keep-aspect build's cap, whose samples' sizes come from each file's header). A JSONL or
+    Parquet file none of whose records has `text_key` is a ConfigError: a typo in --text-key
+    would otherwise skip every record of it, and exit 0."""
     cutter = _Cutter(shard_rows, shard_bytes, first_index)
     skipped: list[Skip] = []
     if found.kind in ("images", "pairs") and image_size is not None and max_side is None:
@@ -117,9 +124,9 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
             ext = os.path.splitext(record.path)[1].lower()
             try:
                 if ext == JSONL:
-                    _plan_jsonl(cutter, i, record.path, token_itemsize)
+                    _plan_jsonl(cutter, i, record, token_itemsize, text_key, max_doc_bytes)
                 elif ext == PARQUET:
-                    _plan_parquet(cutter, i, record, token_itemsize)
+                    _plan_parquet(cutter, i, record, token_itemsize, text_key)
                 else:
                     size = found.stats[record.path][0]  # the scan's stat, as the fingerprint's
                     cutter.add(Span(i), 1, _text_bytes(size, token_itemsize))
@@ -172,34 +179,73 @@ def _text_bytes(raw_bytes: int, token_itemsize: int) -> int:
     return raw_bytes * token_itemsize // TEXT_BYTES_PER_TOKEN + _SAMPLE_OVERHEAD
 
 
-def _plan_jsonl(cutter: _Cutter, i: int, path: str, itemsize: int) -> None:
-    """Line ranges of one JSONL file, cut where the current shard fills (one pass, a line at a time)."""
+def _plan_jsonl(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str, max_bytes: int) -> None:
+    """Line ranges of one JSONL file, cut where the current shard fills (one pass, a line at a
+    time, in memory bounded by `max_bytes`)."""
     start = pos = rows = nbytes = 0
     first_line = line = 1
-    with open(path, "rb") as f:
-        for raw in f:
-            pos += len(raw)
+    key = _KeyProbe(text_key)
+    with open(record.path, "rb") as f:
+        for raw, size in read_lines(f, max_bytes):
+            pos += size
             rows += 1
-            nbytes += _text_bytes(len(raw), itemsize)
+            nbytes += _text_bytes(size, itemsize)
             line += 1
+            if raw is not None:
+                key.look(raw)
             if cutter.fills(rows, nbytes):
                 cutter.add(Span(i, 1, start, pos, first_line), rows, nbytes)
                 start, first_line, rows, nbytes = pos, line, 0, 0
     if pos == 0:
         raise _Unusable("empty file")
+    key.check(record)
     if rows:
         whole = start == 0
         cutter.add(Span(i) if whole else Span(i, 1, start, None, first_line), rows, nbytes)
 
 
-def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int) -> None:
+class _KeyProbe:
+    """Whether any line of a JSONL file has `key`: its JSON string found in the raw line, or, in
+    the first KEY_PROBES objects that lack it, the key itself (written with escapes)."""
+
+    def __init__(self, key: str):
+        self.key, self.needle = key, json.dumps(key, ensure_ascii=False).encode("utf-8")
+        self.found, self.probed, self.first_keys = False, 0, None
+
+    def look(self, raw: bytes) -> None:
+        if self.found or self.needle in raw:
+            self.found = True
+            return
+        if self.probed < KEY_PROBES:
+            try:
+                obj = json.loads(raw)
+            except ValueError:
+                return
+            if isinstance(obj, dict):
+                self.probed += 1
+                self.found = self.key in obj
+                self.first_keys = self.first_keys or list(obj)
+
+    def check(self, record: Record) -> None:
+        if not self.found and self.first_keys is not None:
+            raise ConfigError(f"--text-key {self.key!r}: no record of {record.key} has it (its records have "
+                              f"{', '.join(map(repr, self.first_keys[:8])) or 'no keys'}); pass the key that holds "
+                              "the text")
+
+
+def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.ParquetFile(record.path).metadata
+        pfile = pq.ParquetFile(record.path)
+        meta = pfile.metadata
     except (pa.ArrowException, OSError) as exc:
         raise _Unusable(f"not a readable Parquet file ({exc})") from None
+    names = pfile.schema_arrow.names
+    if text_key not in names:
+        raise ConfigError(f"--text-key {text_key!r}: {record.key} has no such column (its columns are "
+                          f"{', '.join(map(repr, names[:8]))}); pass the column that holds the text")
     total = meta.num_rows
     if total == 0:
         raise _Unusable("no rows")

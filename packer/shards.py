@@ -31,7 +31,7 @@ from .images import decode_image
 from .plan import ShardTask, Span
 from .sources import Record, read_ahead
 from .system import flock
-from .text import Document, TokenizerSpec, iter_documents, key_bytes, read_caption, tokenized
+from .text import MAX_DOC_BYTES, Document, TokenizerSpec, iter_documents, key_bytes, read_caption, tokenized
 
 PROGRESS_EVERY_S = 0.2
 
@@ -52,6 +52,7 @@ class ShardContext:
     raw: Path
     background: tuple[int, int, int] | None = None  # --background: composite transparency over it
     max_side: int | None = None  # --keep-aspect: the longer side's cap (None: S x S centre crops)
+    max_doc_bytes: int = MAX_DOC_BYTES  # --max-doc-bytes: a longer document is a skip
     # Pillow's decompression-bomb limit in the build process (a script may change it): workers
     # start from a forkserver and would otherwise decode with Pillow's default
     max_image_pixels: int | None = field(default_factory=lambda: Image.MAX_IMAGE_PIXELS)
@@ -312,7 +313,8 @@ def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, b
                 yield fmt.Skip(record.key, stage, reason) if skip(n) else _pair_item(ctx, record)
                 n += 1
             else:
-                for doc in iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line):
+                for doc in iter_documents(record, ctx.text_key, span.start, span.stop, span.first_line,
+                                          max_bytes=ctx.max_doc_bytes):
                     yield fmt.Skip(doc.key, stage, reason) if skip(n) and isinstance(doc, Document) else doc
                     n += 1
                     if n == stop:
@@ -339,7 +341,7 @@ def image_fields(record: Record) -> dict:
 
 def _pair_item(ctx: ShardContext, record: Record):
     try:
-        caption = read_caption(record.caption)
+        caption = read_caption(record.caption, ctx.max_doc_bytes)
     except SourceError as exc:
         return fmt.Skip(record.key, "caption", str(exc))
     try:

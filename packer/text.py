@@ -25,6 +25,12 @@ from .format import Skip, choose_token_dtype
 from .sources import JSONL, PARQUET, TXT, Record
 
 PARQUET_BATCH_ROWS = 1024
+# A document longer than this (a .txt file, a JSONL line, a Parquet value, a caption) is a skip by
+# default: tokenizing one takes a worker's memory many times over (ids, offsets and token strings
+# for every token), and a 256 MB JSONL line killed its worker before this cap existed. A book is
+# 1-5 MB. --max-doc-bytes sets another cap.
+MAX_DOC_BYTES = 64 << 20
+LINE_CHUNK = 1 << 20  # the rest of an over-long line is read and dropped in pieces of this size
 TOKENIZE_BATCH_DOCS = 64
 ENCODE_AHEAD = 2  # batches being encoded while the shard's thread reads and writes
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
@@ -43,11 +49,45 @@ def _utf8(raw: bytes) -> str:
         raise SourceError(f"not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 4]!r})") from None
 
 
-def read_caption(path: str | Path) -> str:
+def read_lines(f, limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, its bytes) of a binary file from where it stands, in memory bounded by `limit`: a
+    line longer than `limit` (its newline not counted) comes as (None, its bytes), read and
+    dropped in pieces."""
+    while True:
+        raw = f.readline(limit + 1)
+        if not raw:
+            return
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        nbytes = len(raw)
+        while not raw.endswith(b"\n"):
+            raw = f.readline(LINE_CHUNK)
+            if not raw:
+                break
+            nbytes += len(raw)
+        yield None, nbytes
+
+
+def too_long(nbytes: int, limit: int) -> str:
+    return f"{nbytes:,} bytes, over --max-doc-bytes {limit:,}"
+
+
+def read_bounded(path: str | Path, limit: int) -> bytes:
+    """A whole file of at most `limit` bytes; SourceError for a longer one, without reading it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        raw = f.read(limit + 1) if size <= limit else b""
+    if size > limit or len(raw) > limit:
+        raise SourceError(too_long(max(size, len(raw)), limit))
+    return raw
+
+
+def read_caption(path: str | Path, limit: int = MAX_DOC_BYTES) -> str:
     """A caption from `<stem>.txt` (the whole file, stripped) or `<stem>.json` ({"caption": ...})."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bounded(path, limit)
     except OSError as exc:
         raise SourceError(f"caption unreadable ({exc.strerror})") from None
     text = _utf8(raw)
@@ -66,18 +106,18 @@ def read_caption(path: str | Path) -> str:
 
 
 def iter_documents(record: Record, text_key: str = "text", start: int = 0, stop: int | None = None,
-                   first_line: int = 1) -> Iterator[Document | Skip]:
-    """Documents of one text file, in line / row order, or skips with reasons. A piece of a
-    file (a shard's span): JSONL bytes [start, stop) starting at line `first_line`; Parquet
-    rows [start, stop)."""
+                   first_line: int = 1, *, max_bytes: int = MAX_DOC_BYTES) -> Iterator[Document | Skip]:
+    """Documents of one text file, in line / row order, or skips with reasons (a document of
+    more than `max_bytes` among them). A piece of a file (a shard's span): JSONL bytes
+    [start, stop) starting at line `first_line`; Parquet rows [start, stop)."""
     ext = os.path.splitext(record.path)[1].lower()
     try:
         if ext == TXT:
-            yield _check(Document(record.key, _utf8(Path(record.path).read_bytes())))
+            yield _check(Document(record.key, _utf8(read_bounded(record.path, max_bytes))))
         elif ext == JSONL:
-            yield from _iter_jsonl(record, text_key, start, stop, first_line)
+            yield from _iter_jsonl(record, text_key, start, stop, first_line, max_bytes)
         elif ext == PARQUET:
-            yield from _iter_parquet(record, text_key, start, stop)
+            yield from _iter_parquet(record, text_key, start, stop, max_bytes)
         else:
             yield Skip(record.key, "read", f"not a text file ({ext})")
     except SourceError as exc:  # a whole-file problem: reported once, by the file's first piece
@@ -92,15 +132,19 @@ def _check(doc: Document) -> Document | Skip:
     return doc if doc.text.strip() else Skip(doc.key, "read", "empty document")
 
 
-def _iter_jsonl(record: Record, text_key: str, start: int, stop: int | None, first_line: int) -> Iterator[Document | Skip]:
+def _iter_jsonl(record: Record, text_key: str, start: int, stop: int | None, first_line: int,
+                max_bytes: int) -> Iterator[Document | Skip]:
     with open(record.path, "rb") as f:
         f.seek(start)
         pos = start
-        for number, raw in enumerate(f, start=first_line):
+        for number, (raw, nbytes) in enumerate(read_lines(f, max_bytes), start=first_line):
             if stop is not None and pos >= stop:
                 break
-            pos += len(raw)
+            pos += nbytes
             key = f"{record.key}:{number}"
+            if raw is None:
+                yield Skip(key, "read", f"a line of {too_long(nbytes, max_bytes)}")
+                continue
             try:
                 line = _utf8(raw)
             except SourceError as exc:
@@ -122,7 +166,8 @@ def _iter_jsonl(record: Record, text_key: str, start: int, stop: int | None, fir
                 yield _check(Document(key, obj[text_key]))
 
 
-def _iter_parquet(record: Record, text_key: str, start: int, stop: int | None) -> Iterator[Document | Skip]:
+def _iter_parquet(record: Record, text_key: str, start: int, stop: int | None,
+                  max_bytes: int) -> Iterator[Document | Skip]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -154,6 +199,8 @@ def _iter_parquet(record: Record, text_key: str, start: int, stop: int | None) -
                     return
                 if not isinstance(value, str):
                     yield Skip(key, "read", f"{text_key!r} is {type(value).__name__}, not a string")
+                elif 4 * len(value) > max_bytes and len(value.encode("utf-8", "surrogatepass")) > max_bytes:
+                    yield Skip(key, "read", too_long(len(value.encode("utf-8", "surrogatepass")), max_bytes))
                 else:
                     yield _check(Document(key, value))
     except pa.ArrowException as exc:
