@@ -311,6 +311,15 @@ def _claim_staging(config: BuildConfig, doc: dict) -> fmt.Manifest | None:
     return None
 
 
+def _published(out: Path, doc: dict) -> fmt.Manifest | None:
+    """OUT's dataset when it is the build `doc` plans (published already), else None."""
+    if not (out / fmt.MANIFEST_NAME).is_file():
+        return None
+    current = load_manifest(out)
+    same = current.generation == doc.get("generation") and current.build.get("fingerprint") == doc.get("fingerprint")
+    return current if same else None
+
+
 def _read_plan(out: Path) -> dict | None:
     try:
         return json.loads((outdir.staging_dir(out) / PLAN_FILE).read_text(encoding="utf-8"))
@@ -537,6 +546,10 @@ def _commit(out: Path, *, seconds: float | None = None, workers: int | str | Non
     doc = _read_plan(out)
     if doc is None:
         raise ConfigError(f"{out}: nothing to commit (no build staged in {out / fmt.STAGING_DIR})")
+    done = _published(out, doc)
+    if done is not None:  # a commit killed after its publish, while it removed the staging: finish that
+        outdir.publish(out, done)
+        return done
     staging = outdir.staging_dir(out)
     results, missing = [], []
     for index in doc["shards"]:

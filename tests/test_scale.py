@@ -155,9 +155,17 @@ def test_parts_then_commit(tmp_path, image_raw, capsys):
     assert "not built yet" in capsys.readouterr().err
     assert not (out / fmt.MANIFEST_NAME).exists()
     assert main(["build", str(image_raw), str(out), "-q", *IMG, "--part", "1/3"]) == 0
+    staged = tmp_path / "staged"
+    shutil.copytree(out / fmt.STAGING_DIR, staged)
     assert main(["commit", str(out)]) == 0
     assert tree(out) == tree(tmp_path / "clean")
     assert main(["build", str(image_raw), str(out), "-q", *IMG, "--part", "3/3"]) == 2
+    # a commit killed after its publish, while it removed the staging: plan.json left, sidecars gone
+    (out / fmt.STAGING_DIR).mkdir()
+    shutil.copy(staged / "plan.json", out / fmt.STAGING_DIR / "plan.json")
+    capsys.readouterr()
+    assert main(["commit", str(out)]) == 0, capsys.readouterr().err  # said "3 of 10 shards are not built yet"
+    assert tree(out) == tree(tmp_path / "clean") and not (out / fmt.STAGING_DIR).exists()
 
 
 def _split_images(image_raw: Path, a: Path, b: Path) -> None:
