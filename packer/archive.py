@@ -11,9 +11,11 @@ lock, so many processes opening the same archive at once unpack it exactly once.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,21 +49,45 @@ class Transfer:
 
 class _Hashing:
     """A file wrapper that hashes every byte read or written through it: a column file with the
-    format's checksum (fmt.FileChecksum), a compressed one with fmt.new_checksum."""
+    format's checksum (fmt.FileChecksum), a compressed one with fmt.new_checksum. With `limit`,
+    going past that many bytes is an IntegrityError naming `where`: a compressed file that
+    expands past the size the manifest records is stopped there, not written until the disk is
+    full. `f` None: the bytes written are hashed and dropped (verify)."""
 
-    def __init__(self, f, hasher):
+    def __init__(self, f, hasher, *, limit: int | None = None, where: str = ""):
         self.f, self.digest, self.count = f, hasher(), 0  # hasher: a callable making a hash object
+        self.limit, self.where = limit, where
+
+    def _counted(self, data) -> None:
+        self.count += len(data)
+        if self.limit is not None and self.count > self.limit:
+            raise IntegrityError(f"{self.where}: holds more than the {self.limit:,} bytes {fmt.ARCHIVE_NAME} "
+                                 "records; the archive is damaged")
+        self.digest.update(data)
 
     def read(self, n: int = -1) -> bytes:
-        data = self.f.read(n)
-        self.digest.update(data)
-        self.count += len(data)
+        data = self.f.read(n if n >= 0 or self.limit is None else self.limit + 1)
+        self._counted(data)
         return data
 
     def write(self, data) -> int:
-        self.digest.update(data)
-        self.count += len(data)
-        return self.f.write(data)
+        self._counted(data)
+        return len(data) if self.f is None else self.f.write(data)
+
+
+def open_regular(path: Path):
+    """A binary file object of `path`, which must be a regular file: a FIFO (opened without
+    blocking, never read), a device or a folder is an IntegrityError, not a hang."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except FileNotFoundError:
+        raise IntegrityError(f"{path}: missing from the archive") from None
+    except OSError as exc:
+        raise IntegrityError(f"{path}: cannot be read ({exc.strerror or exc})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{path}: not a regular file; the archive is damaged")
+    return os.fdopen(fd, "rb")
 
 
 def is_archive(path: str | Path) -> bool:
@@ -135,12 +161,11 @@ def _fresh_archive(path: Path, overwrite: bool) -> None:
 
 def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, overwrite: bool = False) -> Transfer:
     """Restore the dataset dir `out` from `archive`, checking both checksums of every file."""
-    import zstandard
-
     archive, out = Path(archive), Path(out)
     packed, files = read_archive(archive)
     with outdir.locked(out):
         outdir.check_out(out, append=False, overwrite=overwrite)
+        check_room(out, packed.size_bytes)
         shutil.rmtree(outdir.staging_dir(out), ignore_errors=True)
         generation = outdir.new_generation()
         outdir.prepare_generation(out, generation)
@@ -150,25 +175,12 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
         started = time.perf_counter()
 
         def one(entry: fmt.ArchiveFile) -> None:
-            src, dst = archive / entry.path, out / where[entry.of]
+            dst = out / where[entry.of]
             dst.parent.mkdir(parents=True, exist_ok=True)
-            want = raw[entry.of]
-            digest = fmt.hasher(want.algo)
-            try:
-                with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
-                    reader = _Hashing(fin, fmt.new_checksum)
-                    result = _Hashing(fout, lambda: digest or fmt.new_checksum())
-                    zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
-                    fout.flush()
-                    os.fsync(fout.fileno())
-            except zstandard.ZstdError as exc:
-                raise IntegrityError(f"{src}: damaged archive file (zstd: {exc})") from None
-            except FileNotFoundError:
-                raise IntegrityError(f"{src}: missing from the archive") from None
-            if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.xxh3_128:
-                raise IntegrityError(f"{src}: damaged archive file (size or checksum differs from {fmt.ARCHIVE_NAME})")
-            if result.count != want.size_bytes or (digest is not None and result.digest.hexdigest() != want.checksum):
-                raise IntegrityError(f"{src}: unpacks to data whose checksum differs from the manifest")
+            with writer.naming(dst), open(dst, "wb") as fout:
+                _restore(archive, entry, raw[entry.of], fout)
+                fout.flush()
+                os.fsync(fout.fileno())
 
         try:
             with ThreadPoolExecutor(_threads(threads)) as pool:
@@ -180,6 +192,54 @@ def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, 
     return Transfer(manifest.size_bytes, sum(f.size_bytes for f in files), time.perf_counter() - started)
 
 
+def _restore(archive: Path, entry: fmt.ArchiveFile, want: fmt.FileEntry, sink) -> None:
+    """Decompress one archive file into `sink` (a file, or None to hash and drop), checking the
+    compressed bytes against archive.json and the restored ones against the manifest, and
+    reading and writing no more than each records."""
+    import zstandard
+
+    src = archive / entry.path
+    digest = fmt.hasher(want.algo)
+    with open_regular(src) as fin:
+        reader = _Hashing(fin, fmt.new_checksum, limit=entry.size_bytes, where=str(src))
+        result = _Hashing(sink, lambda: digest or fmt.new_checksum(), limit=want.size_bytes, where=str(src))
+        try:
+            zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
+        except zstandard.ZstdError as exc:
+            raise IntegrityError(f"{src}: damaged archive file (zstd: {exc})") from None
+    if reader.count != entry.size_bytes or reader.digest.hexdigest() != entry.xxh3_128:
+        raise IntegrityError(f"{src}: damaged archive file (size or checksum differs from {fmt.ARCHIVE_NAME})")
+    if result.count != want.size_bytes or (digest is not None and result.digest.hexdigest() != want.checksum):
+        raise IntegrityError(f"{src}: unpacks to data whose checksum differs from the manifest")
+
+
+def check_room(out: Path, nbytes: int) -> None:
+    """ENOSPC naming `out` before anything is written when its disk has less than `nbytes` free."""
+    free = shutil.disk_usage(out).free
+    if free < nbytes:
+        raise OSError(errno.ENOSPC, f"the dataset needs {nbytes / 2**20:,.1f} MiB, the disk has "
+                                    f"{free / 2**20:,.1f} MiB free", str(out))
+
+
+def verify_archive(archive: str | Path, *, threads: int | None = None, on_progress=None) -> dict:
+    """Decompress every file of an archive without writing it, checking both checksums (what
+    `packer verify` does to a dataset dir); {"files", "size_bytes", "num_samples"} when all is well."""
+    archive = Path(archive)
+    packed, files = read_archive(archive)
+    raw = {f.path: f for s in packed.shards for f in s.files}
+    done = []
+
+    def one(entry: fmt.ArchiveFile) -> None:
+        _restore(archive, entry, raw[entry.of], None)
+        done.append(entry)
+        if on_progress:
+            on_progress(len(done), len(files))
+
+    with ThreadPoolExecutor(_threads(threads)) as pool:
+        list(pool.map(one, files))
+    return {"files": len(files), "size_bytes": packed.size_bytes, "num_samples": packed.num_samples}
+
+
 def _in_generation(manifest: fmt.Manifest, generation: str) -> fmt.Manifest:
     """The manifest with every shard moved into `generation` (what an unpacked copy is)."""
     shards = tuple(fmt.Shard(s.index, s.num_samples, tuple(
@@ -189,11 +249,22 @@ def _in_generation(manifest: fmt.Manifest, generation: str) -> fmt.Manifest:
                                version="%d.%d" % fmt.FORMAT_VERSION)
 
 
+ARCHIVE_JSON_BYTES = 1 << 30  # archive.json past this is not one of ours: not read into memory
+
+
 def read_archive(archive: Path) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
     path = archive / fmt.ARCHIVE_NAME
     if not path.is_file():
         raise ConfigError(f"{archive}: not an mmpack archive (no {fmt.ARCHIVE_NAME})")
-    return fmt.archive_from_json(path.read_text(encoding="utf-8"), where=str(path))
+    with open_regular(path) as f:
+        raw = f.read(ARCHIVE_JSON_BYTES + 1)
+    if len(raw) > ARCHIVE_JSON_BYTES:
+        raise IntegrityError(f"{path}: over {ARCHIVE_JSON_BYTES >> 20} MiB; not an mmpack archive description")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(f"{path}: not UTF-8 at byte {exc.start}; the archive is damaged") from None
+    return fmt.archive_from_json(text, where=str(path))
 
 
 def default_cache_dir() -> Path:
@@ -208,19 +279,25 @@ def materialize(archive: str | Path, cache_dir: str | Path | None = None) -> tup
     so a changed archive never reuses an old entry."""
     archive = Path(archive)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    try:
-        ident = hashlib.sha256((archive / fmt.ARCHIVE_NAME).read_bytes()).hexdigest()[:20]
-    except FileNotFoundError:
-        raise ConfigError(f"{archive}: not an mmpack archive (no {fmt.ARCHIVE_NAME})") from None
+    read_archive(archive)  # valid, and not a FIFO: nothing below waits on what the archive holds
+    with open_regular(archive / fmt.ARCHIVE_NAME) as f:
+        ident = hashlib.sha256(f.read()).hexdigest()[:20]
     target = cache / ident
     if (target / fmt.MANIFEST_NAME).is_file():
         return target, False
-    cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f"{ident}.lock", "w") as lock:
-        flock(lock)
-        if (target / fmt.MANIFEST_NAME).is_file():
-            return target, False
-        if target.exists():  # a killed unpack: staging only, never a manifest
-            shutil.rmtree(target)
-        unpack(archive, target)
-        return target, True
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        with open(cache / f"{ident}.lock", "w") as lock:
+            flock(lock)
+            if (target / fmt.MANIFEST_NAME).is_file():
+                return target, False
+            if target.exists():  # a killed unpack: staging only, never a manifest
+                shutil.rmtree(target)
+            unpack(archive, target)
+            return target, True
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        where = "$MMPACK_CACHE" if cache_dir is None else "cache_dir"
+        raise ConfigError(f"{cache}: no room to unpack {archive} ({exc.strerror}); point {where} at a disk "
+                          "with room, or free space there") from None

@@ -68,8 +68,8 @@ class ProgressBar:
 
 
 def _human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1024 or unit == "TB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
         n /= 1024
     return f"{n} B"
@@ -288,21 +288,32 @@ def _empty_classes_line(empty: list[str], total: int) -> str:
 
 
 def info_dict(root: Path) -> dict:
-    reader = DatasetReader(root)
-    m = reader.manifest
+    """What `packer info` says of a dataset dir, or of an archive (from its description: the
+    classes no sample has are not known without unpacking its labels)."""
+    from .archive import is_archive, read_archive
+
+    archived = is_archive(root)
+    if archived:
+        m, files = read_archive(root)
+        reader, extra = None, {"archive_bytes": sum(f.size_bytes for f in files)}
+    else:
+        reader, extra = DatasetReader(root), {}
+        m = reader.manifest
     return {
         "path": str(root),
-        "format": f"{fmt.FORMAT_NAME} {m.version}",
+        "format": f"{fmt.FORMAT_NAME} {m.version}" + (" (zstd archive)" if archived else ""),
         "kind": m.kind,
         "num_samples": m.num_samples,
         "num_shards": len(m.shards),
         "size_bytes": m.size_bytes,
         "columns": {c.name: {"dtype": c.dtype, "shape": list(c.shape), "ragged": c.ragged} for c in m.columns},
         "classes": list(m.classes) if m.classes is not None else None,
-        "empty_classes": empty_classes(reader),
+        "empty_classes": empty_classes(reader) if reader is not None else None,
         "counts": m.counts,
         "tokenizer": m.tokenizer,
         "images": _image_policy(m),
+        "skipped": [{"key": k.key, "stage": k.stage, "reason": k.reason} for k in m.skipped],
+        **extra,
     }
 
 
@@ -320,15 +331,16 @@ def _image_policy(m: fmt.Manifest) -> str | None:
 
 def _cmd_info(args) -> int:
     d = info_dict(args.out)
+    skipped = d.pop("skipped")
     if args.json:
         if args.skipped:
-            d["skipped"] = [{"key": s.key, "stage": s.stage, "reason": s.reason}
-                            for s in DatasetReader(args.out).manifest.skipped]
+            d["skipped"] = skipped
         print(json.dumps(d, indent=1))
         return 0
     cols = "; ".join(f"{n} {c['dtype']} {tuple(c['shape'])}" for n, c in d["columns"].items())
     print(f"dataset   {d['path']} ({d['format']}, kind {d['kind']})")
-    print(f"samples   {d['num_samples']:,} in {d['num_shards']} shards, {_human_bytes(d['size_bytes'])}")
+    packed = f" ({_human_bytes(d['archive_bytes'])} compressed)" if "archive_bytes" in d else ""
+    print(f"samples   {d['num_samples']:,} in {d['num_shards']} shards, {_human_bytes(d['size_bytes'])}{packed}")
     print(f"columns   {cols}")
     if d["images"]:
         print(f"images    {d['images']}")
@@ -343,15 +355,17 @@ def _cmd_info(args) -> int:
     c = d["counts"]
     print(f"records   found {c['found']:,} = packed {c['packed']:,} + skipped {c['skipped']:,}")
     if args.skipped:
-        for skip in DatasetReader(args.out).manifest.skipped:
-            print(f"skipped   {skip.key} [{skip.stage}]: {skip.reason}")
+        for skip in skipped:
+            print(f"skipped   {skip['key']} [{skip['stage']}]: {skip['reason']}")
     return 0
 
 
 def _cmd_verify(args) -> int:
+    from .archive import is_archive, verify_archive
+
     bar = ProgressBar("verifying", enabled=True)
     try:
-        result = verify(args.out, on_progress=bar)
+        result = (verify_archive if is_archive(args.out) else verify)(args.out, on_progress=bar)
     except IntegrityError as exc:
         bar.close()
         print(f"packer verify: FAILED: {exc}", file=sys.stderr)
@@ -409,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
         parser._subparsers._group_actions[0].choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return COMMANDS[args.command](args)
+    except BrokenPipeError:  # `packer info OUT | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe stopped
     except MmpackError as exc:
         print(f"packer {args.command}: error: {exc}", file=sys.stderr)
         return 2
