@@ -51,7 +51,10 @@ void mm_gather_rows(char *dst, const uint64_t *src, const int64_t *pos, size_t c
 }
 
 /* Image i (hw[2i] rows of hw[2i+1] pixels of `pixel` bytes, contiguous at src[i]) to the top-left
- * of canvas slot pos[i] (`height` rows of `width` pixels), the rest of that slot zeroed. Through
+ * of canvas slot pos[i] (`height` rows of `width` pixels), the rest of that slot zeroed. The work is
+ * proportional to the bytes: an empty image (a zero side) is one memset, however many rows of
+ * nothing its other side says (2^31 of them took 17 s a sample, row by row), and an image as wide
+ * as the canvas one memcpy. Through
  * the cache: a canvas row is a few hundred bytes of image and then zeros in the same cache lines,
  * and streaming the image part while the zeros go through the cache made a canvas of 448 px
  * photos 5% slower to gather, streaming the zeros too 45% slower. */
@@ -62,9 +65,17 @@ void mm_gather_canvas(char *dst, const uint64_t *src, const int64_t *pos, const 
         char *slot = dst + (size_t)pos[i] * height * row_bytes;
         const char *from = (const char *)(uintptr_t)src[i];
         size_t h = (size_t)hw[2 * i], w = (size_t)hw[2 * i + 1] * pixel;
-        for (size_t r = 0; r < h; r++) {
-            memcpy(slot + r * row_bytes, from + r * w, w);
-            memset(slot + r * row_bytes + w, 0, row_bytes - w);
+        if (h == 0 || w == 0) {
+            memset(slot, 0, height * row_bytes);
+            continue;
+        }
+        if (w == row_bytes) {
+            memcpy(slot, from, h * w);
+        } else {
+            for (size_t r = 0; r < h; r++) {
+                memcpy(slot + r * row_bytes, from + r * w, w);
+                memset(slot + r * row_bytes + w, 0, row_bytes - w);
+            }
         }
         memset(slot + h * row_bytes, 0, (height - h) * row_bytes);
     }

@@ -18,6 +18,8 @@ operators. The widening is part of the copy (`token_dtype`), here and in every t
 from __future__ import annotations
 
 import contextlib
+import errno
+import math
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -57,12 +59,26 @@ def batch_dtype(stored) -> np.dtype:
 
 
 def empty(shape, dtype, memory: Memory) -> torch.Tensor:
-    """An uninitialised batch buffer of `shape` and numpy `dtype` in `memory`."""
+    """An uninitialised batch buffer of `shape` and numpy `dtype` in `memory`; a ConfigError
+    saying what to change when the machine cannot give that much."""
+    try:
+        return _allocate(shape, dtype, memory)
+    except (MemoryError, OSError, RuntimeError) as exc:
+        if isinstance(exc, OSError) and exc.errno != errno.ENOMEM or (
+                type(exc) is RuntimeError and "memory" not in str(exc).lower()):
+            raise
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        raise ConfigError(f"a batch buffer of {nbytes / 2**20:,.1f} MiB ({memory} memory) cannot be allocated "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else 'out of memory'}); "
+                          "use a smaller batch size or fewer num_buffers") from None
+
+
+def _allocate(shape, dtype, memory: Memory) -> torch.Tensor:
     torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
     if memory == "ring":
         return torch.from_numpy(huge_array(shape, dtype))
     if memory == "shared":
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         storage = torch.UntypedStorage._new_shared(nbytes)  # what default_collate uses in workers
         return torch.empty(0, dtype=torch_dtype).set_(storage).view(shape)
     return torch.empty(shape, dtype=torch_dtype, pin_memory=memory == "pinned")
@@ -73,7 +89,7 @@ def huge_array(shape, dtype) -> np.ndarray:
     the common default). A 38 MB image batch is 19 TLB entries instead of 9,400: the gather
     into it runs about 1.2x faster on the reference machine. Plain memory where THP is absent."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return np.zeros(shape, dtype)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -135,7 +151,7 @@ class ColumnGather:
             elif len(c.shape) > 1 and memory in ("ring", "pinned"):
                 dtype = np.dtype(c.dtype)
                 most = max(1, CANVAS_BUFFER_BYTES // dtype.itemsize)
-                out[c.name] = empty((min(batch_size * int(np.prod(self._largest(c.name))), most),), dtype, memory)
+                out[c.name] = empty((min(batch_size * math.prod(self._largest(c.name)), most),), dtype, memory)
                 out[f"{c.name}_size"] = empty((batch_size, 2), np.int64, memory)
             elif len(c.shape) == 1 and memory in ("ring", "pinned"):
                 dtype = batch_dtype(c.dtype)
@@ -259,7 +275,7 @@ def _canvas(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buf
         sel = shard == k
         shapes[sel] = arrays[k].shapes[rows[sel]]
     top = shapes.max(axis=0, initial=0)
-    need = n * int(np.prod(top))
+    need = n * math.prod(top.tolist())  # exact: the largest sides of different samples may not fit int64
     too_big = ConfigError(f"{where}: a batch of {n} samples of up to {top[0]} x {top[1]} needs a "
                           f"{need * dtype.itemsize / 1e9:,.1f} GB canvas; use a smaller batch, or a dataset built with "
                           "--keep-aspect (its --max-side caps the sides)")

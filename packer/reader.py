@@ -167,15 +167,31 @@ def check_offsets(path: Path, offsets: np.ndarray, num_values: int) -> None:
 
 def check_shapes(path: Path, shapes: np.ndarray, offsets: np.ndarray, column: fmt.Column) -> None:
     """Each sample's shape is non-negative, fits the column's fixed dimensions and holds exactly
-    its values."""
+    its values, in exact arithmetic (`exact_sizes`): dimensions whose product wraps past 2**63
+    onto the right count must not pass."""
     fixed = [(axis, d) for axis, d in enumerate(column.shape) if d is not None]
     if shapes.size and (shapes.min() < 0 or shapes.max() >= fmt.MAX_DIM or any(
             np.any(shapes[:, axis] != d) for axis, d in fixed)):
         raise IntegrityError(f"{path}: a sample shape is negative or does not fit {list(column.shape)}")
-    bad = np.flatnonzero(np.prod(shapes, axis=1) != np.diff(offsets))
+    sizes = np.diff(offsets)
+    bad = np.flatnonzero(exact_sizes(shapes, int(offsets[-1]) if len(offsets) else 0) != sizes)
     if bad.size:
-        raise IntegrityError(f"{path}: row {bad[0]} holds {np.diff(offsets)[bad[0]]} values, "
-                             f"shape {tuple(shapes[bad[0]])}")
+        raise IntegrityError(f"{path}: row {bad[0]} holds {sizes[bad[0]]} values, "
+                             f"shape {tuple(int(d) for d in shapes[bad[0]])}")
+
+
+def exact_sizes(shapes: np.ndarray, limit: int) -> np.ndarray:
+    """The product of each row of non-negative `shapes` (int64 [rows, ndim]), or -1 where it
+    passes `limit` (a shape with a zero dimension is 0 whatever the others): axis by axis,
+    multiplying only where the product stays within `limit`, so nothing wraps."""
+    prod = np.ones(len(shapes), np.int64)
+    over = np.zeros(len(shapes), bool)
+    for axis in range(shapes.shape[1] if shapes.ndim == 2 else 0):
+        d = shapes[:, axis]
+        over |= (d > 0) & (prod > limit // np.maximum(d, 1))
+        prod = np.where(over, 0, prod * np.where(over, 0, d))
+    zero = (shapes == 0).any(axis=1) if shapes.size else np.zeros(len(shapes), bool)
+    return np.where(zero, 0, np.where(over, -1, prod))
 
 
 def decode_text(raw: bytes, encoding: str, where: str) -> str:

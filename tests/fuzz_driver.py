@@ -2,8 +2,11 @@
 `python -m tests.fuzz_driver SEED COUNT WORK DATASET...` prints one JSON line per failure.
 
 Each round copies one of the datasets, damages it (a manifest field changed to another type or
-value, a field removed, bytes of the manifest or of a column file flipped, a file cut or grown),
-then does what users do: open it, read every sample, run a Loader epoch (and the token views of a
+value, a field removed, bytes of the manifest or of a column file flipped, a file cut or grown,
+or, in a dataset of whole images, samples rewritten with hostile but self-consistent shapes: a
+side of 2**31 - 1 and the other 0, the largest sides of different samples whose product passes
+2**63, the manifest's sizes and checksums made to match so that verify passes), then does what
+users do: open it, read every sample, run a Loader epoch (and the token views of a
 text dataset), `packer verify`. Every step must succeed or raise the project's own error
 (MmpackError); and reads that succeed on damaged column bytes must be caught by verify.
 """
@@ -24,7 +27,12 @@ import torch
 from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
 from packer import format as fmt
 from packer.errors import MmpackError
+from packer.reader import load_manifest, map_column
 from packer.verify import verify
+from packer.writer import checksum_file, write_npy
+
+BIG = (1 << 31) - 1
+HOSTILE_SHAPES = [(BIG, 0, 3), (0, BIG, 3), (0, 0, 3), (1 << 30, 0, 3)]
 
 ODD_VALUES = [None, -1, 0, 10**18, -(10**18), 1.5, "x", "", "../../etc/passwd", [], {}, True, [1, 2], {"a": 1},
               "\udcff", "g-" + "0" * 16, "<u2", "|O", 2**63]
@@ -38,9 +46,42 @@ def _paths(doc, prefix=()):
         yield from _paths(value, (*prefix, key))
 
 
+def hostile_shapes(root: Path, rng: random.Random) -> str:
+    """Samples of the ragged image column rewritten as empty ones of hostile shapes (every
+    sample, or some), values, offsets and manifest kept consistent: a valid dataset."""
+    manifest_path = root / fmt.MANIFEST_NAME
+    doc = json.loads(manifest_path.read_text())
+    m = load_manifest(root)
+    column = m.column("image")
+    every = rng.random() < 0.5
+    shape = rng.choice(HOSTILE_SHAPES)
+    entries = {f["path"]: f for s in doc["shards"] for f in s["files"]}
+    for shard in m.shards:
+        arrays = map_column(root / shard.dir, column, shard.num_samples)
+        hit = [every or rng.random() < 0.3 for _ in range(shard.num_samples)]
+        shapes = np.array([shape if h else arrays.shapes[i] for i, h in enumerate(hit)], np.int64)
+        sizes = np.prod(np.minimum(shapes, 1 << 20), axis=1) * (shapes.min(axis=1) > 0)
+        values = np.concatenate([np.zeros(0, np.uint8)] + [arrays.sample(i).reshape(-1) for i in range(shard.num_samples)
+                                                            if not hit[i]])
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        del arrays
+        names = fmt.column_file_names(column)
+        for part, array in (("values", values), ("offsets", offsets), ("shapes", shapes)):
+            path = root / shard.dir / names[part]
+            path.unlink()  # a new file: the reference dataset's is hard-linked nowhere, but be sure
+            write_npy(path, array)
+            entry = entries[f"{shard.dir}/{names[part]}"]
+            entry["size_bytes"] = path.stat().st_size
+            entry["checksum"]["hex"] = checksum_file(path, entry["checksum"]["algo"])
+    manifest_path.write_text(json.dumps(doc))
+    return f"shapes {shape} in {'every' if every else 'some'} sample(s)"
+
+
 def damage(root: Path, rng: random.Random) -> str:
     """Damage the dataset dir in place; returns what was done."""
     manifest = root / fmt.MANIFEST_NAME
+    if "aspect" in root.name and rng.random() < 0.5:
+        return hostile_shapes(root, rng)
     kind = rng.choice(["field", "field", "field", "drop", "manifest-bytes", "file-bytes", "file-bytes", "file-size"])
     if kind in ("field", "drop"):
         doc = json.loads(manifest.read_text())
@@ -101,7 +142,7 @@ def main() -> None:
     outcomes = {"ok": 0, "refused": 0}
     for n in range(count):
         source = rng.choice(datasets)
-        root = work / f"case-{n}"
+        root = work / f"case-{n}-{source.name}"
         shutil.copytree(source, root)
         what = damage(root, rng)
         step = "use"
@@ -113,7 +154,8 @@ def main() -> None:
                 verify(root)
             except MmpackError:
                 verified = False
-            if verified and values != reference[source] and "field" not in what and "drop" not in what:
+            legit = what.startswith(("field", "drop", "shapes"))  # a valid dataset of other values
+            if verified and values != reference[source] and not legit:
                 print(json.dumps({"case": n, "damage": what, "failure": "read wrong values and verify passed"}))
             outcomes["ok"] += 1
         except MmpackError:

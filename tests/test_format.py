@@ -4,6 +4,7 @@ read(write(x)) == x through ShardWriter and the reader."""
 from __future__ import annotations
 
 import json
+import math
 import warnings
 
 import numpy as np
@@ -226,3 +227,30 @@ def test_any_change_to_a_manifest_parses_or_is_our_manifest_error(data):
     assert m.counts["found"] == m.counts["packed"] + m.counts["skipped"] == m.num_samples + len(m.skipped)
     for shard in m.shards:
         assert all(".." not in f.path.split("/") and not f.path.startswith("/") for f in shard.files)
+
+
+@settings(max_examples=200, deadline=None)
+@given(shapes=st.lists(st.lists(st.one_of(st.integers(0, 4), st.integers(0, (1 << 31) - 1)), min_size=1, max_size=4)
+                       .map(tuple), min_size=1, max_size=20).filter(lambda s: len({len(x) for x in s}) == 1),
+       limit=st.integers(0, 1 << 62))
+def test_exact_sizes_are_the_products_of_python_ints(shapes, limit):
+    """Sample sizes from shapes in exact arithmetic: np.prod wraps past 2**63, so dimensions
+    whose product wraps onto a sample's real size (0, say) passed the shape check."""
+    from packer.reader import exact_sizes
+
+    got = exact_sizes(np.array(shapes, np.int64), limit).tolist()
+    want = [math.prod(s) if math.prod(s) <= limit else -1 for s in shapes]
+    assert got == want
+
+
+def test_a_shape_whose_product_wraps_is_refused(tmp_path):
+    """(2**30, 2**30, 16) wraps to 0 in int64: an empty sample of that shape opened and verified."""
+    from packer.errors import IntegrityError
+    from packer.reader import check_shapes
+
+    col = fmt.Column("x", "|u1", (None, None, None))
+    shapes = np.array([[1 << 30, 1 << 30, 16], [2, 2, 1]], np.int64)
+    assert int(np.prod(shapes[0])) == 0  # what the check used to compute
+    with pytest.raises(IntegrityError, match="row 0 holds 0 values"):
+        check_shapes(tmp_path / "x.shapes.npy", shapes, np.array([0, 0, 4]), col)
+    check_shapes(tmp_path / "x.shapes.npy", np.array([[1 << 30, 0, 16], [2, 2, 1]]), np.array([0, 0, 4]), col)
