@@ -248,6 +248,10 @@ class Manifest:
             raise ManifestError(f"inputs {self.inputs.path!r} is not {self.generation}/{INPUTS_NAME}")
         for shard in self.shards:
             self._check_shard(shard)
+        for a, b in zip(self.shards, self.shards[1:]):
+            if b.index <= a.index:
+                raise ManifestError(f"shard {b.index} comes after shard {a.index}: shard indexes must increase "
+                                    "through the list (a shard listed twice, or out of order)")
 
     def _check_shard(self, shard: Shard) -> None:
         """Its files are exactly its columns' files, in one shard dir, with the sizes the row

@@ -85,6 +85,21 @@ def check_file_sizes(root: Path, shards: Iterable[fmt.Shard]) -> None:
                 )
 
 
+def check_shards_listed(root: Path, manifest: fmt.Manifest) -> None:
+    """Every shard dir inside the generation dirs the manifest uses is one it lists (one listing
+    per generation): a manifest that drops a shard, its counts fixed up, is not the build."""
+    listed = {s.dir for s in manifest.shards}
+    for generation in sorted(manifest.generations):
+        try:
+            names = os.listdir(root / generation)
+        except OSError:
+            continue  # a missing generation: the size check names its files
+        extra = sorted(f"{generation}/{n}" for n in names if n.startswith("shard-") and f"{generation}/{n}" not in listed)
+        if extra:
+            raise IntegrityError(f"{root / extra[0]}: a shard dir the manifest does not list ({len(extra)} such); "
+                                 f"the manifest is not the one its build wrote, run 'packer verify {root}'")
+
+
 @dataclass(frozen=True)
 class ColumnArrays:
     """The mapped arrays of one column of one shard. Fixed columns: `values` is
@@ -237,6 +252,7 @@ class DatasetReader:
         self.manifest, self._locks = self._open(generation)
         self.generation = self.manifest.generation
         check_file_sizes(self.root, self.manifest.shards)
+        check_shards_listed(self.root, self.manifest)
         self._ends = list(accumulate(s.num_samples for s in self.manifest.shards))
         self._maps: dict[tuple[int, str], ColumnArrays] = {}
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import format as fmt
 from .errors import IntegrityError
-from .reader import check_file_sizes, decode_text, load_manifest, map_column
+from .reader import check_file_sizes, check_shards_listed, decode_text, load_manifest, map_column
 from .writer import checksum_file
 
 
@@ -21,6 +21,7 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
     root = Path(root)
     manifest = load_manifest(root)
     check_file_sizes(root, manifest.shards)  # missing or resized files, before any hashing
+    check_shards_listed(root, manifest)
     files = size_bytes = 0
     total = sum(len(s.files) for s in manifest.shards)
     if manifest.inputs is not None:

@@ -127,3 +127,28 @@ def test_a_killed_overwrite_leaves_the_old_dataset_whole_and_the_same_command_fi
     assert main(again) == 0  # no reader holds the old one now: it goes
     assert {p.name for p in out.iterdir() if not p.name.startswith(".")} == {
         fmt.MANIFEST_NAME, MMapDataset(out).manifest.generation}
+
+
+@pytest.mark.parametrize("edit", ["twice", "dropped"])
+def test_a_manifest_that_lists_a_shard_twice_or_drops_one_does_not_open(tmp_path, built, edit):
+    """Counts fixed up to match, such a manifest opened and verified: a dataset of other samples
+    than its build's."""
+    from packer.errors import MmpackError
+    from packer.verify import verify
+
+    root = tmp_path / "ds"
+    shutil.copytree(built["images"], root)
+    doc = json.loads((root / fmt.MANIFEST_NAME).read_text())
+    shards = doc["shards"]
+    if edit == "twice":
+        shards.insert(2, shards[1])
+        doc["counts"]["packed"] += shards[1]["num_samples"]
+    else:
+        doc["counts"]["packed"] -= shards.pop(1)["num_samples"]
+    doc["counts"]["found"] = doc["counts"]["packed"] + doc["counts"]["skipped"]
+    (root / fmt.MANIFEST_NAME).write_text(json.dumps(doc))
+    want = "comes after shard" if edit == "twice" else "a shard dir the manifest does not list"
+    with pytest.raises(MmpackError, match=want):
+        MMapDataset(root)
+    with pytest.raises(MmpackError, match=want):
+        verify(root)
