@@ -18,7 +18,7 @@ import torch
 
 from . import data, peers
 from .peers import MP_CONTEXT
-from .measure import MemcpyLimit, dir_bytes, files_under, measure, stall
+from .measure import MachineLoad, MemcpyLimit, dir_bytes, files_under, first_pass_rate, measure, stall
 
 PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
 
@@ -116,6 +116,7 @@ def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
 def bench_loaders(args) -> dict:
     from loaders import Loader, MMapDataset, PackedDocuments, StatefulDataLoader, TokenWindows
 
+    load = MachineLoad()
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     raw, out, build_s = prepare_images(work, args.images)
@@ -158,17 +159,23 @@ def bench_loaders(args) -> dict:
         _progress(r)
         return r
 
+    # each Loader row: steady passes of one Loader, and the first pass of fresh ones (a job that
+    # makes a Loader per epoch, or runs one short epoch, gets that)
     for threads in sorted({1, cores}):
         loader = Loader(ds, bs, num_threads=threads)
-        run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
-            lambda b: len(b["label"]), mmpack_conv, files, threads=threads)
-    # its default: the thread count it measures at the first batch, against the machine's best memcpy
+        r = run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
+                lambda b: len(b["label"]), mmpack_conv, files, threads=threads)
+        r["first_pass_samples_per_s"] = first_pass_rate(lambda t=threads: Loader(ds, bs, num_threads=t),
+                                                        lambda b: len(b["label"]))
+    # its default: a thread count from the machine, against the machine's best memcpy
     for t in sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)}):
         memcpy.measure(t)
     loader = Loader(ds, bs)
     r = run("mmpack Loader, default threads", "mmpack", lambda: loader, lambda b: len(b["label"]), mmpack_conv,
             files, threads=cores)
-    r.update(threads=loader.num_threads, best_memcpy=True, system=f"mmpack Loader, default ({loader.num_threads} chosen)")
+    r.update(threads=loader.num_threads, best_memcpy=True, default=True,
+             system=f"mmpack Loader, default ({loader.num_threads} threads)")
+    r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     from loaders import native
 
     if native.LIB is not None:  # the same Loader without its C copies: what an install without a compiler gets
@@ -250,7 +257,8 @@ def bench_loaders(args) -> dict:
 
     _ratios(results)
     return {
-        "command": "bench loaders", "machine": machine(), "memcpy_bytes_per_s": memcpy(1),
+        "command": "bench loaders", "machine": machine(), "load": load.report(), "memcpy_bytes_per_s": memcpy(1),
+        "default_vs_explicit": _default_vs_explicit(results),
         "memcpy_by_threads": {str(k): v for k, v in sorted(memcpy.best.items())},
         "memcpy_images_per_s": memcpy(1) / sample_bytes, "batch_size": bs, "workers": workers,
         "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
@@ -261,6 +269,20 @@ def bench_loaders(args) -> dict:
         "notes": ["conversion for mmpack = packer build from the raw files (decode included); for a peer's "
                   "decoded variant = writing the pixels mmpack decoded (decode not included)"],
     }
+
+
+def _default_vs_explicit(results: list[dict]) -> dict | None:
+    """The default Loader's first pass and steady rate as shares of the best explicit thread
+    count's steady rate, measured in this run."""
+    default = next((r for r in results if r.get("default") and "samples_per_s" in r), None)
+    explicit = [r for r in results if r["system"].startswith("mmpack Loader, ") and "thread(s)" in r["system"]
+                and "samples_per_s" in r]
+    if default is None or not explicit:
+        return None
+    best = max(explicit, key=lambda r: r["samples_per_s"])
+    return {"best_explicit": best["system"], "best_explicit_samples_per_s": best["samples_per_s"],
+            "default_first_pass_pct": 100 * default["first_pass_samples_per_s"] / best["samples_per_s"],
+            "default_steady_pct": 100 * default["samples_per_s"] / best["samples_per_s"]}
 
 
 def _ratios(results: list[dict]) -> None:
@@ -289,6 +311,7 @@ def _progress(r: dict) -> None:
 def bench_sweep(args) -> dict:
     from loaders import Loader, MMapDataset
 
+    load = MachineLoad()
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-sweep-"))
     work.mkdir(parents=True, exist_ok=True)
     _, out, _ = prepare_images(work, args.images)
@@ -309,7 +332,7 @@ def bench_sweep(args) -> dict:
     rec = "recommendation: " + "; ".join(
         f"batch {bs}: {p['system']} with {p['axis']}={p['value']} ({p['samples_per_s']:,.0f} samples/s, waits "
         f"{100 * p['stall_fraction']:.0f}% of a {args.step_ms:g} ms step)" for bs, p in best.items())
-    return {"command": "bench sweep", "machine": machine(), "step_ms": args.step_ms, "points": points,
+    return {"command": "bench sweep", "machine": machine(), "load": load.report(), "step_ms": args.step_ms, "points": points,
             "recommendation": rec, "best": {str(bs): p for bs, p in best.items()}}
 
 

@@ -193,6 +193,45 @@ def measure(make_iter: Callable[[], Iterable], count_of: Callable, *, passes: in
     return out
 
 
+def first_pass_rate(make_loader: Callable[[], Iterable], count_of: Callable, *, tries: int = 3) -> float:
+    """Samples/s of the first pass of a loader made fresh (the median of `tries` loaders): what a
+    job that makes a loader per epoch, or runs one short epoch, gets."""
+    rates = []
+    for _ in range(tries):
+        n, seconds, _ = _one_pass(make_loader, count_of, None)
+        rates.append(n / seconds)
+    return statistics.median(rates)
+
+
+class MachineLoad:
+    """The 1-minute load average at the start and the end of a run, against the cores: a busy
+    machine makes every rate low, and the ratios between rows measured at different moments
+    unreliable."""
+
+    def __init__(self):
+        self.cores = os.cpu_count() or 1
+        self.start = os.getloadavg()[0]
+
+    def report(self) -> dict:
+        end = os.getloadavg()[0]
+        # the run itself keeps about one core busy: more than that beside it is another load
+        busy = max(self.start, end - 1) > 0.5 * self.cores
+        return {"load_avg_1m_start": round(self.start, 2), "load_avg_1m_end": round(end, 2), "cores": self.cores,
+                "busy": busy}
+
+
+def load_line(load: dict | None) -> str:
+    """The table's line on the machine's load during the run."""
+    if not load:
+        return ""
+    line = (f"machine load: 1-min load average {load['load_avg_1m_start']:.2f} at the start, "
+            f"{load['load_avg_1m_end']:.2f} at the end, {load['cores']} cores")
+    if load["busy"]:
+        line += ("; the machine was busy with other work: rates are low and ratios between rows may not hold, "
+                 "run again on a quiet machine")
+    return line
+
+
 def _one_pass(make_iter, count_of, limit) -> tuple[int, float, float]:
     start = time.perf_counter()
     first, n = None, 0

@@ -5,6 +5,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from .measure import load_line
+
+
 def _f(v, spec: str) -> str:
     """format(v, spec), or a right-aligned '-' of the same width when there is no figure."""
     if isinstance(v, (int, float)):
@@ -38,9 +41,16 @@ def loaders_table(report: dict) -> str:
         if stall and "stall" in r:
             line += f" {_f(r['stall']['gpu_util_pct'], '>7.0f')}%"
         lines.append(line + unit)
+    d = report.get("default_vs_explicit")
+    if d:
+        lines.append(f"Loader's default against the best explicit thread count ({d['best_explicit']}, "
+                     f"{d['best_explicit_samples_per_s']:,.0f}/s steady): first pass of a fresh Loader "
+                     f"{d['default_first_pass_pct']:.0f}%, steady {d['default_steady_pct']:.0f}%")
     lines.append("%memcpy: against memcpy on as many threads as the row uses (Loader threads, else DataLoader "
                  "workers; Loader's default: the best memcpy of any thread count); x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) "
                  "with default collate; RSS/PSS: peak of the whole process tree; CPUs/1k: CPU seconds per 1000 samples")
+    if load_line(report.get("load")):
+        lines.append(load_line(report["load"]))
     if stall and report.get("model"):
         lines.append(f"GPU util: share of wall time spent in a training step of {report['model']}, i.e. not "
                      "waiting for data")
@@ -137,6 +147,8 @@ def sweep_table(report: dict) -> str:
         lines.append(f"{p['system']:24} {p['axis']:>8} {p['value']:>5} {p['batch_size']:>6} "
                      f"{p['samples_per_s']:>11,.0f} {100 * p['stall_fraction']:>5.0f}%")
     lines.append(report["recommendation"])
+    if load_line(report.get("load")):
+        lines.append(load_line(report["load"]))
     return "\n".join(lines)
 
 

@@ -40,13 +40,18 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert rows["mmpack Loader, 1 thread(s)"]["x_on_the_fly"] > 0
     default = [r for name, r in rows.items() if name.startswith("mmpack Loader, default (")]
     assert len(default) == 1 and 1 <= default[0]["threads"] <= report["machine"]["cores"]
-    assert default[0]["system"] == f"mmpack Loader, default ({default[0]['threads']} chosen)"
-    assert 0 < default[0]["pct_memcpy"] and default[0]["samples_per_s"] > 0
+    assert default[0]["system"] == f"mmpack Loader, default ({default[0]['threads']} threads)"
+    assert 0 < default[0]["pct_memcpy"] and default[0]["samples_per_s"] > 0 and default[0]["first_pass_samples_per_s"] > 0
+    versus = report["default_vs_explicit"]  # the default's first pass and steady rate against the best explicit row
+    assert versus["default_first_pass_pct"] > 0 and versus["default_steady_pct"] > 0
+    load = report["load"]
+    assert load["cores"] >= 1 and load["load_avg_1m_start"] >= 0 and isinstance(load["busy"], bool)
     for module, state in report["peers"].items():  # every peer ran, or its row says why not
         assert state == "ran" or any(r.get("skipped") == state for r in rows.values()), module
     assert report["memcpy_bytes_per_s"] > 0 and report["machine"]["cores"] >= 1 and report["machine"]["ram_gib"] > 0
     table = capsys.readouterr().out
     assert "%memcpy" in table and "GPU util" in table and "WebDataset" in table
+    assert "first pass of a fresh Loader" in table and "machine load: 1-min load average" in table
 
 
 def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
@@ -81,7 +86,9 @@ def test_bench_sweep_smallest_writes_a_plot_and_a_recommendation(work, tmp_path,
     report = json.loads(out.read_text())
     assert len(report["points"]) == 3 and all(p["samples_per_s"] > 0 for p in report["points"])
     assert report["recommendation"].startswith("recommendation:") and png.read_bytes()[:4] == b"\x89PNG"
-    assert "recommendation:" in capsys.readouterr().out
+    assert report["load"]["cores"] >= 1
+    table = capsys.readouterr().out
+    assert "recommendation:" in table and "machine load" in table
 
 
 def test_bench_packer_smallest(work, tmp_path, capsys):
