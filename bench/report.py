@@ -43,9 +43,10 @@ def loaders_table(report: dict) -> str:
         lines.append(line + unit)
     d = report.get("default_vs_explicit")
     if d:
-        lines.append(f"Loader's default against the best explicit thread count ({d['best_explicit']}, "
-                     f"{d['best_explicit_samples_per_s']:,.0f}/s steady): first pass of a fresh Loader "
-                     f"{d['default_first_pass_pct']:.0f}%, steady {d['default_steady_pct']:.0f}%")
+        lines.append(f"Loader's default against the best explicit thread count ({d['best_explicit']}): "
+                     f"first pass of a fresh Loader {d['default_first_pass_pct']:.0f}% of its first pass, steady "
+                     f"{d['default_steady_pct']:.0f}% of its steady rate; a fresh Loader's first pass runs at "
+                     f"{d['first_pass_of_steady_pct']:.0f}% of its steady rate (its ring is allocated in it)")
     lines.append("%memcpy: against memcpy on as many threads as the row uses (Loader threads, else DataLoader "
                  "workers; Loader's default: the best memcpy of any thread count); x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) "
                  "with default collate; RSS/PSS: peak of the whole process tree; CPUs/1k: CPU seconds per 1000 samples")

@@ -43,7 +43,7 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert default[0]["system"] == f"mmpack Loader, default ({default[0]['threads']} threads)"
     assert 0 < default[0]["pct_memcpy"] and default[0]["samples_per_s"] > 0 and default[0]["first_pass_samples_per_s"] > 0
     versus = report["default_vs_explicit"]  # the default's first pass and steady rate against the best explicit row
-    assert versus["default_first_pass_pct"] > 0 and versus["default_steady_pct"] > 0
+    assert versus["default_first_pass_pct"] > 0 and versus["default_steady_pct"] > 0 and versus["first_pass_of_steady_pct"] > 0
     load = report["load"]
     assert load["cores"] >= 1 and load["load_avg_1m_start"] >= 0 and isinstance(load["busy"], bool)
     for module, state in report["peers"].items():  # every peer ran, or its row says why not

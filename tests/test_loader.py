@@ -57,7 +57,7 @@ def test_batches_equal_per_sample_reads(built, threads, pass_mode, copies):
     ({1: 10, 2: 10.5}, 2, 1),  # under 10% faster: the core is left to training
     ({1: 10}, 1, 1),
 ])
-def test_the_default_thread_count_is_the_fewest_past_which_doubling_gains_under_10pc(curve, most, chosen):
+def test_an_auto_thread_count_is_the_fewest_past_which_doubling_gains_under_10pc(curve, most, chosen):
     from loaders.batches import fewest_threads
 
     tried = []
