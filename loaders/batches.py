@@ -113,6 +113,7 @@ def fewest_threads(seconds_with, most: int) -> tuple[int, float]:
 # with a batch still being made ahead (a peek with next(iter(loader)), a break out of the loop
 # with the iterator kept) crashed at exit about one time in three.
 _PRODUCERS: set = set()
+_STOPPED = object()  # what a producer stopped before the pass's end (close(), exit) hands over last
 
 
 def _stop(producers) -> None:
@@ -257,9 +258,11 @@ class Loader(Resumable):
                 for b in range(1, p.num_batches):
                     while not ahead.acquire(timeout=0.1):
                         if stop.is_set():
+                            ready.put(_STOPPED)
                             return
                     batch = make(b, lambda: waiting_for[0] == b)
                     if batch is None:
+                        ready.put(_STOPPED)
                         return
                     ready.put(batch)
                     del batch
@@ -286,6 +289,8 @@ class Loader(Resumable):
                     waiting_for[0] = -1
                 if item is None:
                     break
+                if item is _STOPPED:
+                    raise ConfigError("this Loader was closed while the pass was open; iterate it again for a new pass")
                 if isinstance(item, BaseException):
                     raise item
                 yield item

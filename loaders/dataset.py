@@ -1,4 +1,4 @@
-"""`MMapDataset`: map-style, zero-copy access to a dataset dir (its iterable twin is in
+"""`MMapDataset`: map-style access to a dataset dir (its iterable twin is in
 `loaders.iterable`).
 
 `ds[i]` is a dict of fresh tensors, copied out of the read-only maps, as ImageFolder's are: a

@@ -717,13 +717,17 @@ def test_a_peek_or_a_break_costs_the_next_pass_nothing(built, make, pass_mode):
     assert len(again) == -(-len(ds) // 8)  # the resumed pass is over: the next is whole
 
 
-def test_a_dropped_loader_frees_its_buffers_without_the_garbage_collector(built):
+def test_a_dropped_loader_frees_its_buffers_without_the_garbage_collector(built, monkeypatch):
     """No reference cycle keeps a dropped Loader (its ring of batch buffers, hundreds of MB for
     keep-aspect canvases) or its dataset's reader lock alive until the cyclic GC runs; close()
-    and `with` free them at once."""
+    and `with` free them at once, and a pass left open then ends with an error, not a hang."""
     import gc
     import weakref
 
+    from loaders import batches
+    from packer.errors import ConfigError
+
+    monkeypatch.setattr(batches, "INLINE_BELOW_BYTES", 0)  # a producer thread, whose pass close() stops
     gc.collect()
     gc.disable()
     try:
@@ -742,6 +746,9 @@ def test_a_dropped_loader_frees_its_buffers_without_the_garbage_collector(built)
             it = iter(loader)
             next(it)
         assert loader._ring is None and loader._pool is None and not loader._running
+        with pytest.raises(ConfigError, match="closed while the pass was open"):
+            for _ in it:
+                pass
         assert [k for b in loader for k in b["key"]] != keys  # usable again: the next epoch
     finally:
         gc.enable()
