@@ -253,6 +253,11 @@ ARCHIVE_JSON_BYTES = 1 << 30  # archive.json past this is not one of ours: not r
 
 
 def read_archive(archive: Path) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
+    return _parse(archive, _description(archive))
+
+
+def _description(archive: Path) -> bytes:
+    """The bytes of archive.json: a regular file of at most ARCHIVE_JSON_BYTES."""
     path = archive / fmt.ARCHIVE_NAME
     if not path.is_file():
         raise ConfigError(f"{archive}: not an mmpack archive (no {fmt.ARCHIVE_NAME})")
@@ -260,6 +265,11 @@ def read_archive(archive: Path) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
         raw = f.read(ARCHIVE_JSON_BYTES + 1)
     if len(raw) > ARCHIVE_JSON_BYTES:
         raise IntegrityError(f"{path}: over {ARCHIVE_JSON_BYTES >> 20} MiB; not an mmpack archive description")
+    return raw
+
+
+def _parse(archive: Path, raw: bytes) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
+    path = archive / fmt.ARCHIVE_NAME
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -279,9 +289,9 @@ def materialize(archive: str | Path, cache_dir: str | Path | None = None) -> tup
     so a changed archive never reuses an old entry."""
     archive = Path(archive)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    read_archive(archive)  # valid, and not a FIFO: nothing below waits on what the archive holds
-    with open_regular(archive / fmt.ARCHIVE_NAME) as f:
-        ident = hashlib.sha256(f.read()).hexdigest()[:20]
+    raw = _description(archive)
+    _parse(archive, raw)  # valid before anything is made in the cache
+    ident = hashlib.sha256(raw).hexdigest()[:20]
     target = cache / ident
     if (target / fmt.MANIFEST_NAME).is_file():
         return target, False
