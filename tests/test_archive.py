@@ -118,6 +118,7 @@ def test_info_and_verify_take_an_archive(tmp_path, archive, built, capsys):
     assert main(["info", str(archive)]) == 0
     out = capsys.readouterr().out
     assert "zstd archive" in out and "compressed" in out and "found" in out
+    assert " KiB" in out or " MiB" in out  # sizes in binary units say so (they printed "MB" for MiB)
     assert main(["info", str(archive), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["num_samples"] > 0 and info["archive_bytes"] > 0
