@@ -32,6 +32,7 @@ from packer.errors import ConfigError
 from packer.reader import ColumnArrays, DatasetReader, decode_text
 
 from . import native
+from .internals import shared_storage
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
 RAGGED_BUFFER_BYTES = 16 << 20  # a ragged column's batch buffer: up to B x its longest sample, at most this
@@ -79,7 +80,7 @@ def _allocate(shape, dtype, memory: Memory) -> torch.Tensor:
         return torch.from_numpy(huge_array(shape, dtype))
     if memory == "shared":
         nbytes = math.prod(shape) * np.dtype(dtype).itemsize
-        storage = torch.UntypedStorage._new_shared(nbytes)  # what default_collate uses in workers
+        storage = shared_storage(nbytes)  # what default_collate uses in workers
         return torch.empty(0, dtype=torch_dtype).set_(storage).view(shape)
     return torch.empty(shape, dtype=torch_dtype, pin_memory=memory == "pinned")
 

@@ -16,18 +16,9 @@ from collections.abc import Callable
 
 import torch
 
+from .internals import storage_address, storage_use_count
+
 POLL_S = (5e-5, 2e-3)  # first and longest wait between two looks while every buffer is held
-
-
-def storage_of(tensor: torch.Tensor) -> int:
-    """The address of the tensor's storage object, to ask its reference count without making a
-    Python storage object each time (valid while the tensor lives: the ring keeps it)."""
-    return tensor.untyped_storage()._cdata
-
-
-def use_count(storage: int) -> int:
-    """References to a storage: every tensor (view) over it."""
-    return torch._C._storage_Use_Count(storage)
 
 
 class Ring:
@@ -54,12 +45,12 @@ class Ring:
 
     def _grow(self) -> dict:
         buffers = self._make()
-        storages = [storage_of(t) for t in buffers.values()]
-        self._buffers.append((buffers, [(s, use_count(s)) for s in storages]))
+        storages = [storage_address(t) for t in buffers.values()]
+        self._buffers.append((buffers, [(s, storage_use_count(s)) for s in storages]))
         return buffers
 
     def _unused(self, entry) -> bool:
-        return id(entry[0]) not in self._filling and all(use_count(s) == count for s, count in entry[1])
+        return id(entry[0]) not in self._filling and all(storage_use_count(s) == count for s, count in entry[1])
 
     def _take_unused(self) -> dict | None:
         if len(self._buffers) <= self._keep:  # the usual case: the first unused one

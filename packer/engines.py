@@ -27,6 +27,7 @@ from itertools import islice
 
 from . import format as fmt
 from .errors import ConfigError, SourceError
+from .internals import pool_broken, pool_manager, pool_processes
 from .plan import ShardTask
 from .sources import prefetch
 from .system import gc_frozen
@@ -162,7 +163,7 @@ class _Pool:
         return False
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if getattr(self.executor, "_broken", False):  # else its manager thread could block the exit too
+        if pool_broken(self.executor):  # else its manager thread could block the exit too
             _stop_broken(self.executor)
         else:
             self.executor.shutdown(wait=wait, cancel_futures=cancel_futures)
@@ -173,9 +174,8 @@ def _stop_broken(executor: ProcessPoolExecutor) -> None:
     workers it knows of when one dies, then joins them; a worker that `submit` started from
     this thread meanwhile (it replaces the dead one) is missed, waits for work forever, and so
     does the join (CPython 3.11: 2 hung builds of 30 with crashing decoders, 0 of 30 with this).
-    The private names are read with care: without them this is a plain shutdown."""
-    manager = getattr(executor, "_executor_manager_thread", None)
-    processes = list((getattr(executor, "_processes", None) or {}).values())
+    The private names are read in `packer.internals`: without them this is a plain shutdown."""
+    manager, processes = pool_manager(executor), pool_processes(executor)
     executor.shutdown(wait=False, cancel_futures=True)
     for process in processes:
         process.kill()

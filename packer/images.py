@@ -18,10 +18,10 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from .errors import SourceError
+from .internals import raw_encoder
 
 RESAMPLE = Image.Resampling.BILINEAR
 DRAFT_GAP = 2  # draft to >= DRAFT_GAP * S; see the module docstring
-_ENCODER = getattr(Image, "_getencoder", None)  # Pillow's own (private) hook behind tobytes()
 
 
 DEPTHS = (8, 10, 12, 14, 16, 24, 32)  # bits a high-bit-depth sample may really have
@@ -87,8 +87,8 @@ def rgb_pixels(img: Image.Image, box: tuple[int, int, int, int]) -> np.ndarray:
     crop + asarray where the encoder hook is missing: the same bytes."""
     img.load()
     shape = (box[3] - box[1], box[2] - box[0], 3)
-    if _ENCODER is not None:
-        e = _ENCODER("RGB", "raw", "RGB")
+    if raw_encoder is not None:
+        e = raw_encoder("RGB", "raw", "RGB")
         try:
             e.setimage(img.im, box)
             _, status, data = e.encode(max(1, math.prod(shape)))

@@ -33,7 +33,7 @@ def test_rgb_pixels_are_the_crop(case):
 def test_rgb_pixels_without_the_encoder_hook(monkeypatch):
     img = Image.fromarray(np.arange(5 * 7 * 3, dtype=np.uint8).reshape(5, 7, 3), "RGB")
     fast = images.rgb_pixels(img, (1, 2, 6, 5))
-    monkeypatch.setattr(images, "_ENCODER", None)
+    monkeypatch.setattr(images, "raw_encoder", None)
     np.testing.assert_array_equal(images.rgb_pixels(img, (1, 2, 6, 5)), fast)
 
 
