@@ -260,7 +260,7 @@ class Loader(Resumable):
                         if stop.is_set():
                             ready.put(_STOPPED)
                             return
-                    batch = make(b, lambda: waiting_for[0] == b)
+                    batch = make(b, lambda: waiting_for[0] == b)  # noqa: B023 - called within make, this b
                     if batch is None:
                         ready.put(_STOPPED)
                         return

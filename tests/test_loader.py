@@ -106,7 +106,7 @@ def test_num_threads_auto_times_the_first_pass_once_and_gives_the_same_batches(b
     for fake in (1, 2):
         looks = []
 
-        def choose(seconds_with, most, fake=fake):
+        def choose(seconds_with, most, fake=fake, looks=looks):
             looks.append(most)
             return fake, seconds_with(fake)
 
