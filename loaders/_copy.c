@@ -53,8 +53,8 @@ void mm_gather_rows(char *dst, const uint64_t *src, const int64_t *pos, size_t c
 /* Image i (hw[2i] rows of hw[2i+1] pixels of `pixel` bytes, contiguous at src[i]) to the top-left
  * of canvas slot pos[i] (`height` rows of `width` pixels), the rest of that slot zeroed. The work is
  * proportional to the bytes: an empty image (a zero side) is one memset, however many rows of
- * nothing its other side says (2^31 of them took 17 s a sample, row by row), and an image as wide
- * as the canvas one memcpy. Through
+ * nothing its other side says (a hostile shapes file may say 2^31 - 1), and an image as wide as
+ * the canvas one memcpy. Through
  * the cache: a canvas row is a few hundred bytes of image and then zeros in the same cache lines,
  * and streaming the image part while the zeros go through the cache made a canvas of 448 px
  * photos 5% slower to gather, streaming the zeros too 45% slower. */

@@ -27,8 +27,8 @@ from .sources import JSONL, PARQUET, TXT, Record
 PARQUET_BATCH_ROWS = 1024
 # A document longer than this (a .txt file, a JSONL line, a Parquet value, a caption) is a skip by
 # default: tokenizing one takes a worker's memory many times over (ids, offsets and token strings
-# for every token), and a 256 MB JSONL line killed its worker before this cap existed. A book is
-# 1-5 MB. --max-doc-bytes sets another cap.
+# for every token), and the whole line is in memory before it is parsed. A book is a few MB of
+# text, far below it. --max-doc-bytes sets another cap.
 MAX_DOC_BYTES = 64 << 20
 LINE_CHUNK = 1 << 20  # the rest of an over-long line is read and dropped in pieces of this size
 TOKENIZE_BATCH_DOCS = 64
