@@ -2,13 +2,14 @@
 or as Ray tasks. The build process never decodes or tokenizes: a decoder or tokenizer that
 kills its process costs the item it was on (found as below), not the build.
 
-Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s; the
-shard function is `packer.shards.run_shard`, except that a pool splits fixed-size image shards
-into pieces (`packer.pieces`: the same bytes); its processes are `packer.workers`. How they
+Each runner takes the same (context, [(task, records)]) jobs and returns `ShardResult`s. A pool
+runs units (`Unit`: a shard's row range; a fixed-size image shard in pieces, `packer.pieces`,
+the same bytes; any other shard whole, `packer.shards.run_shard`) under one scheduler with one
+recovery (`_Scheduler`); its processes are `packer.workers`. How they
 start (`start_method`): a build without a tokenizer forks them from this process when it runs
 a single thread, before any thread of the pool starts; any other build uses forkserver (spawn
 off Linux), never fork: `tokenizers` used before a fork can deadlock the child
-(huggingface/tokenizers#187), as can any lock another thread holds. At most two jobs per worker
+(huggingface/tokenizers#187), as can any lock another thread holds. At most two units per worker
 are queued, so memory stays bounded by the shard, not the corpus."""
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from . import format as fmt
@@ -103,7 +104,7 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
     if method == "fork":
         _fork_now(pool.executor)
     try:
-        results = (_run_pieces if in_pieces(ctx) else _run_shards)(pool, ctx, iter(jobs), workers, drain, advance)
+        results = _Scheduler(pool, ctx, iter(jobs), workers, drain, advance).run()
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         raise
@@ -186,49 +187,160 @@ def _stop_broken(executor: ProcessPoolExecutor) -> None:
 RETRIES = 3  # worker deaths that no one item explains, before the build gives up
 
 
-def _run_shards(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
-    """One task per shard, at most two per worker queued. When a worker process dies, every
-    shard the broken pool had runs again in a new pool, less the item (record, or document)
-    that killed it, which becomes a skip: found among the items each shard's process was on
-    (`read_busy`) by trying them in processes of their own, halving them. After RETRIES deaths
-    that no one item explains, the build stops naming what the workers were on."""
-    results: list[ShardResult] = []
-    unexplained: list[str] = []  # what the workers were on, at each death no one item explains
-    crashed: dict[int, frozenset[int]] = {}  # shard -> places of the items that killed a process
+@dataclass(frozen=True)
+class Unit:
+    """The work a pool worker runs: a shard's row range. A fixed-size image shard is cut into
+    pieces of rows (`packer.pieces`: each decodes into its slots of the shard's image file, and
+    this process finishes the shard once all are back); any other shard is one unit, its whole
+    range, which the worker packs and closes itself (`run_shard`). `crashed`: the places of
+    items (slots; documents for text) that killed a process, skipped untried."""
 
-    def submit(task, records) -> Future:
-        return pool.submit(run_shard, ctx, task, records, crashed.get(task.index, frozenset()))
+    index: int
+    first: int = 0
+    stop: int | None = None  # None: the whole shard
+    crashed: frozenset[int] = frozenset()
 
-    pending = {submit(*job): job for job in islice(jobs, 2 * workers)}
-    while pending:
-        done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
-        drain()
-        if any(isinstance(f.exception(), BrokenProcessPool) for f in done):
-            wait(pending)  # every other task of the broken pool fails too
-            again = [pending.pop(f) for f in list(pending) if isinstance(f.exception(), BrokenProcessPool)]
-            pool.renew()
-            on, found = [], False
-            for task, records in again:
-                busy = read_busy(ctx.staging, task.index)
-                if busy is None:  # queued, or not yet on an item: not what died
+    @property
+    def whole(self) -> bool:
+        return self.stop is None
+
+
+@dataclass
+class _Open:
+    """A shard whose units are out (or about to go)."""
+
+    task: ShardTask
+    records: list
+    last: bool  # the build's last shard: its pieces start their writeback as they finish
+    units_left: int = 1
+    skips: dict = field(default_factory=dict)  # slot -> Skip, from the pieces back so far
+    digests: dict = field(default_factory=dict)  # slot -> the checksum digest of its image row
+
+
+class _Scheduler:
+    """The one scheduler of a local build: units (`Unit`) to the pool, at most two per worker in
+    flight; a shard in pieces finished on a thread of this process once its pieces are back (a
+    finish mostly waits for its fsync, and no decoding process should wait with it). The one
+    recovery: when a worker dies, every unit of the broken pool runs again in a new pool, less
+    the item that killed it, found among the items its process was on (`read_busy`) by trying
+    them in processes of their own, halving them (`_crasher`); deaths count for the whole pool,
+    never against the work that was only running beside the culprit, and after RETRIES that no
+    one item explains, the build stops naming what the workers were on."""
+
+    def __init__(self, pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance):
+        self.pool, self.ctx, self.workers, self.drain, self.advance = pool, ctx, workers, drain, advance
+        self.jobs = _with_last(jobs)
+        self.sliced = in_pieces(ctx)
+        self.units: deque[Unit] = deque()  # of the shards opened so far, not yet submitted
+        self.open: dict[int, _Open] = {}  # by shard index
+        self.started: set[int] = set()  # shards this run started (a failure removes their partial dirs)
+        self.pending: dict[Future, Unit | None] = {}  # None: a finish
+        self.results: list[ShardResult] = []
+        self.unexplained: list[str] = []  # what the workers were on, at each death no one item explains
+        self.finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish") if self.sliced else None
+
+    def run(self) -> list[ShardResult]:
+        try:
+            self._refill()
+            while self.pending:
+                done, _ = wait(self.pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
+                self.drain()
+                if any(self.pending[f] is not None and isinstance(f.exception(), BrokenProcessPool) for f in done):
+                    self._recover()
                     continue
-                on.append(f"{fmt.shard_dir_name(task.index)} items {busy[0]}..{busy[1] - 1}")
-                item = _crasher(pool, ctx, records, *busy, crashed.get(task.index, frozenset()))
+                for future in done:
+                    self._collect(future)
+                self._refill()
+        except BaseException:  # a unit, an open or a finish failed (a full disk): no half-filled shard
+            # stays behind, be it in pieces, half opened or waiting for its finish (cancelled here);
+            # a shard whose finish ran has no partial dir left (it was renamed whole, or removed)
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            if self.finisher is not None:
+                self.finisher.shutdown(wait=True, cancel_futures=True)
+            for index in self.started:
+                shutil.rmtree(partial_dir(self.ctx.staging, index), ignore_errors=True)
+            raise
+        if self.finisher is not None:
+            self.finisher.shutdown(wait=True)
+        self.drain()
+        return self.results
+
+    def _refill(self) -> None:
+        while sum(unit is not None for unit in self.pending.values()) < 2 * self.workers:  # units in flight
+            if not self.units and not self._open_next():
+                return
+            self._submit(self.units.popleft())
+
+    def _open_next(self) -> bool:
+        """Open the next shard: its units queued, or, finished by another run of this build
+        meanwhile, its result taken as it is."""
+        for (task, records), last in self.jobs:
+            self.started.add(task.index)
+            if not self.sliced:
+                self.open[task.index] = _Open(task, records, last)
+                self.units.append(Unit(task.index))
+                return True
+            done = open_pieces(self.ctx, task)
+            if done is not None:
+                self.results.append(done)
+                self.advance(done.items)
+                continue
+            bounds = piece_bounds(len(records), last=last, lanes=self.workers)
+            self.open[task.index] = _Open(task, records, last, len(bounds))
+            self.units.extend(Unit(task.index, first, stop) for first, stop in bounds)
+            return True
+        return False
+
+    def _submit(self, unit: Unit) -> None:
+        shard = self.open[unit.index]
+        if unit.whole:
+            future = self.pool.submit(run_shard, self.ctx, shard.task, shard.records, unit.crashed)
+        else:
+            records = [record for _, record in shard.records[unit.first:unit.stop]]  # no spans: less to pickle
+            prefetch(records)  # read while the pieces before it decode
+            future = self.pool.submit(run_piece, self.ctx, unit.index, unit.first, records, writeback=shard.last,
+                                      crashed=tuple(sorted(unit.crashed)))
+        self.pending[future] = unit
+
+    def _collect(self, future: Future) -> None:
+        unit = self.pending.pop(future)
+        value = future.result()  # re-raises a worker's error here
+        if unit is None or unit.whole:  # a shard finished here, or in its worker
+            if unit is not None:
+                del self.open[unit.index]
+            self.results.append(value)
+            return
+        shard = self.open[unit.index]
+        shard.units_left -= 1
+        skips, digests = value
+        shard.skips.update(skips)
+        shard.digests.update(digests)
+        if shard.units_left == 0:
+            del self.open[unit.index]
+            self.pending[self.finisher.submit(finish_pieces, self.ctx, shard.task, shard.records, shard.skips,
+                                              shard.digests)] = None
+
+    def _recover(self) -> None:
+        """The pool broke: every unit it had runs again in a new pool, less the item that killed
+        its process, where one item alone does."""
+        wait(self.pending)  # every other unit of the broken pool fails too
+        broken = [self.pending.pop(f) for f in list(self.pending)
+                  if self.pending[f] is not None and isinstance(f.exception(), BrokenProcessPool)]
+        self.pool.renew()
+        found, on = False, []
+        for unit in broken:
+            crashed = unit.crashed
+            busy = read_busy(self.ctx.staging, unit.index, None if unit.whole else unit.first)
+            if busy is not None:  # queued, or not yet on an item: not what died
+                on.append(f"{fmt.shard_dir_name(unit.index)} items {busy[0]}..{busy[1] - 1}")
+                item = _crasher(self.pool, self.ctx, self.open[unit.index].records, *busy, crashed)
                 if item is not None:
-                    crashed[task.index] = crashed.get(task.index, frozenset()) | {item}
-                    found = True
-            if not found:
-                unexplained.append(", ".join(on))
-                if len(unexplained) >= RETRIES:
-                    raise _unexplained(ctx, unexplained)
-            pending.update({submit(*job): job for job in again})
-            continue
-        for future in done:
-            del pending[future]
-            results.append(future.result())  # re-raises a worker's error here
-            pending.update({submit(*job): job for job in islice(jobs, 1)})
-    drain()
-    return results
+                    crashed, found = crashed | {item}, True
+            self._submit(replace(unit, crashed=crashed))
+        if not found:  # counted for the whole pool, never for one unit
+            self.unexplained.append(", ".join(on))
+            if len(self.unexplained) >= RETRIES:
+                raise _unexplained(self.ctx, self.unexplained)
 
 
 def _unexplained(ctx: ShardContext, unexplained: list[str]) -> SourceError:
@@ -258,128 +370,6 @@ def _crasher(pool: _Pool, ctx: ShardContext, records: list, lo: int, hi: int, kn
         else:
             lo, proven = mid, False
     return lo if proven or kills(lo, hi) else None
-
-
-@dataclass(frozen=True)
-class _Piece:
-    index: int
-    first: int
-    stop: int
-    crashed: tuple[int, ...] = ()  # slots whose decode killed its process: skipped, not decoded
-
-
-def _run_pieces(pool: _Pool, ctx: ShardContext, jobs: Iterator, workers: int, drain, advance) -> list[ShardResult]:
-    """Shards opened here one after another, their pieces run by any of the `workers` processes
-    (at most two per worker queued). Once all pieces of a shard are back, a thread of its own in
-    this process finishes the shard: a finish mostly waits for its fsync, and no decoding process
-    should wait with it. A piece whose process died is run again without the record that killed
-    it (found by trying the record it was decoding alone), which becomes a skip."""
-    results: list[ShardResult] = []
-    calls: deque = deque()  # pieces of the shards opened so far, not yet submitted
-    shards: dict[int, _Opened] = {}  # by index
-    jobs = _with_last(jobs)
-    pending: dict = {}  # future -> _Piece, or None for a finish
-    opened: set[int] = set()  # shards this run started (a failure removes their partial dirs)
-    unexplained: list[str] = []  # what the workers were on, at each death no one record explains
-    finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish")
-
-    def submit(piece: _Piece) -> None:
-        shard = shards[piece.index]
-        records = [record for _, record in shard.records[piece.first:piece.stop]]  # no spans: less to pickle
-        prefetch(records)  # read while the pieces before it decode
-        pending[pool.submit(run_piece, ctx, piece.index, piece.first, records, writeback=shard.last,
-                            crashed=piece.crashed)] = piece
-
-    def refill() -> None:
-        while sum(piece is not None for piece in pending.values()) < 2 * workers:  # pieces in flight
-            if not calls and not _open_next():
-                return
-            submit(calls.popleft())
-
-    def _open_next() -> bool:
-        for (task, records), last in jobs:
-            opened.add(task.index)
-            done = open_pieces(ctx, task)
-            if done is not None:  # finished by another run of this build meanwhile
-                results.append(done)
-                advance(done.items)
-                continue
-            bounds = piece_bounds(len(records), last=last, lanes=workers)
-            shards[task.index] = _Opened(task, records, len(bounds), last)
-            calls.extend(_Piece(task.index, first, stop) for first, stop in bounds)
-            return True
-        return False
-
-    def recover() -> None:
-        """The pool broke: every piece it had is tried again, less the records that killed it."""
-        wait(pending)
-        broken = [pending.pop(f) for f in list(pending) if pending[f] is not None
-                  and isinstance(f.exception(), BrokenProcessPool)]
-        pool.renew()
-        found, on = False, []
-        for piece in broken:
-            crashed = set(piece.crashed)
-            busy = read_busy(ctx.staging, piece.index, piece.first)  # (slot, slot + 1)
-            if busy is not None:  # a piece that was decoding: its record is tried alone
-                slot = busy[0]
-                record = shards[piece.index].records[slot][1]
-                on.append(str(ctx.raw / record.key))
-                if slot not in crashed and pool.crashes(ctx.decode, record.path):
-                    crashed.add(slot)
-                    found = True
-            submit(_Piece(piece.index, piece.first, piece.stop, tuple(sorted(crashed))))
-        if not found:  # no record explains this death: counted for the whole pool, never for one piece
-            unexplained.append(", ".join(on))
-            if len(unexplained) >= RETRIES:
-                raise _unexplained(ctx, unexplained)
-
-    try:
-        refill()
-        while pending:
-            done, _ = wait(pending, timeout=POLL_S, return_when=FIRST_COMPLETED)
-            drain()
-            if any(pending[f] is not None and isinstance(f.exception(), BrokenProcessPool) for f in done):
-                recover()
-                continue
-            for future in done:
-                piece = pending.pop(future)
-                value = future.result()  # re-raises a worker's error here
-                if piece is None:
-                    results.append(value)
-                    continue
-                shard = shards[piece.index]
-                shard.pieces_left -= 1
-                skips, digests = value
-                shard.skips.update(skips)
-                shard.digests.update(digests)
-                if shard.pieces_left == 0:
-                    del shards[piece.index]
-                    pending[finisher.submit(finish_pieces, ctx, shard.task, shard.records, shard.skips,
-                                            shard.digests)] = None
-            refill()
-    except BaseException:  # a piece, an open or a finish failed (a full disk): no half-filled shard
-        # stays behind, be it in pieces, half opened or waiting for its finish (cancelled here);
-        # a shard whose finish ran has no partial dir left (it was renamed whole, or removed)
-        pool.shutdown(wait=True, cancel_futures=True)
-        finisher.shutdown(wait=True, cancel_futures=True)
-        for index in opened:
-            shutil.rmtree(partial_dir(ctx.staging, index), ignore_errors=True)
-        raise
-    finisher.shutdown(wait=True)
-    drain()
-    return results
-
-
-@dataclass
-class _Opened:
-    """A shard whose pieces are out (or about to go)."""
-
-    task: ShardTask
-    records: list
-    pieces_left: int
-    last: bool  # the build's last shard: its pieces start their writeback as they finish
-    skips: dict = field(default_factory=dict)  # slot -> Skip, from the pieces back so far
-    digests: dict = field(default_factory=dict)  # slot -> the checksum digest of its image row
 
 
 _END = object()

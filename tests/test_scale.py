@@ -588,7 +588,7 @@ def test_only_the_last_shards_pieces_start_their_writeback_early(tmp_path, image
             return super().submit(fn, *args, **kwargs)
 
     with Recording(2) as pool:
-        results = engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
+        results = engines._Scheduler(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None).run()
     last = prep.plan.tasks[-1].index
     assert len(prep.plan.tasks) > 2 and {i for i, _ in calls} == {t.index for t in prep.plan.tasks}
     assert all(early == (index == last) for index, early in calls)
@@ -630,7 +630,7 @@ def test_a_failing_piece_leaves_no_shard_half_done_even_one_waiting_for_its_fini
     monkeypatch.setattr(engines, "finish_pieces", slow_first_finish)
     monkeypatch.setattr(engines, "run_piece", failing_piece)
     with ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="No space"):
-        engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
+        engines._Scheduler(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None).run()
     staging = tmp_path / "out" / fmt.STAGING_DIR
     assert len(tasks) > 6 and sorted(p.name for p in staging.glob("*.partial")) == []
     assert (tmp_path / "out" / prep.ctx.generation / fmt.shard_dir_name(tasks[0].index) / "image.npy").is_file()  # the running finish ended whole
@@ -657,7 +657,7 @@ def test_a_shard_that_fails_to_open_leaves_no_partial_dir(tmp_path, image_raw, m
 
     monkeypatch.setattr(engines, "open_pieces", full_disk_at_the_third)
     with ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="No space"):
-        engines._run_pieces(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None)
+        engines._Scheduler(pool, prep.ctx, iter(jobs), 2, lambda: None, lambda n: None).run()
     assert sorted(p.name for p in (tmp_path / "out" / fmt.STAGING_DIR).glob("*.partial")) == []
 
 
