@@ -340,7 +340,10 @@ def _difference(old: dict, new: dict) -> str:
 
 
 def _inputs_digest(found: Scan) -> str:
-    """Every record's key, size and mtime, and the scan's skips: a changed input changes it."""
+    """Every record's key, size and mtime, the scan's skips, and the classes when some has no
+    record (an empty class folder): a changed input, or a new empty folder, changes it, since
+    either changes a label. Classes that are the records' own folders are named by the keys
+    already, so the digest of such a build is what earlier versions wrote."""
     digest = hashlib.sha256()
     for r in found.records:
         for path in (r.path, r.caption):
@@ -349,6 +352,8 @@ def _inputs_digest(found: Scan) -> str:
                 digest.update(f"{r.key}\0{os.path.basename(path)}\0{size}\0{mtime}\n".encode())
     for s in found.skipped:
         digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())
+    if found.classes is not None and set(found.classes) - {r.key.split("/", 1)[0] for r in found.records}:
+        digest.update("classes\0{}\n".format("\0".join(found.classes)).encode())
     return digest.hexdigest()
 
 

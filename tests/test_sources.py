@@ -78,3 +78,18 @@ def test_labels_are_imagefolders_and_every_file_is_counted(tmp_path, odd_tree, c
     capsys.readouterr()
     assert main(["info", str(out)]) == 0
     assert empty in capsys.readouterr().out
+
+
+def test_a_new_empty_class_folder_is_a_changed_input(tmp_path, image_raw, capsys):
+    """An empty folder shifts ImageFolder's labels after it: a build of RAW run again once one
+    is there does not pass the old dataset off as done (its labels would be off by one)."""
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    for name in ("cat", "dog"):
+        shutil.copytree(image_raw / sorted(p.name for p in image_raw.iterdir() if p.is_dir())[0], raw / name)
+    args = ["build", str(raw), str(out), "--image-size", "16", "-q"]
+    assert main(args) == 0 and main(args) == 0  # the same RAW again: done already
+    (raw / "bird").mkdir()
+    assert main(args) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    assert load_manifest(out).classes == ("bird", "cat", "dog")
