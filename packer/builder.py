@@ -449,11 +449,7 @@ def _only_new(found: Scan, reader: DatasetReader) -> Scan:
     if found.kind != base.kind:
         raise ConfigError(f"--append: RAW holds {found.kind}, the dataset in {reader.root} is {base.kind}")
     known = {record_key(s.key, base.kind) for s in base.skipped}
-    for pos in range(len(base.shards)):
-        keys = reader.column(pos, "key")
-        raw = keys.values.tobytes()
-        offsets = keys.offsets.tolist()
-        known.update(record_key(raw[a:b].decode("utf-8"), base.kind) for a, b in zip(offsets, offsets[1:]))
+    known.update(record_key(key.decode("utf-8"), base.kind) for key in reader.key_bytes())
     return replace(found, records=tuple(r for r in found.records if r.key not in known),
                    skipped=tuple(s for s in found.skipped if s.key not in known))
 

@@ -222,7 +222,7 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
             rate += f"; the workers spent {100 * waited:.0f}% of their time waiting on the disk"
     if not quiet and manifest.build.get("layout") and not appended:
         print(f"layout {manifest.build['layout']}")
-    empty = empty_classes(DatasetReader(out))
+    empty = empty_classes(DatasetReader(out)) if manifest.classes is not None else []
     if empty:
         print(_empty_classes_line(empty, len(manifest.classes)))
     if appended:

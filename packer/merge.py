@@ -106,13 +106,7 @@ def _place(src_root: Path, shard: fmt.Shard, index: int, out: Path, generation: 
 
 def _key_hashes(reader: DatasetReader) -> np.ndarray:
     """A 64-bit hash of every sample's key, in sample order: 8 bytes a sample, not a set of strings."""
-    out = []
-    for pos in range(len(reader.manifest.shards)):
-        keys = reader.column(pos, "key")
-        raw, offsets = keys.values.tobytes(), keys.offsets.tolist()
-        out.append(np.fromiter((xxhash.xxh3_64_intdigest(raw[a:b]) for a, b in zip(offsets, offsets[1:])),
-                               np.uint64, len(offsets) - 1))
-    return np.concatenate(out) if out else np.zeros(0, np.uint64)
+    return np.fromiter(map(xxhash.xxh3_64_intdigest, reader.key_bytes()), np.uint64, len(reader))
 
 
 def check_unique_keys(inputs: list[Path], readers: list[DatasetReader]) -> None:

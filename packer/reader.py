@@ -22,7 +22,7 @@ import functools
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
@@ -316,6 +316,14 @@ class DatasetReader:
             arrays = map_column(self.root / shard.dir, self.manifest.column(name), shard.num_samples)
             self._maps[key] = arrays
         return arrays
+
+    def key_bytes(self) -> Iterator[bytes]:
+        """Every sample's key as its UTF-8 bytes, in sample order (one shard's keys in memory at
+        a time)."""
+        for pos in range(len(self.manifest.shards)):
+            keys = self.column(pos, "key")
+            raw, offsets = keys.values.tobytes(), keys.offsets.tolist()
+            yield from (raw[a:b] for a, b in zip(offsets, offsets[1:]))
 
     def class_counts(self) -> np.ndarray | None:
         """Samples of each class (int64 [len(classes)]); None without classes. Reads the label

@@ -75,30 +75,31 @@ def list_files(raw: Path) -> tuple[list[tuple[str, str]], list[Skip], dict[str, 
         above = above | {(st.st_dev, st.st_ino)}
         for entry in entries:
             rel = entry.path[cut:].replace(os.sep, "/")
+            shown = printable(rel)  # what a skip can name: keys are UTF-8
             if _is_dir(entry):
                 if entry.name.startswith("."):
                     continue
                 try:
                     target = entry.stat()
                 except OSError as exc:
-                    skipped.append(Skip(printable(rel), "scan", f"unreadable folder ({exc.strerror or exc})"))
+                    skipped.append(Skip(shown, "scan", f"unreadable folder ({exc.strerror or exc})"))
                     continue
                 if (target.st_dev, target.st_ino) in above:
-                    skipped.append(Skip(printable(rel), "scan", "symlink to a folder it is inside (a loop, not followed)"))
+                    skipped.append(Skip(shown, "scan", "symlink to a folder it is inside (a loop, not followed)"))
                 else:
                     todo.append((entry.path, above))
             elif entry.name.startswith("."):
-                skipped.append(Skip(printable(rel), "scan", "hidden file"))
+                skipped.append(Skip(shown, "scan", "hidden file"))
             else:
                 try:
                     st = entry.stat()
                 except OSError:
-                    skipped.append(Skip(printable(rel), "scan", "dangling symlink"))
+                    skipped.append(Skip(shown, "scan", "dangling symlink"))
                     continue
                 if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build that reads it
-                    skipped.append(Skip(printable(rel), "scan", "not a regular file"))
-                elif printable(rel) != rel:  # no key for it: keys are UTF-8
-                    skipped.append(Skip(printable(rel), "scan", "its path is not valid UTF-8; rename it"))
+                    skipped.append(Skip(shown, "scan", "not a regular file"))
+                elif shown != rel:
+                    skipped.append(Skip(shown, "scan", "its path is not valid UTF-8; rename it"))
                 else:
                     files.append((rel, entry.path))
                     stats[entry.path] = (st.st_size, st.st_mtime_ns)
