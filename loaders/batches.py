@@ -130,10 +130,11 @@ atexit.register(_stop, _PRODUCERS)
 class Loader(Resumable):
     """Batches of a packed dataset (or TokenWindows / PackedDocuments) at memory bandwidth.
 
-    A pass that reaches the end of its epoch moves the Loader to the next epoch; any other new
-    iteration starts the epoch from its beginning (a peek with `next(iter(loader))` or a `break`
-    costs the next pass nothing), except the first after `load_state_dict()`, which goes on
-    exactly where the state was saved (see `loaders.sampler.EpochPlan`).
+    Every iteration is a pass over an epoch from its beginning (the next epoch after a pass that
+    ended, or was left early by a peek with `next(iter(loader))` or a `break`: a new order, as a
+    shuffled DataLoader's next iterator; `set_epoch(e)` names it), except the first after
+    `load_state_dict()`, which goes on exactly where the state was saved (see
+    `loaders.sampler.EpochPlan`).
 
     Args:
         dataset: an MMapDataset, a dataset dir, or a TokenWindows / PackedDocuments view.

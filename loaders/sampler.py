@@ -101,14 +101,16 @@ class EpochPlan:
     """The state around the functions above, shared by every reader: order, seed, epoch, this
     rank's place, and the cursor.
 
-    A pass starts at the beginning of the plan's epoch, as a DataLoader's iterator does, except
-    the first pass after `load_state_dict`, which starts at the loaded cursor: only a loaded
-    state resumes mid-epoch. A pass left early (a peek with `next(iter(loader))`, a `break`)
-    keeps its place in `state_dict()` for a checkpoint, but the next pass starts its epoch
-    afresh. A pass that reaches the end of its epoch moves the plan to the next epoch.
-    `set_epoch(e)` for another epoch starts e at its beginning; for the epoch the plan is in, it
-    keeps a loaded cursor (so the usual loop, which calls it at the top of every epoch, does not
-    replay a resumed epoch)."""
+    Only a loaded state resumes mid-epoch: the first pass after `load_state_dict` starts at the
+    loaded cursor. Every other pass starts an epoch from its beginning, as a DataLoader iterator
+    does: the plan's epoch, or, after a pass left early (a peek with `next(iter(loader))`, a
+    `break`), the next one, a new order, as a shuffled DataLoader's next iterator draws one
+    (starting the same epoch again would train every such pass on the same first batches). A
+    pass left early keeps its place in `state_dict()` until the next one starts, for a checkpoint
+    of what was taken. A pass that reaches the end of its epoch moves the plan to the next
+    epoch. `set_epoch(e)` names the next pass's epoch: from its beginning, but for the epoch of
+    a loaded state, whose cursor it keeps (so the usual loop, which calls it at the top of every
+    epoch, does not replay a resumed epoch)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
                  drop_last: bool, rank: int | None, world_size: int | None, source: str = ""):
@@ -123,6 +125,7 @@ class EpochPlan:
         self.epoch = 0
         self.cursor = 0
         self.resuming = False  # a loaded state's cursor is where the next pass starts
+        self.partial = False  # a pass started and not taken to its end: the next one takes a new epoch
         self._perm: Permutation | None = None
         self._chunk: tuple[tuple[int, int, int], np.ndarray] | None = None  # (epoch, cursor, chunk) -> ids
 
@@ -130,21 +133,24 @@ class EpochPlan:
         epoch = check_int("epoch", epoch)
         if epoch != self.epoch:
             self.epoch, self.cursor, self.resuming = epoch, 0, False
+        self.partial = False
 
     @property
     def next_cursor(self) -> int:
-        """Where the next pass starts in the epoch: a loaded state's cursor, else 0."""
+        """Where the next pass starts in its epoch: a loaded state's cursor, else 0."""
         return self.cursor if self.resuming else 0
 
     def upcoming(self) -> Pass:
-        """The pass the next iteration makes (from a loaded state's cursor, else from the epoch's
-        beginning), without starting it."""
-        return Pass(self.epoch, self.next_cursor, self.num_batches())
+        """The pass the next iteration makes, without starting it: from a loaded state's cursor,
+        else an epoch from its beginning (the next one after a pass left early)."""
+        epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
+        return Pass(epoch, self.next_cursor, self.num_batches())
 
     def start(self) -> Pass:
-        """Start the next pass (`upcoming`): a loaded cursor is used once."""
+        """Start the next pass (`upcoming`); from here `state_dict()` describes it. A loaded
+        cursor is used once."""
         p = self.upcoming()
-        self.resuming = False
+        self.epoch, self.cursor, self.resuming, self.partial = p.epoch, p.cursor, False, True
         return p
 
     def per_rank(self, cursor: int | None = None) -> int:
@@ -189,7 +195,7 @@ class EpochPlan:
         self.epoch = p.epoch
         self.cursor = min(p.cursor + batches * self.batch_size * self.world_size, self.num_samples)
         if batches >= p.num_batches:
-            self.epoch, self.cursor = p.epoch + 1, 0
+            self.epoch, self.cursor, self.partial = p.epoch + 1, 0, False
 
     def state_dict(self) -> dict:
         """A few integers and the identity of what they index: enough to resume exactly in a
@@ -213,7 +219,7 @@ class EpochPlan:
         if type(epoch) is not int or type(cursor) is not int or not 0 <= epoch < KEY_LIMIT or not 0 <= cursor <= self.num_samples:
             raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
                               f"{self.num_samples} samples")
-        self.epoch, self.cursor, self.resuming = epoch, cursor, True
+        self.epoch, self.cursor, self.resuming, self.partial = epoch, cursor, True, False
 
 
 class Resumable:

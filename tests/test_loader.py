@@ -715,6 +715,17 @@ def test_a_peek_or_a_break_costs_the_next_pass_nothing(built, make, pass_mode):
     rest = [k for b in again for k in b["key"]]
     assert sorted(done + rest) == sorted(ds[i]["key"] for i in range(len(ds)))
     assert len(again) == -(-len(ds) // 8)  # the resumed pass is over: the next is whole
+    # passes cut short without set_epoch (a step budget per "epoch") draw a new order each time,
+    # as a shuffled DataLoader's iterators do: the same first batches every time would train on
+    # a fixed subset of the data
+    short = new()
+    firsts = []
+    for _ in range(3):
+        for i, batch in enumerate(short):
+            if i == 2:
+                break
+            firsts.append(tuple(batch["key"]))
+    assert len(set(firsts)) == len(firsts) == 6
 
 
 def test_a_dropped_loader_frees_its_buffers_without_the_garbage_collector(built, monkeypatch):
