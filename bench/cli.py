@@ -65,9 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     stall_args(sw, 20.0)
 
     pk = sub.add_parser("packer", help="build throughput vs raw per-core decode / tokenize rates; zstd")
-    # 24 MB of text (most of the ~30 MB of distinct sample text): a text build of about 3.7 s. At 8 MB
-    # it lasted 1.2 s, 7% of which passed before the first document was encoded (imports, tokenizer
-    # load, scan): start-up latency, not throughput
+    # 24 MB of text (most of the distinct sample text): long enough that the build's start-up
+    # (imports, tokenizer load, scan) is a small share of it, so the rate is throughput
     common(pk, 6000, 24, plot=False)
     pk.add_argument("--workers-list", type=_ints, default=sorted({1, cores}))
     pk.add_argument("--shard-size", default="64MB", help="shard size for the builds (default 64MB)")

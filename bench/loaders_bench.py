@@ -33,7 +33,7 @@ class OnTheFlyImages(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, i):
-        from packer.images import decode_image
+        from packer.builder.images import decode_image
 
         return {"image": torch.from_numpy(decode_image(self.files[i], self.size)), "label": self.labels[i]}
 
@@ -49,7 +49,7 @@ class OnTheFlyText(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         if self._tok is None:
-            from packer.text import load_tokenizer
+            from packer.builder.text import load_tokenizer
 
             self._tok = load_tokenizer(self.tokenizer)
         return torch.tensor(self._tok.encode(self.texts[i], add_special_tokens=False).ids, dtype=torch.int64)
@@ -82,7 +82,7 @@ def _prepared(work: Path, name: str, size, make_raw, build_args: list[str]) -> t
     dir from an older mmpack, or for another --images, is made again)."""
     from packer.cli import main as packer
     from packer.errors import MmpackError
-    from packer.reader import load_manifest
+    from packer.dataset.reader import load_manifest
 
     raw, out = work / f"raw-{name}", work / f"out-{name}"
     stamp, made_for = work / f"build-{name}.json", {"size": size, "build_args": build_args}
@@ -136,7 +136,7 @@ def bench_loaders(args) -> dict:
     if args.model:  # real networks: a ResNet-18 for images, a small transformer for tokens
         from .models import model_steps
 
-        from packer.text import load_tokenizer
+        from packer.builder.text import load_tokenizer
 
         model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024)
 
@@ -176,7 +176,7 @@ def bench_loaders(args) -> dict:
     r.update(threads=loader.num_threads, best_memcpy=True, default=True,
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
-    from loaders import native
+    from loaders.batch import native
 
     if native.LIB is not None:  # the same Loader without its C copies: what an install without a compiler gets
         lib, native.LIB = native.LIB, None

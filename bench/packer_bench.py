@@ -26,7 +26,7 @@ what, raw, part, parts, tokenizer = sys.argv[1], sys.argv[2], int(sys.argv[3]), 
 if what == "images":
     from pathlib import Path
     from packer.errors import SourceError
-    from packer.images import decode_image
+    from packer.builder.images import decode_image
     files = sorted(p for p in Path(raw).rglob("*") if p.is_file())[part::parts]
 
     def run():
@@ -39,8 +39,8 @@ if what == "images":
                 pass
         return n
 else:
-    from packer.sources import scan
-    from packer.text import Document, encode_batch, iter_documents, load_tokenizer
+    from packer.builder.scan import scan
+    from packer.builder.text import Document, encode_batch, iter_documents, load_tokenizer
     tok = load_tokenizer(tokenizer)
     texts = [d.text for r in scan(raw).records for d in iter_documents(r) if isinstance(d, Document)][part::parts]
 
@@ -139,7 +139,7 @@ def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, i
 
 
 def bench_packer(args) -> dict:
-    from packer.archive import pack, unpack
+    from packer.dataset.archive import pack, unpack
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-packer-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,7 @@ def bench_packer(args) -> dict:
 
 
 def _token_count(out: Path) -> int:
-    from packer.reader import DatasetReader
+    from packer.dataset.reader import DatasetReader
 
     reader = DatasetReader(out)
     return sum(int(reader.column(k, "tokens").offsets[-1]) for k in range(len(reader.manifest.shards)))

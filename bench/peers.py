@@ -64,7 +64,7 @@ class PeerSystem:
 
 
 def _decode_bytes(raw: bytes, size: int) -> np.ndarray:
-    from packer.images import decode_image
+    from packer.builder.images import decode_image
 
     return decode_image(io.BytesIO(raw), size)
 

@@ -15,12 +15,12 @@ FULL_BYTES_PER_SAMPLE = 16  # the 0.3 order: an int64 permutation plus its int64
 
 def open_per_position(n: int, batch: int) -> None:
     """What Loader / StatefulDataLoader do now: the plan, len(), the first batch's ids, a state."""
-    from loaders.sampler import EpochPlan
+    from loaders.order.sampler import Epochs
 
-    plan = EpochPlan(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
+    plan = Epochs(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
     plan.num_batches()
     plan.batch_ids(plan.start(), 0)
-    again = EpochPlan(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
+    again = Epochs(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
     again.load_state_dict({**plan.state_dict(), "cursor": n // 2})
     again.batch_ids(again.start(), 0)
 
@@ -47,7 +47,7 @@ def _peak_mb() -> float:
 
 
 def _child(kind: str, n: int, batch: int) -> None:
-    import loaders.sampler  # noqa: F401  imports (torch) before the clock and the memory baseline
+    import loaders.order.sampler  # noqa: F401  imports (torch) before the clock and the memory baseline
 
     base = _rss_mb()
     start = time.perf_counter()

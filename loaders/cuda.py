@@ -48,9 +48,9 @@ def to_device(batches, device, prefetch: int = 2):
             pending.append((on_device, done))
             del on_device
             if len(pending) > prefetch:
-                yield _hand_over(*pending.popleft())
+                yield _counted(*pending.popleft())
         while pending:
-            yield _hand_over(*pending.popleft())
+            yield _counted(*pending.popleft())
     finally:
         close = getattr(source, "close", None)
         if close is not None:
@@ -60,7 +60,7 @@ def to_device(batches, device, prefetch: int = 2):
 _END = object()
 
 
-def _hand_over(batch, done):
+def _counted(batch, done):
     current = torch.cuda.current_stream()
     current.wait_event(done)
     _map(lambda t: t.record_stream(current), batch)

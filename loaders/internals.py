@@ -3,7 +3,7 @@ tests/test_internals.py checks the meaning mmpack relies on, so that a torch rel
 one fails that test instead of a guarantee (a held batch refilled, a worker's batch copied).
 
 - `torch._C._storage_Use_Count`: how many tensors refer to a storage. The ring refills a batch
-  buffer only when this is back to its count at allocation (`loaders.ring`); torch has no public
+  buffer only when this is back to its count at allocation (`loaders.batch.ring`); torch has no public
   way to ask whether a caller still holds a view of a tensor.
 - `torch.UntypedStorage._new_shared`: a storage in shared memory, which a DataLoader worker's
   batch is gathered into so that DataLoader passes it by file descriptor, uncopied (torch's own

@@ -3,7 +3,7 @@ that advances epochs by itself and resumes exactly, with any number of workers.
 
 Like torchdata's StatefulDataLoader: `state_dict()` / `load_state_dict(state)` on the loader.
 The DataLoader's sampler runs in the main process and hands each worker a key, (pass, batch
-number), from which the worker computes the batch's ids (`loaders.sampler`): workers never need
+number), from which the worker computes the batch's ids (`loaders.order.sampler`): workers never need
 the epoch or the cursor of the object in the main process, so epochs advance, and a loaded
 state takes effect, even with persistent workers. A batch counts as taken when the loop gets it,
 not when a worker makes it or the DataLoader prefetches it.
@@ -15,9 +15,9 @@ import torch
 
 from packer.errors import ConfigError
 
-from .batches import BatchedDataset, EpochDataset
-from .iterable import MMapIterableDataset
-from .sampler import EpochPlan, Pass, Resumable
+from loaders.batched import BatchedDataset, EpochDataset
+from loaders.views.iterable import MMapIterableDataset
+from loaders.order.sampler import Epochs, Pass, Resumable
 
 
 def _as_is(batch):
@@ -35,18 +35,18 @@ class _Keyed(torch.utils.data.Dataset):
 
 
 class _PassKeys(torch.utils.data.Sampler):
-    """The keys of the plan's next pass. Iterating does not start the pass: a DataLoader
+    """The keys of the epochs' next pass. Iterating does not start the pass: a DataLoader
     iterator iterates its sampler twice as it starts (once made, once reset)."""
 
-    def __init__(self, plan: EpochPlan):
-        self.plan = plan
+    def __init__(self, epochs: Epochs):
+        self.epochs = epochs
         self.current: Pass | None = None
 
     def __len__(self) -> int:
-        return self.plan.num_batches()
+        return self.epochs.num_batches()
 
     def __iter__(self):
-        p = self.current = self.plan.upcoming()
+        p = self.current = self.epochs.upcoming()
         return ((p, b) for b in range(p.num_batches))
 
 
@@ -65,17 +65,17 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
             raise ConfigError(f"StatefulDataLoader takes ds.batched(...) or an MMapIterableDataset, not "
                               f"{type(dataset).__name__}")
         self.batches = dataset
-        self._keys = _PassKeys(dataset._plan)
+        self._keys = _PassKeys(dataset._epochs)
         super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,
                          collate_fn=_as_is, pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
                          multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor,
                          persistent_workers=persistent_workers)
 
     @property
-    def _plan(self) -> EpochPlan:
-        return self.batches._plan
+    def _epochs(self) -> Epochs:
+        return self.batches._epochs
 
     def __iter__(self):
-        batches = super().__iter__()  # iterates the sampler: the keys of the plan's next pass
-        p = self._plan.start()  # that pass, started: a loaded cursor is used once
-        return self._hand_over(p, batches)
+        batches = super().__iter__()  # iterates the sampler: the keys of the epochs' next pass
+        p = self._epochs.start()  # that pass, started: a loaded cursor is used once
+        return self._counted(p, batches)

@@ -1,6 +1,6 @@
 """mmpack's offline packer: raw images and text -> memory-mapped numpy shards + a manifest.
 
-Never imports torch. `loaders` reads what this writes, through `packer.reader`; names are
+Never imports torch. `loaders` reads what this writes, through `packer.dataset.reader`; names are
 imported lazily so that reading does not pull in Pillow, tokenizers or pyarrow.
 """
 
@@ -11,8 +11,8 @@ import importlib
 __version__ = "0.4.0"
 
 _EXPORTS = {
-    "BuildConfig": "builder", "build": "builder", "verify": "verify",
-    "DatasetReader": "reader", "load_manifest": "reader",
+    "BuildConfig": "builder.config", "build": "builder.run", "verify": "dataset.verify",
+    "DatasetReader": "dataset.reader", "load_manifest": "dataset.reader",
     "MmpackError": "errors", "ConfigError": "errors", "SourceError": "errors",
     "ManifestError": "errors", "IntegrityError": "errors",
 }

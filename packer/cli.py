@@ -11,19 +11,22 @@ import json
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
-from . import _one_blas_thread  # noqa: F401  first: before numpy is imported
+from packer import _one_blas_thread  # noqa: F401  first: before numpy is imported
 import numpy as np
 
-from . import format as fmt
-from .builder import BuildConfig, build, build_part, commit, parse_part, parse_shard_size
-from .errors import ConfigError, IntegrityError, MmpackError
-from .plan import SIZES_SAMPLE, size_report
-from .reader import DatasetReader
-from .sources import scan
-from .text import MAX_DOC_BYTES
-from .verify import verify
+from packer.dataset import format as fmt
+from packer.builder.config import BuildConfig, parse_part, parse_shard_size
+from packer.builder.publish import commit
+from packer.builder.run import build, build_part
+from packer.errors import ConfigError, IntegrityError, MmpackError
+from packer.builder.plan import SIZES_SAMPLE, size_report
+from packer.dataset.reader import DatasetReader
+from packer.builder.scan import scan
+from packer.builder.text import MAX_DOC_BYTES
+from packer.dataset.verify import verify
 
 SKIPS_SHOWN = 10
 CLASSES_SHOWN = 5
@@ -172,15 +175,9 @@ def _config(args: argparse.Namespace) -> BuildConfig:
             background = tuple(int(v) for v in args.background.split(","))
         except ValueError:
             raise ConfigError(f"--background: {args.background!r} is not R,G,B (e.g. 255,255,255)") from None
-    return BuildConfig(
-        raw=args.raw, out=args.out, kind=args.kind, image_size=size, tokenizer=args.tokenizer,
-        text_key=args.text_key, append_eos=args.append_eos, special_tokens=args.special_tokens,
-        shard_rows=rows, shard_bytes=nbytes, overwrite=args.overwrite, strict=args.strict,
-        workers=args.workers, engine=args.engine, ray_address=args.ray_address,
-        part=parse_part(args.part) if args.part else None, append=args.append, max_skipped=args.max_skipped,
-        allow_changed=args.allow_changed, background=background, keep_aspect=args.keep_aspect,
-        max_side=args.max_side, max_doc_bytes=args.max_doc_bytes,
-    )
+    same = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}  # flag = field
+    return BuildConfig(**{**same, "image_size": size, "shard_rows": rows, "shard_bytes": nbytes,
+                          "background": background, "part": parse_part(args.part) if args.part else None})
 
 
 def _cmd_build(args) -> int:
@@ -290,7 +287,7 @@ def _empty_classes_line(empty: list[str], total: int) -> str:
 def info_dict(root: Path) -> dict:
     """What `packer info` says of a dataset dir, or of an archive (from its description: the
     classes no sample has are not known without unpacking its labels)."""
-    from .archive import is_archive, read_archive
+    from packer.dataset.archive import is_archive, read_archive
 
     archived = is_archive(root)
     if archived:
@@ -361,7 +358,7 @@ def _cmd_info(args) -> int:
 
 
 def _cmd_verify(args) -> int:
-    from .archive import is_archive, verify_archive
+    from packer.dataset.archive import is_archive, verify_archive
 
     bar = ProgressBar("verifying", enabled=True)
     try:
@@ -376,7 +373,7 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_merge(args) -> int:
-    from .merge import merge
+    from packer.merge import merge
 
     if len(args.inputs) < 2:
         raise ConfigError("merge: give at least two dataset dirs, then OUT")
@@ -393,7 +390,7 @@ def _transfer_line(verb: str, t, dest: Path) -> str:
 
 
 def _cmd_pack(args) -> int:
-    from .archive import pack
+    from packer.dataset.archive import pack
 
     print(_transfer_line("packed", pack(args.out, args.archive, level=args.level, threads=args.threads,
                                         overwrite=args.overwrite), args.archive))
@@ -401,7 +398,7 @@ def _cmd_pack(args) -> int:
 
 
 def _cmd_unpack(args) -> int:
-    from .archive import unpack
+    from packer.dataset.archive import unpack
 
     try:
         t = unpack(args.archive, args.out, threads=args.threads, overwrite=args.overwrite)

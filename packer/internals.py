@@ -3,10 +3,10 @@ here once, read with a fallback where it can be missing, and checked by tests/te
 for the meaning relied on, so that a release that changes one fails that test first.
 
 - `ProcessPoolExecutor._processes`, `._executor_manager_thread`, `._broken`: a broken pool's
-  processes are killed before its shutdown is waited for (`packer.engines`): CPython 3.11's
+  processes are killed before its shutdown is waited for (`packer.builder.pool`): CPython 3.11's
   executor can miss a worker it started while breaking and then join it forever.
 - `PIL.Image._getencoder`: Pillow's raw encoder, which packs an RGB box of its 4-byte pixels in
-  one copy (`packer.images.rgb_pixels`); without it, crop + asarray give the same bytes.
+  one copy (`packer.builder.images.rgb_pixels`); without it, crop + asarray give the same bytes.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The same input given twice is refused, and so are keys found in more than one input (two builds
 of overlapping folders), unless `allow_duplicate_keys`: the merged dataset would hold those
 samples twice. Shards are hard-linked (copied across file systems) into a new generation of OUT in input order
-and renumbered; the manifest lists them all, and is published as a build's is (`packer.outdir`). Tokenizers must match by sha256. Classes are reconciled by name:
+and renumbered; the manifest lists them all, and is published as a build's is (`packer.dataset.outdir`). Tokenizers must match by sha256. Classes are reconciled by name:
 the first input's list, then each new name in order of appearance; a label file is rewritten
 only when its input's class indexes differ from the merged ones (labels are 8 bytes a sample).
 """
@@ -18,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from . import format as fmt
-from . import outdir, writer
-from .errors import ConfigError
-from .reader import DatasetReader, map_npy
-from .sources import printable
+from packer.dataset import format as fmt
+from packer.dataset import outdir, writer
+from packer.errors import ConfigError
+from packer.dataset.reader import DatasetReader, map_npy
+from packer.builder.scan import printable
 
 
 DUPLICATES_SHOWN = 3

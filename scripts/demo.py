@@ -22,7 +22,7 @@ from pathlib import Path
 from bench import data
 from loaders import Loader, MMapDataset, TokenWindows
 from packer.cli import main as packer
-from packer.images import decode_image
+from packer.builder.images import decode_image
 
 
 def main() -> int:

@@ -20,7 +20,7 @@ N_CROPS = 60
 def copies(request, monkeypatch):
     """The gather's copies three ways, to the same bytes: numpy's per sample, the native call
     through the cache, and the native call with non-temporal stores (used for large batches)."""
-    from loaders import native
+    from loaders.batch import native
 
     if request.param == "numpy":
         monkeypatch.setattr(native, "LIB", None)

@@ -25,11 +25,11 @@ import numpy as np
 import torch
 
 from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
-from packer import format as fmt
+from packer.dataset import format as fmt
 from packer.errors import MmpackError
-from packer.reader import load_manifest, map_column
-from packer.verify import verify
-from packer.writer import checksum_file, write_npy
+from packer.dataset.reader import load_manifest, map_column
+from packer.dataset.verify import verify
+from packer.dataset.writer import checksum_file, write_npy
 
 BIG = (1 << 31) - 1
 HOSTILE_SHAPES = [(BIG, 0, 3), (0, BIG, 3), (0, 0, 3), (1 << 30, 0, 3)]

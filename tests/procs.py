@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from packer import format as fmt
+from packer.builder.workers import wait_for_old_workers
+from packer.dataset import format as fmt
 
 
 def kill_mid_build(raw: Path, out: Path, args: list[str], *, settle: bool = True, group: bool = False) -> None:
@@ -31,4 +32,4 @@ def kill_mid_build(raw: Path, out: Path, args: list[str], *, settle: bool = True
     # gone, a few ms later. A build resumed at once, or an --overwrite, waits for them on the
     # shard locks (settle=False tests the resume); `settle` keeps other tests clear of that
     if settle:
-        time.sleep(0.3)
+        wait_for_old_workers(out / fmt.STAGING_DIR)

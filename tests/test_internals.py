@@ -63,7 +63,7 @@ def test_pillows_raw_encoder_is_there_and_packs_the_box():
     """Without it the build takes the public crop + asarray path (the same bytes, slower): a
     Pillow that drops it should be noticed."""
     assert internals.raw_encoder is not None
-    from packer.images import rgb_pixels
+    from packer.builder.images import rgb_pixels
 
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (9, 13, 3), dtype=np.uint8), "RGB")
     np.testing.assert_array_equal(rgb_pixels(img, (2, 1, 11, 8)), np.asarray(img.crop((2, 1, 11, 8))))

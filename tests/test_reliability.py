@@ -19,13 +19,13 @@ import pytest
 
 from bench import data
 from loaders import MMapDataset
-from packer import format as fmt
-from packer import outdir
+from packer.dataset import format as fmt
+from packer.dataset import outdir
 from packer.cli import main
 from packer.errors import ManifestError
-from packer.reader import load_manifest
+from packer.dataset.reader import load_manifest
 
-from .test_scale import tree
+from .trees import tree
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -86,7 +86,7 @@ def test_two_builds_started_together_publish_one_whole_dataset(tmp_path, image_r
 LOCK_AND_DIE = """
 import os, sys, time
 from pathlib import Path
-from packer import outdir
+from packer.dataset import outdir
 with outdir.locked(Path(sys.argv[1])):
     if os.fork() == 0:  # a worker that inherited the lock's file, and outlives its writer a moment
         time.sleep(float(sys.argv[2]))
@@ -112,7 +112,7 @@ def test_the_lock_of_a_dead_writer_is_taken_over_once_its_last_worker_is_gone(tm
 KILL_IN_PUBLISH = """
 import os, signal, sys
 import packer.cli
-from packer import outdir
+from packer.dataset import outdir
 
 KILL_AT = int(os.environ["KILL_AT"])
 WRITES = ("os.rename", "os.remove", "os.rmdir", "os.mkdir", "shutil.rmtree", "os.replace", "os.truncate")
@@ -338,7 +338,7 @@ def test_a_hostile_manifest_is_refused_before_anything_outside_is_touched(tmp_pa
 CRASHING_DECODER = """
 import os, sys
 import packer.cli
-from packer import engines, images, shards
+from packer.builder import pool as engines, images, shard as shards
 
 decode = images.decode_image
 
@@ -400,7 +400,7 @@ def test_several_crashing_files_cost_themselves_not_the_pieces_beside_them(tmp_p
         shutil.copy(src, raw / name)
     script = tmp_path / "crashing.py"
     script.write_text(CRASHING_DECODER.replace('.startswith("crash-me")', '.split(".")[0].endswith("crash-me")')
-                      .replace("import packer.cli", "import packer.cli, packer.pieces\npacker.pieces.PIECE_ROWS = 24"))
+                      .replace("import packer.cli", "import packer.cli, packer.builder.pieces\npacker.builder.pieces.PIECE_ROWS = 24"))
     size = ["--image-size", "32", *(["--keep-aspect"] if sizing == "keep-aspect" else [])]
     out = tmp_path / "out"
     result = packer("build", raw, out, *size, "--shard-size", "48" if sizing == "crop" else "16", "--workers", 2,
@@ -414,7 +414,7 @@ def test_several_crashing_files_cost_themselves_not_the_pieces_beside_them(tmp_p
 CRASHING_TOKENIZER = """
 import os, sys
 import packer.cli
-from packer import text
+from packer.builder import text
 
 encode = text.encode_batch
 

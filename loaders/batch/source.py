@@ -1,0 +1,38 @@
+"""What a Loader or a BatchedDataset reads: a batch source, the one interface every view gives
+(`MMapDataset.batch_source`, `TokenWindows`, `PackedDocuments`): its size, its identity, its
+buffers and a gather of sample ids into them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from packer.errors import ConfigError
+
+from loaders.batch.gather import Memory
+
+
+class BatchSource(Protocol):
+    """What Loader needs of a dataset: its size, its identity, buffers, and a gather of ids."""
+
+    source_id: str  # what a sample id means (dataset and view): part of the resume state
+
+    def __len__(self) -> int: ...
+
+    def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]: ...
+
+    def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1) -> dict: ...
+
+
+def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
+    """The batch source of a view: an MMapDataset's (of `columns`), or the view itself."""
+    if hasattr(dataset, "batch_source"):
+        return dataset.batch_source(columns)
+    if not all(hasattr(dataset, name) for name in ("alloc", "gather", "source_id", "__len__")):
+        raise ConfigError(f"a Loader reads an MMapDataset, a dataset dir, TokenWindows or PackedDocuments, not "
+                          f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
+    if columns is not None:
+        raise ConfigError("columns= applies to an MMapDataset only")
+    return dataset

@@ -1,0 +1,78 @@
+"""Whole batches for a torch DataLoader: `BatchedDataset` (`ds.batched(...)`), and what it shares
+with `MMapIterableDataset`, the epochs and each worker's share of a pass (`EpochDataset`)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from loaders.batch.source import as_source
+from loaders.order.sampler import Epochs, Order, Pass, worker_batches
+
+
+class EpochDataset(torch.utils.data.IterableDataset):
+    """What the datasets a DataLoader iterates (`BatchedDataset`, `MMapIterableDataset`) share
+    around their `_epochs`: set_epoch, and the batches of a pass that each worker makes."""
+
+    _epochs: Epochs
+    _epoch_given = False
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epochs.set_epoch(epoch)
+        self._epoch_given = True
+
+    def _worker_pass(self):
+        """(pass, batch number) of this worker's share of the next pass: worker w makes batches
+        w, w+k, ..., which DataLoader takes round-robin, so the order is the same for any k. At
+        the pass's end the epochs move on (in-process, or in a persistent worker's copy)."""
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        if info is not None and info.id == 0:
+            warn_if_epochs_repeat(self._epochs, self._epoch_given)
+        p = self._epochs.start()
+        for b in worker_batches(p.num_batches, worker, workers):
+            yield p, b
+        self._epochs.taken(p, p.num_batches)
+
+
+class BatchedDataset(EpochDataset):
+    """Whole batches for a DataLoader, no per-sample collate, in the same order for any number of
+    workers.
+
+    `loaders.StatefulDataLoader(ds.batched(256), num_workers=k)` advances epochs by itself and
+    resumes (`state_dict`). A plain `DataLoader(ds.batched(256), batch_size=None, num_workers=k)`
+    works too, but its worker processes cannot tell the dataset object you hold that an epoch
+    went by: call `set_epoch(epoch)` at the top of every epoch, as with DistributedSampler.
+    """
+
+    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 order: Order | None = None, rank: int | None = None, world_size: int | None = None,
+                 columns: list[str] | None = None):
+        self.source = as_source(dataset, columns)
+        self._epochs = Epochs(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
+                               drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
+
+    def __len__(self) -> int:
+        return self._epochs.num_batches()
+
+    def make(self, p: Pass, b: int):
+        """Batch b of pass p in fresh memory: shared memory in a DataLoader worker, so DataLoader
+        hands it to the main process by descriptor, without a copy (as default_collate does)."""
+        memory = "shared" if torch.utils.data.get_worker_info() else "plain"
+        ids = self._epochs.batch_ids(p, b)
+        return self.source.gather(ids, self.source.alloc(len(ids), memory))
+
+    def __iter__(self):
+        for p, b in self._worker_pass():
+            yield self.make(p, b)
+
+
+def warn_if_epochs_repeat(epochs: Epochs, epoch_given: bool) -> None:
+    """In a plain DataLoader's worker, a shuffled dataset that was never given an epoch may be
+    repeating epoch 0's order (non-persistent workers start from the object in the main process,
+    which no worker can advance)."""
+    if not epoch_given and epochs.epoch == 0 and epochs.cursor == 0 and epochs.order != "sequential":
+        warnings.warn("epochs advance in DataLoader worker processes only through set_epoch(epoch) "
+                      "(call it at the top of every epoch) or loaders.StatefulDataLoader; without either, "
+                      "every epoch repeats epoch 0's order", stacklevel=3)

@@ -1,0 +1,147 @@
+"""Epoch orders as bijections of [0, N) computed per position: O(1) memory, O(1) to start an
+epoch, O(batch) for a batch's ids, whatever N is (10^10 token windows included).
+
+`random`: a keyed Feistel network over the smallest square >= N, with cycle walking (a position
+whose image is >= N is mapped again until it lands inside [0, N)): a permutation of [0, N)
+chosen by (seed, epoch). `block`: for data larger than RAM, blocks of `block_size`
+consecutive ids in a random order, then the ids inside consecutive windows of `window` positions
+shuffled (each window by its own Feistel key): every read stays within a few blocks, so disk
+access is near-sequential. `sequential`: the identity. Pure functions of integers (`Permutation`
+only holds the keys); `loaders.order.sampler` deals the positions to ranks and counts the cursor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+
+Order = Literal["random", "sequential", "block"]
+ORDERS = ("random", "sequential", "block")
+ROUNDS = 8  # Feistel rounds: 4 make a strong pseudo-random permutation of a random round function
+_GOLDEN = 0x9E3779B97F4A7C15
+_M64 = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place on a uint64 array (wrapping arithmetic): a bijective
+    avalanche of every bit."""
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def derive_key(*parts: int) -> int:
+    """A 64-bit key from integers (seed, epoch, purpose, ...): splitmix64 chained over them."""
+    key = 0
+    for part in parts:
+        key = (key + _GOLDEN + (int(part) & _M64)) & _M64
+        key = int(_mix(np.array([key], dtype=np.uint64))[0])
+    return key
+
+
+def feistel(x: np.ndarray, side: int, key) -> np.ndarray:
+    """A keyed bijection of [0, side**2) applied to uint64 `x` (side < 2**32), as two digits
+    base `side` (left, right), each round (left, right) -> (right, left + F(right) mod side),
+    where F is the mixed right half scaled into [0, side) (multiply and shift: no division);
+    `key` is an int or a uint64 array (one key per element)."""
+    s = np.uint64(side)
+    left, right = x // s, x % s
+    key = np.asarray(key, dtype=np.uint64).reshape(-1)  # 1-d: wrapping array arithmetic, no warnings
+    for r in range(ROUNDS):
+        f = _mix(right ^ (key + np.uint64((r + 1) * _GOLDEN & _M64)))
+        f >>= np.uint64(32)
+        f *= s
+        f >>= np.uint64(32)
+        f += left
+        f -= s * (f >= s)
+        left, right = right, f
+    return left * s + right
+
+
+def permute(positions: np.ndarray, n: int, key) -> np.ndarray:
+    """The images of `positions` (in [0, n)) under the keyed permutation of [0, n), int64: the
+    Feistel network over the smallest square >= n, whose images past n are mapped again (cycle
+    walking) until they land in [0, n); at most 2 / sqrt(n) of them need it."""
+    x = np.asarray(positions, dtype=np.uint64)
+    if n <= 1:
+        return x.astype(np.int64)
+    side = math.isqrt(n - 1) + 1
+    key = np.asarray(key, dtype=np.uint64)
+    per_element = key.ndim > 0 and key.size == x.size and x.size > 1
+    key = key if key.ndim else key.reshape(1)
+    out = feistel(x, side, key)
+    outside = out >= np.uint64(n)
+    while outside.any():
+        k = key[outside] if per_element else key
+        out[outside] = feistel(out[outside], side, k)
+        outside = out >= np.uint64(n)
+    return out.astype(np.int64)
+
+
+class Permutation:
+    """The epoch's order of [0, num_samples): `perm(positions)` -> sample ids, int64.
+
+    A pure function of (num_samples, order, seed, epoch, block_size, window); nothing of size N
+    is ever made."""
+
+    def __init__(self, num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,
+                 window: int = 8192):
+        if order not in ORDERS:
+            raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
+        if block_size <= 0 or window <= 0:
+            raise ValueError("block_size and window must be positive")
+        self.num_samples, self.order, self.block_size, self.window = num_samples, order, block_size, window
+        self.epoch = epoch
+        self.key = derive_key(seed, epoch, ORDERS.index(order))
+
+    def __call__(self, positions) -> np.ndarray:
+        positions = np.asarray(positions, dtype=np.int64)
+        n = self.num_samples
+        if positions.size and (positions.min() < 0 or positions.max() >= n):
+            raise IndexError(f"positions must lie in [0, {n})")
+        if self.order == "sequential":
+            return positions.copy()
+        if self.order == "random":
+            return permute(positions, n, self.key)
+        return self._block(positions)
+
+    def _block(self, positions: np.ndarray) -> np.ndarray:
+        n, w, bs = self.num_samples, self.window, self.block_size
+        # 1. inside its window of `w` positions, a position moves to a shuffled one (the last
+        #    window may be shorter: it has a domain of its own)
+        start = positions // w * w
+        last_start = (n - 1) // w * w
+        seq = np.empty_like(positions)
+        for full in (True, False):
+            sel = (start != last_start) if full else (start == last_start)
+            if sel.any():
+                size = w if full else n - last_start
+                keys = _window_keys(self.key, positions[sel] // w)
+                seq[sel] = start[sel] + permute(positions[sel] - start[sel], size, keys)
+        # 2. the sequence of whole blocks in a random order, the short tail block (if any) last
+        full_blocks = n // bs
+        out = seq.copy()
+        inside = seq < full_blocks * bs
+        if inside.any():
+            block = permute(seq[inside] // bs, full_blocks, self.key)
+            out[inside] = block * bs + seq[inside] % bs
+        return out
+
+
+def _window_keys(key: int, windows: np.ndarray) -> np.ndarray:
+    keys = _mix(windows.astype(np.uint64) + np.uint64(1))
+    keys ^= np.uint64(key)
+    return _mix(keys)
+
+
+def epoch_order(num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,
+                window: int = 8192) -> np.ndarray:
+    """The whole epoch's order, int64 [num_samples]: for tests and small datasets; readers ask
+    `Permutation` for the positions they need."""
+    perm = Permutation(num_samples, order=order, seed=seed, epoch=epoch, block_size=block_size, window=window)
+    return perm(np.arange(num_samples, dtype=np.int64))

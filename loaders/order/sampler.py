@@ -1,0 +1,262 @@
+"""Rank shares, the resumable cursor and the resume state: pure functions of integers, and the
+`Epochs` that every reader keeps around them.
+
+An epoch's global order is `loaders.order.orders.Permutation(seed, epoch)`. The `cursor` counts the
+positions of that order already consumed by all ranks together. From any cursor the remaining
+positions are dealt to ranks interleaved (rank r takes remaining[r::W]), so a resumed run, with
+the same or another world size, batch size, worker or thread count, covers each remaining
+sample once. Nothing here is O(N): a batch's ids are computed from its positions.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from packer.errors import ConfigError
+
+from loaders.order.orders import ORDERS, Order, Permutation
+
+CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
+STATE_VERSION = 2  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
+KEY_LIMIT = 1 << 64  # seeds and epochs key the orders as 64-bit integers: larger ones would wrap
+
+
+def check_int(name: str, value, low: int = 0, high: int = KEY_LIMIT) -> int:
+    """`value` when it is an int (not a bool) in [low, high), else a ConfigError naming it."""
+    if type(value) is not int and not (isinstance(value, np.integer) and not isinstance(value, np.bool_)):
+        raise ConfigError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if not low <= value < high:
+        if high < KEY_LIMIT:
+            raise ConfigError(f"{name} {value} is outside [{low}, {high})")
+        floor = "a non-negative int" if low == 0 else f"an int >= {low}"
+        raise ConfigError(f"{name} must be {floor} below 2**64, got {value}")
+    return int(value)
+
+
+def rank_count(remaining: int, *, world_size: int, batch_size: int, drop_last: bool) -> int:
+    """Samples each rank takes of `remaining`: with drop_last whole global batches only, else
+    every remaining sample, the tail padded so that every rank gets the same count (as
+    DistributedSampler does)."""
+    if drop_last:
+        return remaining // (world_size * batch_size) * batch_size
+    return -(-remaining // world_size)
+
+
+def rank_positions(cursor: int, first: int, stop: int, *, num_samples: int, rank: int, world_size: int) -> np.ndarray:
+    """Positions in the epoch's order of rank's samples [first, stop) from `cursor` on: rank r's
+    j-th is cursor + j*W + r; past the end, the padding repeats the order from its start."""
+    j = np.arange(first, stop, dtype=np.int64)
+    pos = cursor + j * world_size + rank
+    past = pos >= num_samples
+    if past.any():
+        pos[past] = (pos[past] - num_samples) % max(num_samples, 1)
+    return pos
+
+
+def worker_batches(num_batches: int, worker_id: int, num_workers: int) -> range:
+    """Batch numbers a DataLoader worker makes: DataLoader takes batches from its workers in
+    round-robin, so batch b from worker b % K keeps the global order whatever K is."""
+    return range(worker_id, num_batches, num_workers)
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        check_int("world_size", self.world_size, 1, 1 << 31)
+        check_int("rank", self.rank, 0, self.world_size)
+
+
+def resolve_topology(rank: int | None = None, world_size: int | None = None) -> Topology:
+    """Explicit arguments, else torch.distributed when initialised, else RANK / WORLD_SIZE,
+    else a single process."""
+    if rank is not None or world_size is not None:
+        return Topology(rank or 0, world_size or 1)
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return Topology(dist.get_rank(), dist.get_world_size())
+    except ImportError:
+        pass
+    return Topology(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One pass over (the rest of) an epoch, fixed when it starts: its batches' ids are a pure
+    function of these integers, so any process (a DataLoader worker) can make any batch."""
+
+    epoch: int
+    cursor: int
+    num_batches: int
+
+
+class Epochs:
+    """The state around the functions above, shared by every reader: order, seed, epoch, this
+    rank's place, and the cursor.
+
+    Only a loaded state resumes mid-epoch: the first pass after `load_state_dict` starts at the
+    loaded cursor. Every other pass starts an epoch from its beginning, as a DataLoader iterator
+    does: the current epoch, or, after a pass left early (a peek with `next(iter(loader))`, a
+    `break`), the next one, a new order, as a shuffled DataLoader's next iterator draws one
+    (starting the same epoch again would train every such pass on the same first batches). A
+    pass left early keeps its place in `state_dict()` until the next one starts, for a checkpoint
+    of what was taken. A pass that reaches the end of its epoch moves on to the next
+    epoch. `set_epoch(e)` names the next pass's epoch: from its beginning, but for the epoch of
+    a loaded state, whose cursor it keeps (so the usual loop, which calls it at the top of every
+    epoch, does not replay a resumed epoch)."""
+
+    def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
+                 drop_last: bool, rank: int | None, world_size: int | None, source: str = ""):
+        check_int("batch_size", batch_size, 1)
+        order = order or ("random" if shuffle else "sequential")
+        if order not in ORDERS:
+            raise ConfigError(f"order must be one of {ORDERS}, not {order!r}")
+        topo = resolve_topology(rank, world_size)
+        self.num_samples, self.batch_size, self.seed, self.order = num_samples, int(batch_size), check_int("seed", seed), order
+        self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
+        self.source = source  # what the samples are (the content_id of a dataset, and the view)
+        self.epoch = 0
+        self.cursor = 0
+        self.resuming = False  # a loaded state's cursor is where the next pass starts
+        self.partial = False  # a pass started and not taken to its end: the next one takes a new epoch
+        self._perm: Permutation | None = None
+        self._chunk: tuple[tuple[int, int, int], np.ndarray] | None = None  # (epoch, cursor, chunk) -> ids
+
+    def set_epoch(self, epoch: int) -> None:
+        epoch = check_int("epoch", epoch)
+        if epoch != self.epoch:
+            self.epoch, self.cursor, self.resuming = epoch, 0, False
+        self.partial = False
+
+    @property
+    def next_cursor(self) -> int:
+        """Where the next pass starts in its epoch: a loaded state's cursor, else 0."""
+        return self.cursor if self.resuming else 0
+
+    def upcoming(self) -> Pass:
+        """The pass the next iteration makes, without starting it: from a loaded state's cursor,
+        else an epoch from its beginning (the next one after a pass left early)."""
+        epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
+        return Pass(epoch, self.next_cursor, self.num_batches())
+
+    def start(self) -> Pass:
+        """Start the next pass (`upcoming`); from here `state_dict()` describes it. A loaded
+        cursor is used once."""
+        p = self.upcoming()
+        self.epoch, self.cursor, self.resuming, self.partial = p.epoch, p.cursor, False, True
+        return p
+
+    def per_rank(self, cursor: int | None = None) -> int:
+        """Samples this rank takes from `cursor` (default: the next pass's start)."""
+        cursor = self.next_cursor if cursor is None else cursor
+        return rank_count(max(self.num_samples - cursor, 0), world_size=self.world_size,
+                          batch_size=self.batch_size, drop_last=self.drop_last)
+
+    def num_batches(self) -> int:
+        return -(-self.per_rank() // self.batch_size)
+
+    def ids(self, p: Pass, first: int, stop: int) -> np.ndarray:
+        """Sample ids of this rank's samples [first, stop) of pass `p` (clipped to the pass)."""
+        stop = min(stop, self.per_rank(p.cursor))
+        parts = [self._ids_of_chunk(p, c)[max(first - c * CHUNK, 0):stop - c * CHUNK]
+                 for c in range(first // CHUNK, -(-stop // CHUNK))]
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    def _ids_of_chunk(self, p: Pass, c: int) -> np.ndarray:
+        key = (p.epoch, p.cursor, c)
+        if self._chunk is None or self._chunk[0] != key:
+            stop = min((c + 1) * CHUNK, self.per_rank(p.cursor))
+            pos = rank_positions(p.cursor, c * CHUNK, stop, num_samples=self.num_samples, rank=self.rank,
+                                 world_size=self.world_size)
+            self._chunk = (key, self.permutation(p.epoch)(pos))
+        return self._chunk[1]
+
+    def batch_ids(self, p: Pass, b: int) -> np.ndarray:
+        return self.ids(p, b * self.batch_size, (b + 1) * self.batch_size)
+
+    def permutation(self, epoch: int) -> Permutation:
+        perm = self._perm
+        if perm is None or perm.epoch != epoch:
+            perm = self._perm = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch)
+        return perm
+
+    def taken(self, p: Pass, batches: int) -> None:
+        """The caller has taken `batches` batches of pass `p` (each rank as many): move the cursor
+        past them, and to the next epoch once the pass is whole."""
+        self.epoch = p.epoch
+        self.cursor = min(p.cursor + batches * self.batch_size * self.world_size, self.num_samples)
+        if batches >= p.num_batches:
+            self.epoch, self.cursor, self.partial = p.epoch + 1, 0, False
+
+    def state_dict(self) -> dict:
+        """A few integers and the identity of what they index: enough to resume exactly in a
+        fresh process, whatever the worker, thread or rank count."""
+        return {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
+                "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take a saved state; a state of another dataset, view, size, order or seed is refused."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ConfigError(f"not a loader state of this mmpack (version {state.get('version') if isinstance(state, dict) else None!r}, "
+                              f"expected {STATE_VERSION}); states of mmpack 0.3 and earlier used other orders "
+                              "and cannot be resumed exactly")
+        mine = self.state_dict()
+        for name in ("source", "num_samples", "order", "seed"):
+            if state.get(name) != mine[name]:
+                raise ConfigError(f"the state is for {name} {state.get(name)!r}, this loader has {mine[name]!r}: "
+                                  "it was saved over another dataset, view or order; load it into a loader "
+                                  "built like the one that saved it")
+        epoch, cursor = state.get("epoch"), state.get("cursor")
+        if type(epoch) is not int or type(cursor) is not int or not 0 <= epoch < KEY_LIMIT or not 0 <= cursor <= self.num_samples:
+            raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
+                              f"{self.num_samples} samples")
+        self.epoch, self.cursor, self.resuming, self.partial = epoch, cursor, True, False
+
+
+class Resumable:
+    """The resume contract every loader keeps (`Loader`, `StatefulDataLoader`), around its
+    `_epochs`: set_epoch, state_dict / load_state_dict, and the count of batches handed over."""
+
+    _epochs: Epochs
+
+    @property
+    def epoch(self) -> int:
+        return self._epochs.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch of the next pass; the epoch the loader is in keeps its cursor (a resumed one)."""
+        self._epochs.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        """Where the batches handed over so far end: load it into a loader built the same way
+        (any thread, worker or rank count, any process) and iterating goes on with the next batch."""
+        return self._epochs.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self._epochs.load_state_dict(state)
+
+    def _counted(self, p: Pass, batches):
+        """Yield `batches` of pass `p`, each counted as taken when the caller gets it (not when it
+        is made, prefetched or copied); the pass's end moves on to the next epoch."""
+        taken = 0
+        try:
+            for batch in batches:
+                taken += 1
+                self._epochs.taken(p, taken)
+                yield batch
+                del batch  # the caller's reference is the only one left
+            if taken == 0:
+                self._epochs.taken(p, 0)
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:
+                close()

@@ -1,0 +1,116 @@
+"""`MMapDataset`: map-style access to a dataset dir (its iterable twin is in
+`loaders.views.iterable`).
+
+`ds[i]` is a dict of fresh tensors, copied out of the read-only maps, as ImageFolder's are: a
+transform that edits a sample in place (a cutout, a normalisation) changes that copy only, never
+what a later `ds[i]` returns. Token ids (uint16 / uint32 on disk) come out as int64
+(`loaders.batch.gather.batch_dtype`). Whole batches (`Loader`, `ds.batched`) are one gather each, not
+a copy per sample. Pickles as its path and generation; each DataLoader worker re-maps that very
+build lazily (a rebuild of the dir meanwhile does not change what it reads) and shares the page
+cache with every other process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from packer.dataset.format import Column, Manifest
+from packer.dataset.reader import DatasetReader, decode_text
+
+from loaders.batch.gather import ColumnGather, batch_dtype
+from loaders.batched import BatchedDataset
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A copy of a sample (or a 0-d scalar) of the read-only map, in the batch dtype (token ids
+    int64): the caller's to change."""
+    return torch.from_numpy(np.array(array, dtype=batch_dtype(array.dtype)))
+
+
+def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """A dataset dir as is; an archive unpacked into the cache (once) and that dir returned."""
+    from packer.dataset.archive import is_archive, materialize
+
+    return materialize(root, cache_dir)[0] if is_archive(root) else Path(root)
+
+
+class MMapDataset(torch.utils.data.Dataset):
+    """A packed dataset dir as a map-style dataset.
+
+    Args:
+        root: the dataset dir written by `packer build`, or an archive from `packer pack`.
+        columns: the columns to return (default: all).
+        cache_dir: where an archive is unpacked, once, on first open (safe when several
+            processes open it at once); default `$MMPACK_CACHE` or ~/.cache/mmpack/archives.
+        padding_value: what follows each sample of a ragged 1-D column (tokens) in a batch, up
+            to the batch's longest (`Loader`, `ds.batched`); `tokens_lengths` says where it
+            starts. Default 0, which is a real token of many vocabularies: pass your pad id, or
+            use the lengths. (Images of different sizes are padded with black, see `_size`.)
+    """
+
+    def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None,
+                 padding_value: int = 0):
+        self.root = resolve_root(root, cache_dir)
+        self.padding_value = padding_value
+        self._reader: DatasetReader | None = DatasetReader(self.root)
+        self._generation = self._reader.generation  # what a worker re-opens: this very build
+        self._reader.check_columns(columns or ())
+        self._names = list(columns) if columns else [c.name for c in self._reader.manifest.columns]
+
+    @property
+    def reader(self) -> DatasetReader:
+        if self._reader is None:  # first use after unpickling in a worker
+            self._reader = DatasetReader(self.root, self._generation)
+        return self._reader
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.reader.manifest
+
+    @property
+    def columns(self) -> dict[str, Column]:
+        return {c.name: c for c in self.manifest.columns if c.name in self._names}
+
+    @property
+    def classes(self) -> list[str] | None:
+        classes = self.manifest.classes
+        return list(classes) if classes is not None else None
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, index: int) -> dict:
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"MMapDataset indices must be integers, not {type(index).__name__}")
+        shard, row = self.reader.locate(int(index))
+        out = {}
+        for name in self._names:
+            col = self.manifest.column(name)
+            value = self.reader.column(shard, name).sample(row)
+            if col.encoding:
+                out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
+            else:
+                out[name] = _tensor(value)
+        return out
+
+    def batch_source(self, columns: list[str] | None = None):
+        """The batch gather over `columns` (default: this dataset's), for Loader."""
+        return ColumnGather(self.reader, list(columns) if columns else self._names, self.padding_value)
+
+    def batched(self, batch_size: int, **kwargs):
+        """Whole batches for an existing DataLoader (see `loaders.BatchedDataset`)."""
+        return BatchedDataset(self, batch_size, **kwargs)
+
+    def __getstate__(self) -> dict:
+        return {"root": str(self.root), "names": self._names, "generation": self._generation,
+                "padding_value": self.padding_value}
+
+    def __setstate__(self, state: dict) -> None:
+        self.root, self._names, self._reader = Path(state["root"]), state["names"], None
+        self._generation, self.padding_value = state.get("generation"), state.get("padding_value", 0)
+
+    def __repr__(self) -> str:
+        return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"

@@ -1,0 +1,179 @@
+"""A build's configuration: every flag of `packer build` once, each declared with what it is
+for. Flags the dataset's bytes depend on (`bytes=`) go into the build's fingerprint (the
+manifest's `build`), so a build run again with other ones is refused instead of resumed into a
+mix; flags of how the build runs (workers, engine, part, what to do with an existing OUT) are
+not hashed. A new flag is a field here (with its check in `__post_init__`), its argument in
+`packer.cli`, and the code that uses it: the fingerprint, the --append check and the context
+every shard gets follow from the declaration.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from packer.builder.scan import printable
+from packer.builder.text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer
+from packer.builder.text import resolve_eos, token_dtype
+from packer.dataset import format as fmt
+from packer.errors import ConfigError
+from packer.system import available_cores
+
+DEFAULT_SHARD_BYTES = 256 * 1024**2
+ENGINES = ("local", "ray")
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
+          "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
+ALWAYS, UNLESS_DEFAULT = "always", "unless default"
+
+
+def flag(default=None, *, bytes: str | None = None, append: bool = False):
+    """A build flag. `bytes`: ALWAYS, in every build's fingerprint; UNLESS_DEFAULT, only where
+    set, for flags added after datasets were built without them (running such a build's command
+    again after an upgrade still finds it done); None, how the build runs, not what it writes.
+    `append`: an --append must use the value the dataset was built with."""
+    return field(default=default, metadata={"bytes": bytes, "append": append})
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    """Everything a build depends on; the CLI's flags map one-to-one onto these fields."""
+
+    raw: Path = flag(bytes=ALWAYS)  # recorded resolved and printable
+    out: Path = flag()
+    kind: str | None = flag(bytes=ALWAYS)  # recorded as the kind the build packs, given or detected
+    image_size: int | None = flag(224, bytes=ALWAYS, append=True)  # None: keep each image's own size
+    tokenizer: Path | None = flag(bytes=ALWAYS)  # recorded as its file's sha256
+    text_key: str = flag("text", bytes=ALWAYS, append=True)
+    append_eos: str | None = flag(bytes=ALWAYS, append=True)  # None, "auto" or an id
+    special_tokens: bool = flag(False, bytes=ALWAYS, append=True)
+    shard_rows: int | None = flag(bytes=ALWAYS)
+    shard_bytes: int | None = flag(DEFAULT_SHARD_BYTES, bytes=ALWAYS)
+    overwrite: bool = flag(False)
+    strict: bool = flag(False, bytes=ALWAYS)
+    workers: int | None = flag()  # None: every core this process may use
+    engine: str = flag("local")  # "local": a process pool; "ray": Ray tasks
+    ray_address: str | None = flag()  # None: start or join a local Ray instance
+    part: tuple[int, int] | None = flag()  # (i, N): build only share i (0-based) of N, no publish
+    append: bool = flag(False)
+    allow_changed: bool = flag(False)  # --append: keep the samples of RAW files deleted or changed since
+    max_skipped: float | None = flag()  # fail a build that skips more than this fraction of what it found
+    background: tuple[int, int, int] | None = flag(bytes=ALWAYS)  # composite transparent images over this colour
+    keep_aspect: bool = flag(False)  # shorter side to image_size, the whole image; recorded as max_side
+    max_side: int | None = flag(bytes=UNLESS_DEFAULT, append=True)  # keep-aspect: cap of the longer side
+    max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT)  # a longer document is a skip
+
+    def __post_init__(self) -> None:
+        if self.raw is None or self.out is None:
+            raise ConfigError("a build needs RAW and OUT")
+        object.__setattr__(self, "raw", Path(self.raw))
+        object.__setattr__(self, "out", Path(self.out))
+        if self.kind is not None and self.kind not in fmt.KINDS:
+            raise ConfigError(f"--kind: {self.kind!r} is not one of {', '.join(fmt.KINDS)}")
+        if self.image_size is not None and not 1 <= self.image_size <= 16384:
+            raise ConfigError(f"--image-size: {self.image_size} is out of range (1..16384 or 'keep')")
+        if self.shard_rows is None and self.shard_bytes is None:
+            raise ConfigError("--shard-size: give rows or bytes")
+        if self.out.resolve() == self.raw.resolve() or self.raw.resolve() in self.out.resolve().parents:
+            raise ConfigError(f"{self.out}: OUT must not lie inside RAW ({self.raw})")
+        if self.workers is not None and self.workers < 1:
+            raise ConfigError(f"--workers: {self.workers} must be at least 1")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"--engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.part is not None and not 0 <= self.part[0] < self.part[1]:
+            raise ConfigError(f"--part: {self.part[0]}/{self.part[1]} needs 0 <= i < N")
+        if self.append and (self.overwrite or self.part):
+            raise ConfigError("--append cannot be combined with --overwrite or --part")
+        if self.background is not None and (len(self.background) != 3 or not all(
+                isinstance(v, int) and 0 <= v <= 255 for v in self.background)):
+            raise ConfigError(f"--background: {self.background} is not three values 0..255 (R,G,B)")
+        if self.keep_aspect and self.image_size is None:
+            raise ConfigError("--keep-aspect needs a number for --image-size (the shorter side), not 'keep'")
+        if self.max_side is not None and not self.keep_aspect:
+            raise ConfigError("--max-side caps keep-aspect images: add --keep-aspect")
+        if self.max_side is not None and not self.image_size <= self.max_side <= 65535:
+            raise ConfigError(f"--max-side: {self.max_side} must lie between --image-size ({self.image_size}) and 65535")
+        if not 1 <= self.max_doc_bytes <= 1 << 40:
+            raise ConfigError(f"--max-doc-bytes: {self.max_doc_bytes} must lie between 1 and 2**40")
+        if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
+            raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
+
+    @property
+    def side_cap(self) -> int | None:
+        """The longer side's cap of a keep-aspect build (None: not one)."""
+        return (self.max_side or 2 * self.image_size) if self.keep_aspect else None
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers or available_cores()
+
+    def params(self, kind: str, tokenizer: TokenizerSpec | None) -> dict:
+        """The flags the dataset's bytes depend on, by their recorded names and values: what the
+        fingerprint hashes and the manifest's `build` records (not workers, engine or part)."""
+        recorded = {"raw": ("raw", printable(str(self.raw.resolve()))), "kind": ("kind", kind),
+                    "tokenizer": ("tokenizer_sha256", tokenizer.sha256 if tokenizer else None),
+                    "background": ("background", list(self.background) if self.background else None),
+                    "max_side": ("max_side", self.side_cap)}
+        params = {}
+        for f in fields(self):
+            name, value = recorded.get(f.name, (f.name, getattr(self, f.name)))
+            how = f.metadata["bytes"]
+            if how == ALWAYS or (how == UNLESS_DEFAULT and value not in (None, f.default)):
+                params[name] = value
+        return params
+
+    @staticmethod
+    def append_checked() -> tuple[str, ...]:
+        """The recorded names of the flags an --append must repeat."""
+        return tuple(f.name for f in fields(BuildConfig) if f.metadata["append"])
+
+    def tokenizer_for(self, kind: str, why: str = ""):
+        """(tokenizer, TokenizerSpec) of a text or pairs build, None for images, whose build
+        refuses text flags."""
+        if kind == "images":
+            text_flags = [flag for flag, given in (("--tokenizer", self.tokenizer is not None),
+                                                    ("--text-key", self.text_key != "text"),
+                                                    ("--append-eos", self.append_eos is not None),
+                                                    ("--special-tokens", self.special_tokens)) if given]
+            if text_flags:
+                raise ConfigError(f"{', '.join(text_flags)}: RAW {self.raw} holds images ({why}), which are not "
+                                  "tokenized; drop the flag, or pass --kind pairs or --kind text if RAW is not images")
+            return None
+        if self.tokenizer is None:
+            raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind}: RAW {self.raw} holds "
+                              f"{why}; if it is not {kind}, pass --kind")
+        tok = load_tokenizer(self.tokenizer)
+        eos_id = resolve_eos(tok, self.append_eos)
+        spec = TokenizerSpec(path=str(Path(self.tokenizer).resolve()), sha256=file_sha256(self.tokenizer),
+                             vocab_size=tok.get_vocab_size(with_added_tokens=True), dtype=token_dtype(tok, eos_id),
+                             eos_id=eos_id, add_special_tokens=self.special_tokens)
+        keep_tokenizer(spec, tok)
+        return tok, spec
+
+    def columns(self, kind: str, tokenizer: TokenizerSpec | None, *, labeled: bool) -> tuple[fmt.Column, ...]:
+        """The columns this build writes."""
+        size = None if self.keep_aspect else self.image_size
+        image = fmt.Column("image", "|u1", (size, size, 3) if size else (None, None, 3))
+        key = fmt.Column("key", "|u1", (None,), encoding="utf-8")
+        if kind == "images":  # a flat folder has no classes: no label column
+            return (image, fmt.Column("label", "<i8", ()), key) if labeled else (image, key)
+        tokens = fmt.Column("tokens", tokenizer.dtype, (None,))
+        return (image, tokens, key) if kind == "pairs" else (tokens, key)
+
+
+def parse_shard_size(text: str) -> tuple[int | None, int | None]:
+    """'1000' or '1000rows' -> (rows, None); '256MB', '1GiB', '4096B' -> (None, bytes)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or (unit not in _UNITS and unit not in ("row", "rows")) or int(m.group(1)) <= 0:
+        raise ConfigError(f"--shard-size: {text!r} is neither a row count (1000) nor a size (256MB)")
+    if unit in ("", "row", "rows") and not text.strip().lower().endswith("b"):
+        return int(m.group(1)), None
+    return None, int(m.group(1)) * _UNITS[unit]
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if m is None:
+        raise ConfigError(f"--part: {text!r} is not i/N (e.g. 0/4 for the first of 4 parts)")
+    return int(m.group(1)), int(m.group(2))

@@ -1,0 +1,313 @@
+"""Finds records in RAW, in a deterministic order, and detects its layout.
+
+Three layouts: image class folders (`RAW/<class>/.../<file>`), image + caption pairs
+(`<stem>.<image ext>` beside `<stem>.txt` / `<stem>.json`), and text (`*.jsonl`, `*.txt`,
+`*.parquet`). Every file under RAW is either a record or a recorded skip, so found = packed +
+skipped holds from the first step on. Documents inside JSONL and Parquet files are streamed
+later by `packer.builder.text`. `prefetch` / `read_ahead` ask the kernel to read records' files before
+the decoders reach them.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TypeVar
+
+from packer.errors import SourceError
+from packer.dataset.format import Skip
+
+IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
+TXT, JSONL, PARQUET = ".txt", ".jsonl", ".parquet"  # the text formats, by extension
+CAPTION_EXTS = (TXT, ".json")  # preference order when both exist
+TEXT_EXTS = frozenset({TXT, JSONL, PARQUET})
+MULTI_DOC_EXTS = frozenset({JSONL, PARQUET})  # a document per line / row: sample keys carry ":line" / ":row"
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One raw input: an image (with its label or caption) or a text file of documents."""
+
+    key: str  # relative path, "/"-separated
+    path: str  # as the scan found it; a str, not a Path: a Path is slower to make for every file of
+    # RAW and to unpickle in pool workers
+    label: int | None = None
+    caption: str | None = None
+
+
+@dataclass(frozen=True)
+class Scan:
+    kind: str
+    records: tuple[Record, ...]
+    skipped: tuple[Skip, ...]
+    classes: tuple[str, ...] | None = None
+    stats: Mapping[str, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
+    """(size, mtime_ns) of each file listed, by its path: taken once, by the scan's stat."""
+    why: str = ""  # what in RAW made the layout this one (for messages)
+
+
+def list_files(raw: Path) -> tuple[list[tuple[str, str]], list[Skip], dict[str, tuple[int, int]]]:
+    """All files under RAW as sorted (relative posix path, path), the skips (hidden files,
+    dangling links, FIFOs and other non-regular files, unreadable folders, names that are not
+    UTF-8) and each file's (size, mtime_ns), from one stat per file. Symlinks are followed, to
+    files and to folders, as torchvision's ImageFolder follows them; a folder that links back to
+    one it is inside is a skip (a loop). Hidden folders are left out, as version-control and
+    editor folders should be."""
+    files, skipped, stats = [], [], {}
+    root = os.fspath(raw)
+    cut = len(os.path.join(root, ""))
+    todo = [(root, frozenset())]  # a folder, and the (device, inode) of it and every folder above it
+    while todo:
+        folder, above = todo.pop()
+        try:
+            st = os.stat(folder)
+            entries = list(os.scandir(folder))
+        except OSError as exc:
+            if folder == root:
+                raise SourceError(f"{raw}: cannot read the folder ({exc.strerror or exc})") from None
+            skipped.append(Skip(printable(folder[cut:]), "scan", f"unreadable folder ({exc.strerror or exc})"))
+            continue
+        above = above | {(st.st_dev, st.st_ino)}
+        for entry in entries:
+            rel = entry.path[cut:].replace(os.sep, "/")
+            shown = printable(rel)  # what a skip can name: keys are UTF-8
+            if _is_dir(entry):
+                if entry.name.startswith("."):
+                    continue
+                try:
+                    target = entry.stat()
+                except OSError as exc:
+                    skipped.append(Skip(shown, "scan", f"unreadable folder ({exc.strerror or exc})"))
+                    continue
+                if (target.st_dev, target.st_ino) in above:
+                    skipped.append(Skip(shown, "scan", "symlink to a folder it is inside (a loop, not followed)"))
+                else:
+                    todo.append((entry.path, above))
+            elif entry.name.startswith("."):
+                skipped.append(Skip(shown, "scan", "hidden file"))
+            else:
+                try:
+                    st = entry.stat()
+                except OSError:
+                    skipped.append(Skip(shown, "scan", "dangling symlink"))
+                    continue
+                if not stat.S_ISREG(st.st_mode):  # a FIFO would block the build that reads it
+                    skipped.append(Skip(shown, "scan", "not a regular file"))
+                elif shown != rel:
+                    skipped.append(Skip(shown, "scan", "its path is not valid UTF-8; rename it"))
+                else:
+                    files.append((rel, entry.path))
+                    stats[entry.path] = (st.st_size, st.st_mtime_ns)
+    files.sort()
+    skipped.sort(key=lambda s: s.key)
+    return files, skipped, stats
+
+
+def printable(name: str) -> str:
+    """A name as the manifest can hold it: as is when it is valid UTF-8; else its bytes that are
+    not, written as \\xNN escapes (file names are bytes on Linux; a key is UTF-8)."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def find_classes(raw: Path) -> list[str]:
+    """torchvision ImageFolder's `find_classes`: every folder in RAW (hidden ones and links to
+    folders included), sorted, so that labels are the ones ImageFolder gives the same tree."""
+    with os.scandir(raw) as entries:
+        return sorted(entry.name for entry in entries if _is_dir(entry))
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _ext(rel: str) -> str:
+    return os.path.splitext(rel)[1].lower()
+
+
+def _stem(rel: str) -> str:
+    return os.path.splitext(rel)[0]
+
+
+def detect_kind(files: list[tuple[str, str]]) -> tuple[str, str]:
+    """(kind, why) of a RAW's files: the layout, and what in RAW made it so ("" when none)."""
+    exts = [(rel, _ext(rel)) for rel, _ in files]
+    stems_with_caption = {_stem(r) for r, ext in exts if ext in CAPTION_EXTS}
+    images = [r for r, ext in exts if ext in IMAGE_EXTS]
+    texts = sum(ext in TEXT_EXTS for _, ext in exts)
+    captioned = sum(_stem(r) in stems_with_caption for r in images) if stems_with_caption else 0
+    if captioned:
+        return "pairs", f"{captioned:,} images have a caption beside them (<stem>.txt or <stem>.json)"
+    folders = {r.split("/", 1)[0] for r in images if "/" in r}
+    if folders:
+        return "images", f"{len(images):,} images in {len(folders):,} class folders"
+    if images and len(images) >= texts:
+        return "images", f"{len(images):,} images in one flat folder (no classes, no labels)"
+    if texts:
+        return "text", f"{texts:,} .txt/.jsonl/.parquet files and {len(images):,} images"
+    return "", ""
+
+
+def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | None = None) -> Scan:
+    """Records of RAW in sorted relative-path order; `kind` forces the layout. `classes`: the
+    class list of a dataset being appended to; new class names are added after it, sorted."""
+    raw = Path(raw)
+    if not raw.is_dir():
+        raise SourceError(f"{raw}: not a directory")
+    files, skipped, stats = list_files(raw)
+    if not files:
+        raise SourceError(f"{raw}: no input files found (empty RAW)")
+    detected, why = detect_kind(files)
+    kind, why = (kind, "forced with --kind") if kind else (detected, why)
+    if not kind:
+        exts = sorted({_ext(r) or "(none)" for r, _ in files})[:8]
+        raise SourceError(
+            f"{raw}: no recognisable layout (found {len(files)} files with extensions "
+            f"{', '.join(exts)}); expected <class>/<image>, <stem>.<image>+<stem>.txt, or "
+            "*.jsonl/*.txt/*.parquet; use --kind to force one"
+        )
+    if kind == "images":
+        found = _scan_images(raw, files, skipped, classes)
+    else:
+        found = {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
+    return replace(found, stats=stats, why=why)
+
+
+def _scan_images(raw: Path, files, skipped, known: tuple[str, ...] | None) -> Scan:
+    """Class folders, or, when no image is in a folder, one flat folder of unlabeled images
+    (classes None). Labels index ImageFolder's classes (`find_classes`: every folder of RAW,
+    sorted, those with no image included), after `known` ones (an append)."""
+    flat = known is None and not any("/" in rel for rel, _ in files if _ext(rel) in IMAGE_EXTS)
+    images = []  # (rel, path, class name)
+    for rel, path in files:
+        ext = _ext(rel)
+        if ext not in IMAGE_EXTS:
+            skipped.append(Skip(rel, "scan", f"not an image extension ({ext or 'none'})"))
+        elif "/" not in rel and not flat:
+            skipped.append(Skip(rel, "scan", "image outside a class folder"))
+        else:
+            images.append((rel, path, None if flat else rel.split("/", 1)[0]))
+    if flat:
+        return Scan("images", tuple(Record(rel, path) for rel, path, _ in images), tuple(skipped), None)
+    known = known or ()
+    names = [name for name in find_classes(raw) if printable(name) not in known]
+    index = {name: len(known) + i for i, name in enumerate(names)}
+    index.update((name, i) for i, name in enumerate(known))
+    records = [Record(rel, path, label=index[name]) for rel, path, name in images]
+    return Scan("images", tuple(records), tuple(skipped), (*known, *map(printable, names)))
+
+
+def _scan_pairs(files, skipped) -> Scan:
+    captions = {}
+    for rel, path in files:
+        if _ext(rel) in CAPTION_EXTS:
+            captions.setdefault(_stem(rel), []).append((rel, path))
+    records, used, used_stems = [], set(), set()
+    for rel, path in files:
+        ext = _ext(rel)
+        if ext in IMAGE_EXTS:
+            options = sorted(captions.get(_stem(rel), []), key=lambda c: CAPTION_EXTS.index(_ext(c[0])))
+            if not options:
+                skipped.append(Skip(rel, "scan", "image without a caption (.txt or .json)"))
+                continue
+            records.append(Record(rel, path, caption=options[0][1]))
+            used.add(options[0][0])
+            used_stems.add(_stem(rel))
+        elif ext not in CAPTION_EXTS:
+            skipped.append(Skip(rel, "scan", f"neither an image nor a caption ({ext or 'no extension'})"))
+    for rel, _ in files:
+        if _ext(rel) in CAPTION_EXTS and rel not in used:
+            paired = _stem(rel) in used_stems
+            reason = "second caption for an image (the .txt one is used)" if paired else "caption without an image"
+            skipped.append(Skip(rel, "scan", reason))
+    return Scan("pairs", tuple(records), tuple(skipped))
+
+
+def _scan_text(files, skipped) -> Scan:
+    records = []
+    for rel, path in files:
+        if _ext(rel) in TEXT_EXTS:
+            records.append(Record(rel, path))
+        else:
+            skipped.append(Skip(rel, "scan", f"not a text file ({_ext(rel) or 'no extension'})"))
+    return Scan("text", tuple(records), tuple(skipped))
+
+
+# -- reading ahead ---------------------------------------------------------------------------
+PREFETCH_BYTES = 4 * 1024**2  # of each file: all of an image, caption or text file
+READ_AHEAD = 128  # records
+
+
+def prefetch(records: Iterable[Record]) -> None:
+    """Ask the kernel to start reading these records' files into the page cache (WILLNEED) and
+    return at once, so that a decoder reaching them later finds them there instead of waiting on
+    the disk for one small file after another. When the first and the last of them are cached
+    already (a warm page cache: the usual second build), nothing more is asked: an open and an
+    fadvise a file would cost CPU for nothing. JSONL and Parquet
+    files are left to the kernel's own readahead: they are big, read in order, and a shard's
+    range of one may start far into it. A file that cannot be opened is left to the reader,
+    which reports it."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    paths = [path for record in records for path in (record.path, record.caption)
+             if path is not None and _ext(path) not in MULTI_DOC_EXTS]
+    if not paths or (_cached(paths[0]) and _cached(paths[-1])):
+        return
+    for path in paths:
+        fd = _open_nonblocking(path)
+        if fd is None:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, PREFETCH_BYTES, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def _open_nonblocking(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO must not block
+    except OSError:
+        return None
+
+
+def _cached(path: str) -> bool:
+    """Whether the first page of `path` is in the page cache: a one-byte read that may not
+    wait for the disk (Linux RWF_NOWAIT). False where that cannot be told. A miss may start the
+    kernel's readahead of the file, which is what a prefetch wants anyway."""
+    if not hasattr(os, "RWF_NOWAIT"):
+        return False
+    fd = _open_nonblocking(path)
+    if fd is None:
+        return False
+    try:
+        os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
+        return True
+    except OSError:  # EAGAIN: not cached; EOPNOTSUPP, ESPIPE, EISDIR: cannot tell
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_ahead(items: Iterable[T], record: Callable[[T], Record], ahead: int = READ_AHEAD) -> Iterator[T]:
+    """`items` in order, the file of each one's `record(item)` prefetched `ahead` items before
+    the item is reached."""
+    window: deque = deque()
+    for item in items:
+        prefetch((record(item),))
+        window.append(item)
+        if len(window) > ahead:
+            yield window.popleft()
+    yield from window

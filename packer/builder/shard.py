@@ -1,0 +1,351 @@
+"""The shard function: one planned shard from its records to whole column files in staging.
+
+The same function runs in pool worker processes (fixed-size image shards there go in pieces,
+`packer.builder.pieces`, with the same bytes) and as a Ray task: it takes a picklable
+context and task and returns a picklable result. A finished shard is `OUT/<generation>/shard-k/`
+plus `OUT/.staging/shard-k.json` (its files with sizes and checksums, its skips, and the build
+fingerprint), which is what lets a killed build resume and what `packer commit` assembles the
+manifest from. Partial shards are written in `OUT/.staging/shard-k.partial/`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from packer.dataset import format as fmt
+from packer.dataset import writer
+from packer.errors import SourceError
+from packer.dataset.outdir import write_atomic
+from packer.builder.images import decode_image
+from packer.builder.plan import ShardTask, Span
+from packer.builder.scan import Record, read_ahead
+from packer.system import flock
+from packer.builder.config import BuildConfig
+from packer.builder.text import Document, TokenizerSpec, iter_documents, key_bytes, read_caption, tokenized
+
+PROGRESS_EVERY_S = 0.2
+
+
+@dataclass(frozen=True)
+class ShardContext:
+    """What every shard of one build shares: its configuration and what the build found and
+    planned; picklable, small."""
+
+    config: BuildConfig
+    generation: str  # the generation dir whole shards go into
+    fingerprint: str
+    kind: str
+    columns: tuple[fmt.Column, ...]
+    tokenizer: TokenizerSpec | None
+    # Pillow's decompression-bomb limit in the build process (a script may change it): workers
+    # start from a forkserver and would otherwise decode with Pillow's default
+    max_image_pixels: int | None = field(default_factory=lambda: Image.MAX_IMAGE_PIXELS)
+
+    def decode(self, path: str):
+        """A record's pixels, as this build decodes them (read-only)."""
+        if Image.MAX_IMAGE_PIXELS != self.max_image_pixels:
+            Image.MAX_IMAGE_PIXELS = self.max_image_pixels
+        c = self.config
+        return decode_image(path, c.image_size, writable=False, background=c.background, max_side=c.side_cap)
+
+    @property
+    def out(self) -> Path:
+        return self.config.out
+
+    @property
+    def staging(self) -> Path:
+        return self.out / fmt.STAGING_DIR
+
+    def shard_writer(self, index: int, **slots) -> writer.ShardWriter:
+        """The writer of shard `index`, whose whole dir goes into this build's generation."""
+        rel = fmt.shard_path(self.generation, index)
+        return writer.ShardWriter(self.staging, index, self.columns, final_dir=self.out / rel, rel_dir=rel, **slots)
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    shard: fmt.Shard  # num_samples 0 and no files when every record of it was skipped
+    skipped: tuple[fmt.Skip, ...]
+    items: int
+    reused: bool = False
+
+
+# -- progress: a sink set per process (a callback in the build process, a queue in workers) ---
+_sink: Callable[[tuple[int, float]], None] | None = None
+
+
+def set_progress_sink(sink: Callable[[tuple[int, float]], None] | None) -> None:
+    global _sink
+    _sink = sink
+
+
+class Ticker:
+    def __init__(self):
+        self.pending, self.last = 0, time.monotonic()
+
+    def tick(self, n: int = 1, *, flush: bool = False) -> None:
+        """n more items done; sent on (with the seconds this process waited on the disk since it
+        last sent, `writer.take_disk_wait`) every PROGRESS_EVERY_S, and when flushed."""
+        self.pending += n
+        now = time.monotonic()
+        if _sink is not None and (flush or now - self.last >= PROGRESS_EVERY_S):
+            waited = writer.take_disk_wait()
+            if self.pending or waited:
+                _sink((self.pending, waited))
+            self.pending, self.last = 0, now
+
+
+# -- sidecars ------------------------------------------------------------------------------
+def sidecar_path(staging: Path, index: int) -> Path:
+    return staging / f"{fmt.shard_dir_name(index)}.json"
+
+
+def _write_sidecar(ctx: ShardContext, result: ShardResult) -> None:
+    doc = {"fingerprint": ctx.fingerprint, "shard": asdict(result.shard),
+           "skipped": [asdict(s) for s in result.skipped], "items": result.items}
+    write_atomic(sidecar_path(ctx.staging, result.shard.index), json.dumps(doc))
+
+
+def read_sidecar(staging: Path, index: int, fingerprint: str, generation: str) -> ShardResult | None:
+    """The recorded result of a finished shard, or None when there is none for this build (its
+    fingerprint, and its generation: a sidecar left by a run of the same build into another
+    generation, killed while it published, describes files that are not this run's)."""
+    try:
+        doc = json.loads(sidecar_path(staging, index).read_text(encoding="utf-8"))
+        if doc.get("fingerprint") != fingerprint or not all(
+                f["path"].startswith(generation + "/") for f in doc["shard"]["files"]):
+            return None
+        s = doc["shard"]
+        files = tuple(fmt.FileEntry(f["path"], f["size_bytes"], f["checksum"], f["algo"]) for f in s["files"])
+        shard = fmt.Shard(s["index"], s["num_samples"], files)
+        return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def reusable(ctx: ShardContext, index: int) -> ShardResult | None:
+    """A finished shard of this very build, whole on disk: sidecar, sizes and checksums all match."""
+    result = read_sidecar(ctx.staging, index, ctx.fingerprint, ctx.generation)
+    if result is None:
+        return None
+    for entry in result.shard.files:
+        path = ctx.out / entry.path
+        try:
+            if path.stat().st_size != entry.size_bytes or writer.checksum_file(path) != entry.checksum:
+                return None
+        except OSError:
+            return None
+    return result
+
+
+@contextlib.contextmanager
+def shard_lock(staging: Path, index: int) -> Iterator[None]:
+    """Held while a process writes shard `index` (flock on `shard-k.lock` in staging). A build
+    started again right after a `kill -9` waits for the old build's worker, which may still be
+    finishing that shard for a few ms; two runs of the same part take turns. The kernel drops the
+    lock when its holder dies. File systems without flock (some shared ones) go unlocked."""
+    with _flock(staging / f"{fmt.shard_dir_name(index)}.lock"):
+        yield
+
+
+def wait_for_writers(staging: Path) -> None:
+    """Return once no process holds a shard lock in `staging`: before --overwrite deletes an
+    unfinished build, the killed build's last workers finish the shards they were writing."""
+    for path in sorted(staging.glob("*.lock")):
+        with _flock(path):
+            pass
+
+
+@contextlib.contextmanager
+def _flock(path: Path) -> Iterator[None]:
+    if sys.platform == "win32":
+        yield
+        return
+    with writer.naming(path):
+        f = open(path, "a")
+    with f:
+        flock(f)
+        yield
+
+
+# -- the shard function --------------------------------------------------------------------
+def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
+              crashed: frozenset[int] = frozenset()) -> ShardResult:
+    """Pack one planned shard into staging, under its lock; deterministic: same inputs, same
+    bytes. A shard that another run finished while this one waited for its lock is reused as it
+    is. `crashed`: the places of items (records; documents for text) that killed the process
+    that tried them, skipped here, not tried again (found by `probe`)."""
+    with shard_lock(ctx.staging, task.index):
+        done = reusable(ctx, task.index)
+        if done is not None:
+            Ticker().tick(done.items, flush=True)
+            return done
+        result = finish(ctx, task.index, *_fill(ctx, task, records, crashed))
+    Ticker().tick(0, flush=True)  # the shard's fsyncs, in the build's disk wait
+    return result
+
+
+def _fill(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]], crashed: frozenset[int] = frozenset()):
+    skipped: list[fmt.Skip] = []
+    ticker = Ticker()
+    items = 0
+    with tracing(ctx.staging, task.index) as busy:
+        shard = ctx.shard_writer(task.index)
+        try:
+            for item in _samples(ctx, records, ticker, crashed.__contains__, busy):
+                items += 1
+                if isinstance(item, fmt.Skip):
+                    check_strict(ctx, item)
+                    skipped.append(item)
+                else:
+                    shard.add(item)
+            ticker.tick(0, flush=True)
+        except BaseException:
+            shard.abort()
+            raise
+    return shard, skipped, items
+
+
+# -- tracing a dying worker to its item --------------------------------------------------------
+def busy_path(staging: Path, index: int, first: int | None = None) -> Path:
+    """The trace file of shard `index` run whole, or of its piece from slot `first`."""
+    return staging / f"{fmt.shard_dir_name(index)}{'' if first is None else f'.{first}'}.busy"
+
+
+@contextlib.contextmanager
+def tracing(staging: Path, index: int, first: int | None = None) -> Iterator[Callable[[int, int], None]]:
+    """busy(lo, hi): the items (places in the shard) this process is on from now, noted in a
+    file that only a process that dies leaves behind (an error is no crash)."""
+    path = busy_path(staging, index, first)
+    with writer.naming(path):  # pwrite's ENOSPC names no file
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def busy(lo: int, hi: int) -> None:
+        with writer.naming(path):
+            os.pwrite(fd, lo.to_bytes(8, "little") + hi.to_bytes(8, "little"), 0)
+
+    try:
+        yield busy
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+
+
+def read_busy(staging: Path, index: int, first: int | None = None) -> tuple[int, int] | None:
+    """The items (lo, hi) a process was reading, decoding or tokenizing when it died (None: it
+    had not started one), and the trace gone, so that a later look cannot find it again."""
+    path = busy_path(staging, index, first)
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None
+    path.unlink(missing_ok=True)
+    return (int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")) if len(raw) == 16 else None
+
+
+def probe(ctx: ShardContext, records: list[tuple[Span, Record]], lo: int, hi: int,
+          crashed: frozenset[int] = frozenset()) -> None:
+    """Read, decode and tokenize items lo..hi-1 of a shard (less those `crashed`) as the shard
+    function does, and write nothing: run in a process of its own, it tells whether one of them
+    kills it."""
+    set_progress_sink(None)
+    for _ in _samples(ctx, records, Ticker(), lambda n: n in crashed or not lo <= n < hi, stop=hi):
+        pass
+
+
+def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:
+    """Close a shard whose samples are all added (or drop it: every record skipped), then its
+    sidecar: from here on it is whole and reusable."""
+    try:
+        if shard.num_samples == 0:
+            shard.abort()
+            done = fmt.Shard(index, 0, ())
+        else:
+            done = shard.close()
+    except BaseException:
+        shard.abort()
+        raise
+    result = ShardResult(done, tuple(skipped), items)
+    _write_sidecar(ctx, result)
+    return result
+
+
+def check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
+    if ctx.config.strict:
+        raise SourceError(f"{ctx.config.raw / skip.key.split(':')[0]}: {skip.reason} (--strict)")
+
+
+CRASHED = {"images": ("decode", "the decoder crashed (its process died) on this file"),
+           "pairs": ("decode", "its process died reading, decoding or tokenizing this pair"),
+           "text": ("tokenize", "the tokenizer crashed (its process died) on this document")}
+
+
+def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, busy=None,
+             stop: int | None = None) -> Iterator:
+    """Samples (dicts of arrays) and Skips of a shard's records, in record order; the items
+    (records; documents for text) at places n where skip(n) are skipped untried, as crashed.
+    busy(lo, hi): see `tokenized`. `stop`: no item from that place on."""
+    records = read_ahead(records, lambda item: item[1])
+    stage, reason = CRASHED[ctx.kind]
+    if ctx.kind == "images":
+        for n, (_, record) in enumerate(islice(records, stop)):
+            if busy is not None:
+                busy(n, n + 1)
+            yield fmt.Skip(record.key, stage, reason) if skip(n) else _image_sample(ctx, record)
+            ticker.tick()
+        return
+
+    def items() -> Iterator:
+        n = 0
+        for span, record in records:
+            if ctx.kind == "pairs":
+                yield fmt.Skip(record.key, stage, reason) if skip(n) else _pair_item(ctx, record)
+                n += 1
+            else:
+                for doc in iter_documents(record, ctx.config.text_key, span.start, span.stop, span.first_line,
+                                          max_bytes=ctx.config.max_doc_bytes):
+                    yield fmt.Skip(doc.key, stage, reason) if skip(n) and isinstance(doc, Document) else doc
+                    n += 1
+                    if n == stop:
+                        return
+            if n == stop:
+                return
+
+    yield from tokenized(items(), ctx.tokenizer, ticker.tick, busy)
+
+
+def _image_sample(ctx: ShardContext, record: Record):
+    try:
+        pixels = ctx.decode(record.path)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "decode", str(exc))
+    return {"image": pixels, **image_fields(record)}
+
+
+def image_fields(record: Record) -> dict:
+    """Label (not in a flat folder's dataset) and key of an image record."""
+    key = {"key": key_bytes(record.key)}
+    return key if record.label is None else {"label": np.int64(record.label), **key}
+
+
+def _pair_item(ctx: ShardContext, record: Record):
+    try:
+        caption = read_caption(record.caption, ctx.config.max_doc_bytes)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "caption", str(exc))
+    try:
+        pixels = ctx.decode(record.path)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "decode", str(exc))
+    return Document(record.key, caption), {"image": pixels}

@@ -1,0 +1,67 @@
+"""`packer verify`: re-hash every file and check headers, offsets, shapes, labels and token ids.
+
+`DatasetReader` checks sizes on open and offsets on first map (cheap); this is the full check.
+It stops at the first problem and raises IntegrityError naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from packer.dataset import format as fmt
+from packer.errors import IntegrityError
+from packer.dataset.reader import check_file_sizes, check_shards_listed, decode_text, load_manifest, map_column
+from packer.dataset.writer import checksum_file
+
+
+def verify(root: str | Path, *, on_progress=None) -> dict:
+    """Returns {"files", "size_bytes", "num_samples"} when all is well."""
+    root = Path(root)
+    manifest = load_manifest(root)
+    check_file_sizes(root, manifest.shards)  # missing or resized files, before any hashing
+    check_shards_listed(root, manifest)
+    files = size_bytes = 0
+    total = sum(len(s.files) for s in manifest.shards)
+    if manifest.inputs is not None:
+        check_file_sizes(root, [fmt.Shard(0, 1, (manifest.inputs,))])
+        check_hash(root / manifest.inputs.path, manifest.inputs)
+    for shard in manifest.shards:
+        for entry in shard.files:
+            check_hash(root / entry.path, entry)
+            files += 1
+            size_bytes += entry.size_bytes
+            if on_progress:
+                on_progress(files, total)
+        for column in manifest.columns:
+            arrays = map_column(root / shard.dir, column, shard.num_samples)  # headers, offsets, shapes
+            _check_values(root / shard.dir, manifest, column, arrays)
+    return {"files": files, "size_bytes": size_bytes, "num_samples": manifest.num_samples}
+
+
+def check_hash(path: Path, entry: fmt.FileEntry) -> None:
+    digest = checksum_file(path, entry.algo)
+    if digest != entry.checksum:
+        raise IntegrityError(f"{path}: checksum {digest[:16]}..., manifest says {entry.checksum[:16]}... "
+                             f"({entry.algo})")
+
+
+def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, arrays) -> None:
+    """What a checksum cannot tell (a manifest written with wrong data): labels index the
+    classes, token ids fit the vocabulary, string columns decode."""
+    path = shard_dir / fmt.column_file_names(column)["values"]
+    values = arrays.values
+    if column.name == "label" and manifest.classes is not None and values.size:
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high >= len(manifest.classes):
+            raise IntegrityError(f"{path}: label {low if low < 0 else high} is outside the "
+                                 f"{len(manifest.classes)} classes")
+    vocab = (manifest.tokenizer or {}).get("vocab_size")
+    if column.name == "tokens" and isinstance(vocab, int) and values.size:
+        eos = (manifest.tokenizer or {}).get("eos_id")
+        top = max(vocab, eos + 1 if isinstance(eos, int) else 0)
+        if int(values.max()) >= top:
+            raise IntegrityError(f"{path}: token id {int(values.max())} is outside the vocabulary of {top:,}")
+    if column.encoding:
+        decode_text(np.asarray(values).tobytes(), column.encoding, str(path))

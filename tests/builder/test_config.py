@@ -1,0 +1,60 @@
+"""Build flags: each declared once, in `BuildConfig`, as what the bytes depend on or as how the
+build runs; the CLI takes them by name, the fingerprint and the --append check follow."""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+
+from packer import BuildConfig
+from packer.builder.config import ALWAYS, UNLESS_DEFAULT
+from packer.cli import _parser
+from packer.errors import ConfigError
+
+CONVERTED = {"shard_size": ("shard_rows", "shard_bytes")}  # one option, two fields
+NOT_FLAGS = {"quiet", "cmd", "func"}  # how the command prints, and argparse's own
+
+
+def _build_options() -> set[str]:
+    build = next(a for a in _parser()._subparsers._group_actions[0].choices.items() if a[0] == "build")[1]
+    return {a.dest for a in build._actions if a.dest != "help"}
+
+
+def test_every_build_option_is_a_config_field_and_every_field_an_option():
+    names = {f.name for f in fields(BuildConfig)}
+    options = _build_options() - NOT_FLAGS
+    for option in options:
+        assert option in names or option in CONVERTED, f"--{option} is no BuildConfig field"
+    converted = {f for fs in CONVERTED.values() for f in fs}
+    assert names - converted == options - set(CONVERTED)
+
+
+def test_every_field_says_whether_the_bytes_depend_on_it(tmp_path):
+    for f in fields(BuildConfig):
+        assert f.metadata.get("bytes") in (ALWAYS, UNLESS_DEFAULT, None), f.name
+    hashed = {f.name for f in fields(BuildConfig) if f.metadata["bytes"]}
+    assert {"workers", "engine", "ray_address", "part", "overwrite", "append", "max_skipped"}.isdisjoint(hashed)
+    config = BuildConfig(tmp_path / "raw", tmp_path / "out", workers=3, engine="ray", part=(0, 2))
+    assert config.params("images", None) == BuildConfig(tmp_path / "raw", tmp_path / "out").params("images", None)
+
+
+def test_builds_without_the_newer_flags_keep_the_fingerprint_earlier_versions_wrote(tmp_path):
+    """The params hashed into the fingerprint are 0.4's for any build that does not set a flag
+    added since: running a finished build's command again after an upgrade finds it done."""
+    keys_04 = {"raw", "kind", "image_size", "tokenizer_sha256", "text_key", "append_eos", "special_tokens",
+               "shard_rows", "shard_bytes", "strict", "background"}
+    for size in (64, None):
+        assert set(BuildConfig(tmp_path / "raw", tmp_path / "o", image_size=size).params("images", None)) == keys_04
+    aspect = BuildConfig(tmp_path / "raw", tmp_path / "o", image_size=64, keep_aspect=True)
+    assert aspect.params("images", None)["max_side"] == 128
+    assert BuildConfig(tmp_path / "raw", tmp_path / "o", max_doc_bytes=10).params("text", None)["max_doc_bytes"] == 10
+
+
+def test_append_checks_the_flags_that_change_a_samples_bytes():
+    assert set(BuildConfig.append_checked()) == {"image_size", "text_key", "append_eos", "special_tokens", "max_side"}
+
+
+def test_a_config_without_raw_or_out_is_refused():
+    with pytest.raises(ConfigError):
+        BuildConfig()
