@@ -103,9 +103,11 @@ def _prepared(work: Path, name: str, size, make_raw, build_args: list[str]) -> t
     return raw, out, seconds
 
 
-def prepare_images(work: Path, count: int) -> tuple[Path, Path, float]:
-    """Raw photo crops and their mmpack build (reused from `work` when present)."""
-    return _prepared(work, "images", count, lambda raw: data.make_image_folders(raw, count, seed=0), [])
+def prepare_images(work: Path, count: int, part: int | None = None) -> tuple[Path, Path, float]:
+    """Raw photo crops and their mmpack build (reused from `work` when present); `part`: another
+    set of crops (for a mixture's sources)."""
+    name, seed = ("images", 0) if part is None else (f"images-part{part}", 101 + part)
+    return _prepared(work, name, count, lambda raw: data.make_image_folders(raw, count, seed=seed), [])
 
 
 def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
@@ -114,7 +116,7 @@ def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
 
 
 def bench_loaders(args) -> dict:
-    from loaders import Loader, MMapDataset, PackedDocuments, StatefulDataLoader, TokenWindows
+    from loaders import Loader, Mixture, MMapDataset, PackedDocuments, StatefulDataLoader, TokenWindows
 
     load = MachineLoad()
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
@@ -176,6 +178,15 @@ def bench_loaders(args) -> dict:
     r.update(threads=loader.num_threads, best_memcpy=True, default=True,
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
+    single = r
+    # as many samples from a mixture of 3 datasets of a third each (other crops of the same photos), 5:3:2
+    parts = [MMapDataset(prepare_images(work, args.images // 3, part=k)[1], columns=["image", "label"]) for k in range(3)]
+    mixture = Mixture(parts, [5, 3, 2], num_samples=len(ds))
+    loader = Loader(mixture, bs)
+    r = run(f"mmpack Loader over a Mixture of 3 datasets, default ({loader.num_threads} threads)", "mmpack",
+            lambda: loader, lambda b: len(b["label"]), mmpack_conv, files, threads=loader.num_threads)
+    if "samples_per_s" in r and "samples_per_s" in single:
+        r["of_one_source_pct"] = 100 * r["samples_per_s"] / single["samples_per_s"]
     from loaders.batch import native
 
     if native.LIB is not None:  # the same Loader without its C copies: what an install without a compiler gets

@@ -9,9 +9,10 @@ from loaders.loader import Loader
 from loaders.cuda import to_device
 from loaders.views.dataset import MMapDataset
 from loaders.views.iterable import MMapIterableDataset
+from loaders.views.mixture import Mixture
 from loaders.views.packed import PackedDocuments, pack_documents
 from loaders.stateful import StatefulDataLoader
 from loaders.views.tokens import TokenWindows
 
-__all__ = ["MMapDataset", "MMapIterableDataset", "Loader", "BatchedDataset", "StatefulDataLoader", "TokenWindows",
+__all__ = ["MMapDataset", "MMapIterableDataset", "Mixture", "Loader", "BatchedDataset", "StatefulDataLoader", "TokenWindows",
            "PackedDocuments", "pack_documents", "to_device"]

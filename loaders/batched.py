@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from loaders.batch.source import as_source
+from loaders.batch.source import as_source, epochs_of
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 
 
@@ -50,8 +50,8 @@ class BatchedDataset(EpochDataset):
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None):
         self.source = as_source(dataset, columns)
-        self._epochs = Epochs(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
-                               drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
+        self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
+                                 drop_last=drop_last, rank=rank, world_size=world_size)
 
     def __len__(self) -> int:
         return self._epochs.num_batches()

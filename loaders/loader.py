@@ -22,9 +22,9 @@ from packer.system import available_cores
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
-from loaders.batch.source import as_source
+from loaders.batch.source import as_source, epochs_of
 from loaders.cuda import to_device
-from loaders.order.sampler import Epochs, Order, Pass, Resumable, check_int
+from loaders.order.sampler import Order, Pass, Resumable, check_int
 from loaders.producer import made_ahead, stop_all
 from loaders.views.dataset import MMapDataset
 
@@ -113,8 +113,8 @@ class Loader(Resumable):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
         self.source = as_source(dataset, columns)
-        self._epochs = Epochs(len(self.source), batch_size, shuffle=shuffle, order=order, seed=seed,
-                               drop_last=drop_last, rank=rank, world_size=world_size, source=self.source.source_id)
+        self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
+                                 drop_last=drop_last, rank=rank, world_size=world_size)
         self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
         if num_threads is None or self._timed:
             self.num_threads = default_threads()

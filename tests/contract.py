@@ -13,13 +13,19 @@ import sys
 
 import torch
 
-from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, PackedDocuments, StatefulDataLoader, TokenWindows
+from loaders import (BatchedDataset, Loader, Mixture, MMapDataset, MMapIterableDataset, PackedDocuments, StatefulDataLoader,
+                     TokenWindows)
 
 BATCH = 8
 EPOCHS = 3
 READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", "StatefulDataLoader(batched)",
            "StatefulDataLoader(MMapIterableDataset)", "StatefulDataLoader(TokenWindows)",
-           "StatefulDataLoader(PackedDocuments)")
+           "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)")
+
+
+def mixture(paths: dict) -> Mixture:
+    """The text dataset and the pairs dataset's tokens, 2 to 1."""
+    return Mixture([MMapDataset(paths[k], columns=["tokens", "key"]) for k in ("text", "pairs")], [2, 1])
 
 
 def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
@@ -34,12 +40,16 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         return Loader(windows(), BATCH, num_threads=par, **common)
     if reader == "Loader(PackedDocuments)":
         return Loader(packed(), BATCH, num_threads=par, **common)
+    if reader == "Loader(Mixture)":
+        return Loader(mixture(paths), BATCH, num_threads=par, **common)
     if reader == "StatefulDataLoader(batched)":
         source = MMapDataset(paths["images"], columns=["label", "key"]).batched(BATCH, **common)
     elif reader == "StatefulDataLoader(MMapIterableDataset)":
         source = MMapIterableDataset(paths["images"], chunk=BATCH, columns=["label", "key"], **common)
     elif reader == "StatefulDataLoader(TokenWindows)":
         source = BatchedDataset(windows(), BATCH, **common)
+    elif reader == "StatefulDataLoader(Mixture)":
+        source = BatchedDataset(mixture(paths), BATCH, **common)
     else:
         source = BatchedDataset(packed(), BATCH, **common)
     return StatefulDataLoader(source, num_workers=par)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from bench import data
 from packer.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,18 +51,21 @@ finally:
 @pytest.fixture(scope="module")
 def readme_dir(tmp_path_factory, image_raw, text_raw, minilm):
     """A working dir with the datasets the README's blocks open: out/ (images), text-out/ (text),
-    data/train (keep-aspect images)."""
+    prose-out/ (text), data/train (keep-aspect images)."""
     work = tmp_path_factory.mktemp("readme")
     assert main(["build", str(image_raw), str(work / "out"), "--image-size", "48", "-q"]) == 0
     assert main(["build", str(text_raw), str(work / "text-out"), "--tokenizer", str(minilm), "-q"]) == 0
     assert main(["build", str(image_raw), str(work / "data" / "train"), "--image-size", "40", "--keep-aspect", "-q"]) == 0
+    (work / "prose").mkdir()
+    (work / "prose" / "lines.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in data.caption_lines(300)))
+    assert main(["build", str(work / "prose"), str(work / "prose-out"), "--tokenizer", str(minilm), "-q"]) == 0
     return work
 
 
 def test_the_readme_has_the_blocks_a_user_needs():
     text = "\n".join(BLOCKS)
     for needed in ("load_state_dict", "set_epoch", "StatefulDataLoader", "TokenWindows", "PackedDocuments",
-                   "cu_seqlens", "normalize", "train_transform", "eval_transform", "image_size"):
+                   "cu_seqlens", "Mixture", "normalize", "train_transform", "eval_transform", "image_size"):
         assert needed in text, needed
 
 

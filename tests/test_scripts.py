@@ -66,3 +66,10 @@ def test_the_imagenet_example_trains_from_keep_aspect_datasets(tmp_path):
 
     train = MMapDataset(tmp_path / "data" / "train.mmpack")
     assert train.columns["image"].ragged and train.manifest.build["max_side"] == 512
+
+
+def test_the_mixture_example_trains_on_code_and_prose_70_30(tmp_path):
+    out = run("scripts/mix_lm.py", "--steps", "12", "--seq-len", "64", "--work", tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "every prefix within" in out.stdout and ": ok" in out.stdout
+    assert "(70.0%)" in out.stdout and "(30.0%)" in out.stdout

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from packer.errors import ConfigError
+from packer.dataset.format import columns_text as fmt_columns
 from packer.dataset.reader import ColumnArrays, DatasetReader, decode_text
 
 from loaders.batch import native
@@ -104,14 +105,25 @@ def huge_array(shape, dtype) -> np.ndarray:
 
 
 class ColumnGather:
-    """Gathers the named columns of a dataset into batch buffers (see `alloc` / `gather`)."""
+    """Gathers the named columns of a dataset into batch buffers (see `alloc` / `gather`); of
+    several datasets with the same columns (a `Mixture`'s), as if their shards were one
+    dataset's, in the order given: sample ids of the second start after the first's."""
 
-    def __init__(self, reader: DatasetReader, names: list[str], padding_value: int = 0):
-        reader.check_columns(names)
-        self.reader, self.padding_value = reader, padding_value
-        self.source_id = reader.content_id
-        self.columns = [reader.manifest.column(n) for n in names]
-        ends = np.asarray(reader.shard_ends, dtype=np.int64)
+    def __init__(self, reader: DatasetReader | list[DatasetReader], names: list[str], padding_value: int = 0):
+        readers = list(reader) if isinstance(reader, (list, tuple)) else [reader]
+        for r in readers:
+            r.check_columns(names)
+        self.reader, self.readers, self.padding_value = readers[0], readers, padding_value
+        self.source_id = "+".join(r.content_id for r in readers)
+        self.columns = [readers[0].manifest.column(n) for n in names]
+        for r in readers[1:]:
+            theirs = [r.manifest.column(n) for n in names]
+            if theirs != self.columns:
+                raise ConfigError(f"{r.root}: columns {fmt_columns(theirs)} differ from {readers[0].root}'s "
+                                  f"{fmt_columns(self.columns)}; mixed datasets must hold the same columns")
+        counts = [n for r in readers for n in np.diff([0, *r.shard_ends])]
+        ends = np.cumsum(np.asarray(counts, dtype=np.int64)) if counts else np.zeros(0, np.int64)
+        self._shards = [(r, k) for r in readers for k in range(len(r.shard_ends))]
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._by_column: dict[str, list[ColumnArrays]] = {}
@@ -126,7 +138,7 @@ class ColumnGather:
         """Without the maps and addresses found so far: pickled (to a DataLoader's spawned
         worker), the maps' bytes would go whole into the pickle, and their addresses mean
         nothing in another process. The reader pickles as its path."""
-        return {"reader": self.reader, "names": [c.name for c in self.columns], "padding_value": self.padding_value}
+        return {"reader": self.readers, "names": [c.name for c in self.columns], "padding_value": self.padding_value}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["reader"], state["names"], state.get("padding_value", 0))
@@ -135,7 +147,7 @@ class ColumnGather:
         """Every shard's maps of one column, built once: not O(shards) work per batch."""
         arrays = self._by_column.get(name)
         if arrays is None:
-            arrays = self._by_column[name] = [self.reader.column(k, name) for k in range(len(self._ends))]
+            arrays = self._by_column[name] = [r.column(k, name) for r, k in self._shards]
         return arrays
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:

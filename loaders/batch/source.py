@@ -12,6 +12,7 @@ import torch
 from packer.errors import ConfigError
 
 from loaders.batch.gather import Memory
+from loaders.order.sampler import Epochs
 
 
 class BatchSource(Protocol):
@@ -36,3 +37,9 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
     if columns is not None:
         raise ConfigError("columns= applies to an MMapDataset only")
     return dataset
+
+
+def epochs_of(source: BatchSource, batch_size: int, **kwargs) -> Epochs:
+    """The epochs over a batch source: its permutations, or a mixture's stream (`order_for`)."""
+    blend = source if hasattr(source, "order_for") else None
+    return Epochs(len(source), batch_size, source=source.source_id, blend=blend, **kwargs)

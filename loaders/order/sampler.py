@@ -113,7 +113,7 @@ class Epochs:
     epoch, does not replay a resumed epoch)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
-                 drop_last: bool, rank: int | None, world_size: int | None, source: str = ""):
+                 drop_last: bool, rank: int | None, world_size: int | None, source: str = "", blend=None):
         check_int("batch_size", batch_size, 1)
         order = order or ("random" if shuffle else "sequential")
         if order not in ORDERS:
@@ -122,11 +122,12 @@ class Epochs:
         self.num_samples, self.batch_size, self.seed, self.order = num_samples, int(batch_size), check_int("seed", seed), order
         self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
         self.source = source  # what the samples are (the content_id of a dataset, and the view)
+        self.blend = blend  # a Mixture: its stream, not a permutation, orders an epoch
         self.epoch = 0
         self.cursor = 0
         self.resuming = False  # a loaded state's cursor is where the next pass starts
         self.partial = False  # a pass started and not taken to its end: the next one takes a new epoch
-        self._perm: Permutation | None = None
+        self._perm: tuple | None = None  # (epoch, its positions -> ids)
         self._chunk: tuple[tuple[int, int, int], np.ndarray] | None = None  # (epoch, cursor, chunk) -> ids
 
     def set_epoch(self, epoch: int) -> None:
@@ -183,11 +184,15 @@ class Epochs:
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
         return self.ids(p, b * self.batch_size, (b + 1) * self.batch_size)
 
-    def permutation(self, epoch: int) -> Permutation:
-        perm = self._perm
-        if perm is None or perm.epoch != epoch:
-            perm = self._perm = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch)
-        return perm
+    def permutation(self, epoch: int):
+        """Positions of `epoch` -> sample ids: the epoch's permutation, or a mixture's stream."""
+        if self._perm is None or self._perm[0] != epoch:
+            if self.blend is not None:
+                ids = self.blend.order_for(order=self.order, seed=self.seed, epoch=epoch)
+            else:
+                ids = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch)
+            self._perm = (epoch, ids)
+        return self._perm[1]
 
     def taken(self, p: Pass, batches: int) -> None:
         """The caller has taken `batches` batches of pass `p` (each rank as many): move the cursor
@@ -200,8 +205,11 @@ class Epochs:
     def state_dict(self) -> dict:
         """A few integers and the identity of what they index: enough to resume exactly in a
         fresh process, whatever the worker, thread or rank count."""
-        return {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
-                "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
+        state = {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
+                 "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
+        if self.blend is not None:  # each source's own epoch and cursor, for the record (they follow from these)
+            state["sources"] = self.blend.source_state(self.epoch, self.cursor)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Take a saved state; a state of another dataset, view, size, order or seed is refused."""

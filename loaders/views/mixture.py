@@ -1,0 +1,105 @@
+"""`Mixture`: several datasets (or token-window views) as one stream of samples, each source
+taking its share by weight at every prefix of the stream.
+
+Each source walks its own O(1)-memory order (`loaders.order.orders.Permutation`, seeded per
+source) and starts its next epoch when it is exhausted, independently of the others; which
+source a stream position takes is `loaders.order.blend`. A mixture's epoch is `num_samples`
+positions of that stream, and mixture epoch e continues where epoch e - 1 ended, so a source
+upsampled 5x sees each of its samples 5 times, in 5 different orders. A batch's ids are union
+ids: source k's sample i is `offsets[k] + i`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from packer.errors import ConfigError
+
+from loaders.batch.gather import ColumnGather, Memory, empty
+from loaders.order.blend import Blend
+from loaders.order.orders import Order
+from loaders.views.dataset import MMapDataset
+from loaders.views.tokens import TokenWindows
+
+class Mixture:
+    """Several sources of one kind as one stream, by weight.
+
+    Args:
+        sources: MMapDatasets (or dataset dirs) with the same columns, or TokenWindows views
+            with the same seq_len.
+        weights: each source's share of the samples (any positive numbers; normalised).
+        num_samples: the mixture's epoch, in samples (default: until the source with the
+            largest weight has been through its samples once, the others taking their shares).
+
+    `Loader(Mixture(...), B, seed=...)`, `ds.batched`-style `BatchedDataset(...)` and
+    `StatefulDataLoader` take it; `order` and `seed` there set each source's own order. Every
+    batch carries a `source` column (int64: the index of each sample's source); a batch of
+    TokenWindows is (x, y, source).
+    """
+
+    def __init__(self, sources, weights, *, num_samples: int | None = None):
+        sources = [MMapDataset(s) if isinstance(s, (str, os.PathLike)) else s for s in sources]
+        if not sources:
+            raise ConfigError("a Mixture needs at least one source")
+        self.sources = sources
+        self.blend = Blend([len(s) for s in sources], list(weights), num_samples)
+        self.weights, self.sizes, self.num_samples = self.blend.weights, self.blend.sizes, self.blend.num_samples
+        self._parts = _parts(sources)
+        self.source_id = "mixture:" + json.dumps({"sources": [p.source_id for p in self._parts],
+                                                  "weights": self.weights.tolist(), "num_samples": self.num_samples})
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def order_for(self, *, order: Order, seed: int, epoch: int):
+        """Positions of mixture epoch `epoch` -> union ids (what `Epochs` orders an epoch by)."""
+        return self.blend.order_for(order=order, seed=seed, epoch=epoch)
+
+    def source_state(self, epoch: int, cursor: int) -> list[dict]:
+        return self.blend.source_state(epoch, cursor)
+
+    def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
+        out = self._parts[0].alloc(batch_size, memory)
+        out["source"] = empty((batch_size,), np.int64, memory)
+        return out
+
+    def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1):
+        ids = np.asarray(ids, dtype=np.int64)
+        source = buffers["source"][: len(ids)]
+        source.numpy()[:] = self.blend.source_of(ids)
+        if len(self._parts) == 1:  # datasets: one gather over all their shards
+            return {**self._parts[0].gather(ids, buffers, pool, num_threads), "source": source}
+        window = buffers["window"][: len(ids)]
+        for k, part in enumerate(self._parts):
+            sel = np.flatnonzero(source.numpy() == k)
+            if len(sel):
+                own = part.alloc(len(sel), "plain")
+                part.gather(ids[sel] - self.blend.offsets[k], own)
+                window[torch.from_numpy(sel)] = own["window"]
+        return window[:, :-1], window[:, 1:], source
+
+    def __repr__(self) -> str:
+        shares = ", ".join(f"{n:,} x {w:.3g}" for n, w in zip(self.sizes, self.weights))
+        return f"Mixture({shares}; {self.num_samples:,} samples an epoch)"
+
+
+def _parts(sources) -> list:
+    """What gathers the sources' samples: one ColumnGather over every dataset's shards, or the
+    token-window views themselves (gathered apart, then placed)."""
+    if all(isinstance(s, MMapDataset) for s in sources):
+        names = list(sources[0].columns)
+        if any(list(s.columns) != names for s in sources[1:]):
+            other = next(s for s in sources[1:] if list(s.columns) != names)
+            raise ConfigError(f"{other.root}: columns {list(other.columns)} differ from {sources[0].root}'s {names}; "
+                              "mixed datasets must hold the same columns (open them with columns=[...])")
+        return [ColumnGather([s.reader for s in sources], names, sources[0].padding_value)]
+    if all(isinstance(s, TokenWindows) for s in sources):
+        if len({s.seq_len for s in sources}) > 1:
+            raise ConfigError(f"mixed TokenWindows must share seq_len: {[s.seq_len for s in sources]}")
+        return list(sources)
+    kinds = sorted({type(s).__name__ for s in sources})
+    raise ConfigError(f"a Mixture mixes MMapDatasets or TokenWindows, one kind at a time, not {', '.join(kinds)}")
