@@ -37,6 +37,18 @@ def _timed(fn, reps: int, cuda: bool) -> float:
     return statistics.median(times)
 
 
+def _padding_pct(loader) -> float:
+    """The share of a pass's batch bytes that are padding (0 for fixed-size images)."""
+    image = canvas = 0
+    for batch in loader:
+        if "image_size" not in batch:
+            return 0.0
+        sizes = batch["image_size"].cpu()
+        image += int((sizes[:, 0] * sizes[:, 1]).sum())
+        canvas += len(sizes) * batch["image"].shape[1] * batch["image"].shape[2]
+    return 100 * (1 - image / canvas) if canvas else 0.0
+
+
 def bench_augment(args) -> dict:
     from loaders import Loader, MMapDataset
     from loaders.augment import eval_transform, normalize, train_transform
@@ -53,15 +65,19 @@ def bench_augment(args) -> dict:
     device = torch.device("cuda" if cuda else "cpu")
     reps = args.reps or (20 if cuda else 5)
 
-    def loader_row(name: str, out: Path, flags: str) -> tuple[dict, dict]:
-        loader = Loader(MMapDataset(out, columns=["image", "label"]), bs, shuffle=True, seed=0, device=device)
+    def loader_row(name: str, out: Path, flags: str, bucket_by: str | None = None) -> tuple[dict, dict]:
+        loader = Loader(MMapDataset(out, columns=["image", "label"]), bs, shuffle=True, seed=0, device=device,
+                        bucket_by=bucket_by)
         m = measure(lambda: loader, lambda b: len(b["label"]), passes=args.passes)
         batch = {k: v.clone() for k, v in next(iter(loader)).items()}  # not the loader's buffers
         return {"dataset": name, "flags": flags, "images_per_s": m["samples_per_s"], "canvas": list(batch["image"].shape),
-                "mb_per_batch": batch["image"].numel() / 1e6, "cpu_s_per_1000": m["cpu_s_per_1000"]}, batch
+                "mb_per_batch": batch["image"].numel() / 1e6, "cpu_s_per_1000": m["cpu_s_per_1000"],
+                "padding_pct": _padding_pct(loader)}, batch
 
     fixed_row, f = loader_row("fixed", fixed, f"--image-size {size}")
     aspect_row, a = loader_row("keep-aspect", aspect, f"--image-size {store} --keep-aspect")
+    bucketed_row, _ = loader_row("keep-aspect", aspect, f"--image-size {store} --keep-aspect; bucket_by='aspect'",
+                                 bucket_by="aspect")
     g = torch.Generator(device=device).manual_seed(0)
     transforms = [
         ("train_transform, keep-aspect canvas", lambda: train_transform(a["image"], a["image_size"], size, generator=g)),
@@ -84,4 +100,4 @@ def bench_augment(args) -> dict:
         r["pct_of_step"] = {m: 100 * r["ms"] / ms for m, ms in models.items()}
     return {"command": "bench augment", "machine": machine(), "device": str(device), "batch_size": bs,
             "size": size, "store_size": store, "num_images": count, "threads": torch.get_num_threads(),
-            "loaders": [fixed_row, aspect_row], "transforms": rows, "model_step_ms": models}
+            "loaders": [fixed_row, aspect_row, bucketed_row], "transforms": rows, "model_step_ms": models}

@@ -69,10 +69,10 @@ def augment_table(report: dict) -> str:
     m = report["machine"]
     lines = [f"bench augment on {report['device']} ({m['gpu'] or str(m['cores']) + ' cores'}), batch "
              f"{report['batch_size']}, {report['num_images']} real photo crops, output {report['size']} px",
-             f"{'Loader over':16} {'stored as':36} {'images/s':>10} {'canvas of a batch':>22} {'CPU s/1k':>9}"]
+             f"{'Loader over':16} {'stored as':58} {'images/s':>10} {'canvas of a batch':>22} {'padding':>8} {'CPU s/1k':>9}"]
     for r in report["loaders"]:
-        lines.append(f"{r['dataset']:16} {r['flags']:36} {r['images_per_s']:>10,.0f} "
-                     f"{' x '.join(map(str, r['canvas'])):>22} {r['cpu_s_per_1000']:>9.2f}")
+        lines.append(f"{r['dataset']:16} {r['flags']:58} {r['images_per_s']:>10,.0f} "
+                     f"{' x '.join(map(str, r['canvas'])):>22} {r.get('padding_pct', 0):>7.0f}% {r['cpu_s_per_1000']:>9.2f}")
     models = report["model_step_ms"]
     lines.append(f"{'transform':58} {'ms/batch':>9} " + " ".join(f"{'% of ' + k:>16}" for k in models))
     for r in report["transforms"]:

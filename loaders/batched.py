@@ -48,10 +48,10 @@ class BatchedDataset(EpochDataset):
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None):
+                 columns: list[str] | None = None, bucket_by: str | None = None):
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
-                                 drop_last=drop_last, rank=rank, world_size=world_size)
+                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by)
 
     def __len__(self) -> int:
         return self._epochs.num_batches()

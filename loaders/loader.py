@@ -98,6 +98,9 @@ class Loader(Resumable):
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
         rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE.
         columns: the columns to gather (default all).
+        bucket_by: "aspect": every batch's images share an aspect-ratio bucket, so a keep-aspect
+            canvas is mostly image (each image still once an epoch; the batches' order random,
+            deterministic and resumable with the same batch size; `loaders.order.buckets`).
         num_buffers: batch buffers in the ring, >= 2: the batch the caller holds and
             num_buffers - 1 gathered ahead (more are allocated only while the caller keeps
             batches; see `loaders.batch.ring`).
@@ -109,12 +112,12 @@ class Loader(Resumable):
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_threads: int | str | None = None, pin_memory: bool | None = None, device=None,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, num_buffers: int = 3):
+                 columns: list[str] | None = None, num_buffers: int = 3, bucket_by: str | None = None):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
-                                 drop_last=drop_last, rank=rank, world_size=world_size)
+                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by)
         self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
         if num_threads is None or self._timed:
             self.num_threads = default_threads()

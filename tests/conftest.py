@@ -132,16 +132,19 @@ def pairs_raw(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def built(tmp_path_factory, image_raw, text_raw, pairs_raw, minilm):
-    """The three layouts built once through the real CLI: {"images", "text", "pairs"} -> OUT."""
+    """The three layouts built once through the real CLI: {"images", "text", "pairs"} -> OUT, and the
+    images again whole (--keep-aspect), "aspect"."""
     from packer.cli import main
 
     root = tmp_path_factory.mktemp("built")
-    outs = {k: root / k for k in ("images", "text", "pairs")}
+    outs = {k: root / k for k in ("images", "text", "pairs", "aspect")}
     assert main(["build", str(image_raw), str(outs["images"]), "--image-size", "64", "--shard-size", "16", "-q"]) == 0
     assert main(["build", str(text_raw), str(outs["text"]), "--tokenizer", str(minilm), "--append-eos",
                  "--shard-size", "64KB", "-q"]) == 0
     assert main(["build", str(pairs_raw), str(outs["pairs"]), "--tokenizer", str(minilm), "--image-size", "32",
                  "--shard-size", "10", "-q"]) == 0
+    assert main(["build", str(image_raw), str(outs["aspect"]), "--image-size", "32", "--keep-aspect", "--shard-size", "16",
+                 "-q"]) == 0
     return outs
 
 

@@ -20,7 +20,8 @@ BATCH = 8
 EPOCHS = 3
 READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", "StatefulDataLoader(batched)",
            "StatefulDataLoader(MMapIterableDataset)", "StatefulDataLoader(TokenWindows)",
-           "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)")
+           "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)",
+           "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)")
 
 
 def mixture(paths: dict) -> Mixture:
@@ -42,6 +43,9 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         return Loader(packed(), BATCH, num_threads=par, **common)
     if reader == "Loader(Mixture)":
         return Loader(mixture(paths), BATCH, num_threads=par, **common)
+    if reader == "Loader(images, bucket_by)":
+        return Loader(MMapDataset(paths["aspect"], columns=["image", "key"]), BATCH, num_threads=par, bucket_by="aspect",
+                      **common)
     if reader == "StatefulDataLoader(batched)":
         source = MMapDataset(paths["images"], columns=["label", "key"]).batched(BATCH, **common)
     elif reader == "StatefulDataLoader(MMapIterableDataset)":
@@ -50,6 +54,8 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         source = BatchedDataset(windows(), BATCH, **common)
     elif reader == "StatefulDataLoader(Mixture)":
         source = BatchedDataset(mixture(paths), BATCH, **common)
+    elif reader == "StatefulDataLoader(batched, bucket_by)":
+        source = MMapDataset(paths["aspect"], columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
     else:
         source = BatchedDataset(packed(), BATCH, **common)
     return StatefulDataLoader(source, num_workers=par)

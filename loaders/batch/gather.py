@@ -143,6 +143,27 @@ class ColumnGather:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["reader"], state["names"], state.get("padding_value", 0))
 
+    def image_column(self) -> str:
+        """The column whose samples have their own sizes (height, width, channels): what a batch
+        grouped by shape groups by."""
+        ragged = [c.name for c in self.columns if c.ragged and len(c.shape) > 1]
+        if not ragged:
+            raise ConfigError(f"{self.reader.root}: no column of own-sized images to group batches by "
+                              f"(columns {[c.name for c in self.columns]}); build with --keep-aspect or --image-size keep")
+        return ragged[0]
+
+    def shapes_of(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """[len(ids), ndim]: each sample's shape in a ragged column, from its shapes file."""
+        ids = np.asarray(ids, dtype=np.int64)
+        shard = np.searchsorted(self._ends, ids, side="right")
+        rows = ids - self._starts[shard]
+        arrays = self._arrays(name)
+        out = np.empty((len(ids), arrays[0].shapes.shape[1] if arrays else 0), np.int64)
+        for k in np.unique(shard).tolist():
+            sel = shard == k
+            out[sel] = arrays[k].shapes[rows[sel]]
+        return out
+
     def _arrays(self, name: str) -> list[ColumnArrays]:
         """Every shard's maps of one column, built once: not O(shards) work per batch."""
         arrays = self._by_column.get(name)

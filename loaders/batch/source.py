@@ -12,6 +12,7 @@ import torch
 from packer.errors import ConfigError
 
 from loaders.batch.gather import Memory
+from loaders.order.buckets import Bucketed, aspect_bucket
 from loaders.order.sampler import Epochs
 
 
@@ -39,7 +40,15 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
     return dataset
 
 
-def epochs_of(source: BatchSource, batch_size: int, **kwargs) -> Epochs:
-    """The epochs over a batch source: its permutations, or a mixture's stream (`order_for`)."""
-    blend = source if hasattr(source, "order_for") else None
-    return Epochs(len(source), batch_size, source=source.source_id, blend=blend, **kwargs)
+def epochs_of(source: BatchSource, batch_size: int, *, bucket_by: str | None = None, **kwargs) -> Epochs:
+    """The epochs over a batch source: its permutations, a mixture's stream (`order_for`), or
+    with `bucket_by="aspect"` batches whose images share an aspect-ratio bucket."""
+    stream = source if hasattr(source, "order_for") else None
+    if bucket_by is not None:
+        if bucket_by != "aspect":
+            raise ConfigError(f"bucket_by must be 'aspect' or None, not {bucket_by!r}")
+        if stream is not None or not hasattr(source, "shapes_of"):
+            raise ConfigError("bucket_by='aspect' groups the images of one MMapDataset (not a Mixture or a view)")
+        name = source.image_column()
+        stream = Bucketed(lambda ids: aspect_bucket(source.shapes_of(name, ids)), batch_size)
+    return Epochs(len(source), batch_size, source=source.source_id, stream=stream, **kwargs)

@@ -80,7 +80,8 @@ class Blend:
     `num_samples` positions (mixture epoch e continues where e - 1 ended). Pure integers: any
     position of any epoch is computed alone, whatever the sizes."""
 
-    def __init__(self, sizes, weights, num_samples: int | None = None):
+    def __init__(self, sizes, weights, num_samples: int | None = None, *, before: Blend | None = None,
+                 start: int = 0):
         self.sizes = [int(n) for n in sizes]
         self.weights = check_weights(weights)
         if len(self.weights) != len(self.sizes):
@@ -95,13 +96,53 @@ class Blend:
             raise ConfigError(f"num_samples must be a positive int, not {num_samples!r}")
         self.num_samples = num_samples
         self.offsets = np.concatenate([[0], np.cumsum(self.sizes)]).astype(np.int64)
+        # reweighted: the stream follows `before` up to position `start`, these weights from its counts there on
+        self.before, self.start = before, start
+        self.base = before.counts([start])[0] if before is not None else np.zeros(len(self.sizes), np.int64)
 
-    def order_for(self, *, order: Order, seed: int, epoch: int):
+    def counts(self, positions) -> np.ndarray:
+        """[len(positions), K]: each source's samples in the stream before each position."""
+        g = np.asarray(positions, dtype=np.int64).reshape(-1)
+        out = self.base + counts_before(np.maximum(g - self.start, 0), self.weights)
+        early = g < self.start
+        if early.any():
+            out[early] = self.before.counts(g[early])
+        return out
+
+    def at(self, positions) -> tuple[np.ndarray, np.ndarray]:
+        """(source, how many of its samples came before) of the sample at each stream position."""
+        g = np.asarray(positions, dtype=np.int64).reshape(-1)
+        source, j = sources_at(np.maximum(g - self.start, 0), self.weights)
+        j = j + self.base[source]
+        early = g < self.start
+        if early.any():
+            source[early], j[early] = self.before.at(g[early])
+        return source, j
+
+    def reweighted(self, weights, position: int) -> Blend:
+        """This stream up to `position`, then `weights` from each source's count there."""
+        return Blend(self.sizes, weights, self.num_samples, before=self, start=position)
+
+    def describe(self) -> dict:
+        """What identifies the stream (in the resume state's source): weights, epoch, and where
+        and from what it was reweighted."""
+        out = {"weights": self.weights.tolist(), "num_samples": self.num_samples}
+        if self.before is not None:
+            out["from"] = {"position": self.start, "before": self.before.describe()}
+        return out
+
+    @classmethod
+    def described(cls, sizes, doc: dict) -> Blend:
+        before = cls.described(sizes, doc["from"]["before"]) if "from" in doc else None
+        return cls(sizes, doc["weights"], doc["num_samples"], before=before,
+                   start=doc["from"]["position"] if before else 0)
+
+    def order_for(self, *, order: Order, seed: int, epoch: int, num_samples: int | None = None):
         """Positions of mixture epoch `epoch` -> union ids (source k's sample i is offsets[k] + i),
         each source in its own order of its own epochs (keyed by seed and source)."""
 
         def ids(positions) -> np.ndarray:
-            source, j = sources_at(epoch * self.num_samples + np.asarray(positions, dtype=np.int64), self.weights)
+            source, j = self.at(epoch * self.num_samples + np.asarray(positions, dtype=np.int64))
             out = np.empty(len(source), np.int64)
             for k in np.unique(source).tolist():
                 sel = np.flatnonzero(source == k)
@@ -117,7 +158,7 @@ class Blend:
     def source_state(self, epoch: int, cursor: int) -> list[dict]:
         """Each source's own epoch and cursor once the stream has reached `cursor` of mixture
         epoch `epoch`."""
-        taken = counts_before([epoch * self.num_samples + cursor], self.weights)[0]
+        taken = self.counts([epoch * self.num_samples + cursor])[0]
         return [{"epoch": int(t // n), "cursor": int(t % n)} for t, n in zip(taken.tolist(), self.sizes)]
 
     def source_of(self, ids) -> np.ndarray:

@@ -45,11 +45,18 @@ def rank_count(remaining: int, *, world_size: int, batch_size: int, drop_last: b
     return -(-remaining // world_size)
 
 
-def rank_positions(cursor: int, first: int, stop: int, *, num_samples: int, rank: int, world_size: int) -> np.ndarray:
+def rank_positions(cursor: int, first: int, stop: int, *, num_samples: int, rank: int, world_size: int,
+                   block: int = 1) -> np.ndarray:
     """Positions in the epoch's order of rank's samples [first, stop) from `cursor` on: rank r's
-    j-th is cursor + j*W + r; past the end, the padding repeats the order from its start."""
+    j-th is cursor + j*W + r, or with `block` B (batches grouped by shape) the ranks take turns a
+    block at a time, cursor + (j // B)*B*W + r*B + j % B, up to the last short global batch,
+    dealt sample by sample; past the end, the padding repeats the order from its start."""
     j = np.arange(first, stop, dtype=np.int64)
-    pos = cursor + j * world_size + rank
+    pos = cursor + (j // block) * block * world_size + rank * block + j % block
+    if block > 1:  # the last, short global batch is dealt sample by sample, as without blocks
+        whole = (num_samples - cursor) // (block * world_size) * block  # this rank's samples in whole ones
+        rest = j >= whole
+        pos[rest] = cursor + whole * world_size + (j[rest] - whole) * world_size + rank
     past = pos >= num_samples
     if past.any():
         pos[past] = (pos[past] - num_samples) % max(num_samples, 1)
@@ -113,7 +120,7 @@ class Epochs:
     epoch, does not replay a resumed epoch)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
-                 drop_last: bool, rank: int | None, world_size: int | None, source: str = "", blend=None):
+                 drop_last: bool, rank: int | None, world_size: int | None, source: str = "", stream=None):
         check_int("batch_size", batch_size, 1)
         order = order or ("random" if shuffle else "sequential")
         if order not in ORDERS:
@@ -122,7 +129,9 @@ class Epochs:
         self.num_samples, self.batch_size, self.seed, self.order = num_samples, int(batch_size), check_int("seed", seed), order
         self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
         self.source = source  # what the samples are (the content_id of a dataset, and the view)
-        self.blend = blend  # a Mixture: its stream, not a permutation, orders an epoch
+        # a Mixture's blend, or batches grouped by shape: what orders an epoch instead of a permutation
+        self.stream = stream
+        self.block = getattr(stream, "deal_block", 1)
         self.epoch = 0
         self.cursor = 0
         self.resuming = False  # a loaded state's cursor is where the next pass starts
@@ -177,7 +186,7 @@ class Epochs:
         if self._chunk is None or self._chunk[0] != key:
             stop = min((c + 1) * CHUNK, self.per_rank(p.cursor))
             pos = rank_positions(p.cursor, c * CHUNK, stop, num_samples=self.num_samples, rank=self.rank,
-                                 world_size=self.world_size)
+                                 world_size=self.world_size, block=self.block)
             self._chunk = (key, self.permutation(p.epoch)(pos))
         return self._chunk[1]
 
@@ -187,8 +196,8 @@ class Epochs:
     def permutation(self, epoch: int):
         """Positions of `epoch` -> sample ids: the epoch's permutation, or a mixture's stream."""
         if self._perm is None or self._perm[0] != epoch:
-            if self.blend is not None:
-                ids = self.blend.order_for(order=self.order, seed=self.seed, epoch=epoch)
+            if self.stream is not None:
+                ids = self.stream.order_for(order=self.order, seed=self.seed, epoch=epoch, num_samples=self.num_samples)
             else:
                 ids = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch)
             self._perm = (epoch, ids)
@@ -207,8 +216,8 @@ class Epochs:
         fresh process, whatever the worker, thread or rank count."""
         state = {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
                  "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
-        if self.blend is not None:  # each source's own epoch and cursor, for the record (they follow from these)
-            state["sources"] = self.blend.source_state(self.epoch, self.cursor)
+        if hasattr(self.stream, "source_state"):  # a mixture's sources' own epochs and cursors, for the record
+            state["sources"] = self.stream.source_state(self.epoch, self.cursor)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,6 +228,12 @@ class Epochs:
                               "and cannot be resumed exactly")
         mine = self.state_dict()
         for name in ("source", "num_samples", "order", "seed"):
+            if name == "source" and state.get(name) in getattr(self.stream, "accepts", ()):
+                continue  # the state a reweighted mixture goes on from
+            if name == "source" and state.get(name) != mine[name] and str(state.get(name)).startswith("mixture:"):
+                raise ConfigError("the state was saved over a Mixture of other weights or sources; to go on with new "
+                                  "weights from where it stopped (a curriculum), build the Mixture with "
+                                  "reweighted_from=state, then load it")
             if state.get(name) != mine[name]:
                 raise ConfigError(f"the state is for {name} {state.get(name)!r}, this loader has {mine[name]!r}: "
                                   "it was saved over another dataset, view or order; load it into a loader "

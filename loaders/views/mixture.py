@@ -34,6 +34,9 @@ class Mixture:
         weights: each source's share of the samples (any positive numbers; normalised).
         num_samples: the mixture's epoch, in samples (default: until the source with the
             largest weight has been through its samples once, the others taking their shares).
+        reweighted_from: a loader state saved over a Mixture of these sources with other
+            weights (a curriculum): the stream is that one up to the state's place, then these
+            weights from each source's count there. Load the state into the new loader.
 
     `Loader(Mixture(...), B, seed=...)`, `ds.batched`-style `BatchedDataset(...)` and
     `StatefulDataLoader` take it; `order` and `seed` there set each source's own order. Every
@@ -41,21 +44,25 @@ class Mixture:
     TokenWindows is (x, y, source).
     """
 
-    def __init__(self, sources, weights, *, num_samples: int | None = None):
+    def __init__(self, sources, weights, *, num_samples: int | None = None, reweighted_from: dict | None = None):
         sources = [MMapDataset(s) if isinstance(s, (str, os.PathLike)) else s for s in sources]
         if not sources:
             raise ConfigError("a Mixture needs at least one source")
         self.sources = sources
-        self.blend = Blend([len(s) for s in sources], list(weights), num_samples)
-        self.weights, self.sizes, self.num_samples = self.blend.weights, self.blend.sizes, self.blend.num_samples
         self._parts = _parts(sources)
-        self.source_id = "mixture:" + json.dumps({"sources": [p.source_id for p in self._parts],
-                                                  "weights": self.weights.tolist(), "num_samples": self.num_samples})
+        sizes, parts = [len(s) for s in sources], [p.source_id for p in self._parts]
+        self.blend = Blend(sizes, list(weights), num_samples)
+        self.accepts: tuple[str, ...] = ()  # the state this mixture was reweighted from
+        if reweighted_from is not None:
+            self.blend = _reweighted(reweighted_from, sizes, parts, self.blend)
+            self.accepts = (reweighted_from.get("source"),)
+        self.weights, self.sizes, self.num_samples = self.blend.weights, self.blend.sizes, self.blend.num_samples
+        self.source_id = "mixture:" + json.dumps({"sources": parts, **self.blend.describe()})
 
     def __len__(self) -> int:
         return self.num_samples
 
-    def order_for(self, *, order: Order, seed: int, epoch: int):
+    def order_for(self, *, order: Order, seed: int, epoch: int, num_samples: int | None = None):
         """Positions of mixture epoch `epoch` -> union ids (what `Epochs` orders an epoch by)."""
         return self.blend.order_for(order=order, seed=seed, epoch=epoch)
 
@@ -85,6 +92,25 @@ class Mixture:
     def __repr__(self) -> str:
         shares = ", ".join(f"{n:,} x {w:.3g}" for n, w in zip(self.sizes, self.weights))
         return f"Mixture({shares}; {self.num_samples:,} samples an epoch)"
+
+
+def _reweighted(state: dict, sizes: list[int], parts: list[str], new: Blend) -> Blend:
+    """The stream of the mixture that saved `state`, then `new`'s weights from the state's place
+    on (the same stream when they are its weights already)."""
+    source = state.get("source", "") if isinstance(state, dict) else ""
+    try:
+        doc = json.loads(source[len("mixture:"):]) if source.startswith("mixture:") else None
+    except ValueError:
+        doc = None
+    if doc is None or doc.get("sources") != parts:
+        raise ConfigError("reweighted_from: the state was not saved over a Mixture of these sources")
+    if doc["num_samples"] != new.num_samples:
+        raise ConfigError(f"reweighted_from: the state's mixture had epochs of {doc['num_samples']} samples, this "
+                          f"one {new.num_samples}: pass num_samples={doc['num_samples']}")
+    old = Blend.described(sizes, doc)
+    if np.allclose(old.weights, new.weights):
+        return old
+    return old.reweighted(new.weights, state["epoch"] * new.num_samples + state["cursor"])
 
 
 def _parts(sources) -> list:

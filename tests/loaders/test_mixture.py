@@ -81,7 +81,7 @@ def test_sources_of_a_billion_samples_each_open_and_resume_in_constant_memory():
     tracemalloc.start()
     blend = Blend([10**9] * 3, [5, 3, 2])
     epochs = Epochs(blend.num_samples, 256, shuffle=True, order=None, seed=9, drop_last=False, rank=1,
-                    world_size=8, source="big", blend=blend)
+                    world_size=8, source="big", stream=blend)
     epochs.load_state_dict({**epochs.state_dict(), "epoch": 7, "cursor": 123_456_789})
     p = epochs.start()
     ids = epochs.batch_ids(p, 1000)
@@ -161,3 +161,31 @@ def test_what_a_mixture_refuses(tokens_of, built):
     next(iter(saved))
     with pytest.raises(ConfigError, match="source"):  # other weights: another stream
         Loader(Mixture(tokens_of, [0.5, 0.5]), 8, seed=1).load_state_dict(saved.state_dict())
+
+
+def test_a_curriculum_goes_on_with_new_weights_from_where_the_state_stopped(tokens_of):
+    """reweighted_from: the same stream up to the state's place, then the new weights from each
+    source's count there; a state saved after that rebuilds the same stream, in a fresh loader."""
+    first = Loader(Mixture(tokens_of, [0.9, 0.1], num_samples=240), 16, seed=3)
+    it = iter(first)
+    head = [next(it)["source"].tolist() for _ in range(5)]
+    state = first.state_dict()
+    with pytest.raises(ConfigError, match="reweighted_from"):
+        Loader(Mixture(tokens_of, [0.5, 0.5], num_samples=240), 16, seed=3).load_state_dict(state)
+    later = Loader(Mixture(tokens_of, [0.5, 0.5], num_samples=240, reweighted_from=state), 16, seed=3)
+    later.load_state_dict(state)
+    batches = iter(later)
+    tail = [next(batches) for _ in range(4)]
+    counts = np.bincount(np.concatenate([b["source"].numpy() for b in tail]), minlength=2)
+    assert abs(counts[0] - counts[1]) <= 2 and state["sources"] != later.state_dict()["sources"]
+    taken = np.array([s["epoch"] * n + s["cursor"] for s, n in zip(state["sources"], map(len, tokens_of))])
+    assert (taken == np.bincount(np.concatenate(head), minlength=2)).all()
+    saved = later.state_dict()
+    now = np.array([s["epoch"] * n + s["cursor"] for s, n in zip(saved["sources"], map(len, tokens_of))])
+    assert (now == taken + counts).all()  # each source went on from where it stopped
+    rest = [b["key"] for b in batches]
+    again = Loader(Mixture(tokens_of, [0.5, 0.5], num_samples=240, reweighted_from=saved), 16, seed=3)
+    again.load_state_dict(saved)
+    assert [b["key"] for b in again] == rest
+    with pytest.raises(ConfigError, match="num_samples=240"):
+        Mixture(tokens_of, [0.5, 0.5], reweighted_from=state)

@@ -66,7 +66,7 @@ def test_resume_in_a_fresh_process_goes_on_with_the_next_batch(built, reader):
         assert tail == want, (job["world"], job["rank"], job["state"])
 
 
-@pytest.mark.parametrize("reader", ["Loader(images)", "StatefulDataLoader(batched)"])
+@pytest.mark.parametrize("reader", ["Loader(images)", "StatefulDataLoader(batched)", "Loader(images, bucket_by)"])
 def test_a_state_saved_on_two_ranks_resumes_on_one_and_on_three(built, reader):
     """Elastic: two ranks take some batches; one rank (or three) resumes from the state and the
     epoch is covered once, the padding at its very end aside."""

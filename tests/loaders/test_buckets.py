@@ -1,0 +1,71 @@
+"""Batches grouped by shape (`bucket_by="aspect"`): each image once an epoch, batches of one
+bucket, little padding on real photos of both orientations, any position found alone
+(resume: tests/contract.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaders import Loader, Mixture, MMapDataset
+from loaders.order.buckets import STEPS_PER_OCTAVE, ShapeBuckets, aspect_bucket
+from packer.errors import ConfigError
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), group=st.integers(1, 64), buckets=st.integers(1, 9), seed=st.integers(0, 2**32))
+def test_groups_hold_one_bucket_every_sample_once_and_any_position_is_found_alone(n, group, buckets, seed):
+    bucket_of = lambda ids: (ids * 2654435761 % 97) % buckets  # noqa: E731 - any deterministic labelling
+    walk = ShapeBuckets(n, bucket_of, group=group, seed=seed, epoch=2)(np.arange(n))
+    assert sorted(walk.tolist()) == list(range(n))
+    whole = n - sum(np.bincount(bucket_of(np.arange(n)), minlength=buckets) % group)
+    for g in range(whole // group):  # the whole groups first, each of one bucket; the tail after them
+        assert len(set(bucket_of(walk[g * group:(g + 1) * group]).tolist())) == 1
+    fresh = ShapeBuckets(n, bucket_of, group=group, seed=seed, epoch=2)
+    probe = np.sort(np.random.default_rng(seed).integers(0, n, 20))
+    assert np.array_equal(fresh(probe[10:]), walk[probe[10:]])  # from the middle first,
+    assert np.array_equal(fresh(probe[:10]), walk[probe[:10]])  # then behind it (walked again)
+    other = ShapeBuckets(n, bucket_of, group=group, seed=seed, epoch=3)(np.arange(n))
+    assert n < 3 * group or not np.array_equal(other, walk)
+
+
+def test_aspect_buckets_put_a_doubling_of_the_ratio_in_eight():
+    shapes = np.array([[100, 100, 3], [100, 200, 3], [200, 100, 3], [100, 108, 3], [100, 120, 3]])
+    assert aspect_bucket(shapes).tolist() == [0, -STEPS_PER_OCTAVE, STEPS_PER_OCTAVE, -1, -2]
+
+
+def _canvas_use(loader) -> tuple[float, list[str]]:
+    """The share of the batches' canvas bytes that are padding, and the keys in order."""
+    image = canvas = 0
+    keys = []
+    for batch in loader:
+        sizes = batch["image_size"].numpy()
+        height, width = batch["image"].shape[1:3]
+        image += int((sizes[:, 0] * sizes[:, 1]).sum())
+        canvas += len(sizes) * height * width
+        keys += batch["key"]
+    return 1 - image / canvas, keys
+
+
+def test_real_photos_of_both_orientations_waste_little_canvas_when_bucketed(built):
+    ds = MMapDataset(built["aspect"], columns=["image", "key"])
+    plain, keys = _canvas_use(Loader(ds, 8, seed=1))
+    bucketed = Loader(ds, 8, seed=1, bucket_by="aspect")
+    padding, first = _canvas_use(bucketed)
+    _, second = _canvas_use(bucketed)
+    assert padding <= 0.25 < plain
+    assert sorted(first) == sorted(second) == sorted(keys) and len(set(first)) == len(first)  # once an epoch
+    assert first != second  # a new order every epoch
+    assert _canvas_use(Loader(ds, 8, seed=1, bucket_by="aspect"))[1] == first  # deterministic
+
+
+def test_what_grouping_by_shape_refuses(built):
+    with pytest.raises(ConfigError, match="own-sized images"):
+        Loader(MMapDataset(built["images"]), 8, bucket_by="aspect")
+    with pytest.raises(ConfigError, match="'aspect' or None"):
+        Loader(MMapDataset(built["aspect"]), 8, bucket_by="size")
+    mixture = Mixture([MMapDataset(built["aspect"])] * 2, [1, 1])
+    with pytest.raises(ConfigError, match="Mixture"):
+        Loader(mixture, 8, bucket_by="aspect")
