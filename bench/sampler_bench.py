@@ -1,6 +1,6 @@
 """`bench sampler`: opening a loader's order over N samples and taking its first batch (time,
-peak RSS above what the imports take), per-position orders against the full permutation
-mmpack 0.3 made, each in a fresh process so that peak memory is its own."""
+peak RSS above what the imports take), per-position orders and a Mixture's stream against the
+full permutation mmpack 0.3 made, each in a fresh process so that peak memory is its own."""
 
 from __future__ import annotations
 
@@ -22,6 +22,21 @@ def open_per_position(n: int, batch: int) -> None:
     plan.batch_ids(plan.start(), 0)
     again = Epochs(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
     again.load_state_dict({**plan.state_dict(), "cursor": n // 2})
+    again.batch_ids(again.start(), 0)
+
+
+def open_mixture(n: int, batch: int) -> None:
+    """A Mixture's stream over three sources of n / 3 samples (5:3:2), the same steps."""
+    from loaders.order.blend import Blend
+    from loaders.order.sampler import Epochs
+
+    blend = Blend([max(1, n // 3)] * 3, [5, 3, 2], num_samples=n)
+    kw = dict(shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8, stream=blend)
+    plan = Epochs(n, batch, **kw)
+    plan.num_batches()
+    plan.batch_ids(plan.start(), 0)
+    again = Epochs(n, batch, **kw)
+    again.load_state_dict({**plan.state_dict(), "epoch": 7, "cursor": n // 2})
     again.batch_ids(again.start(), 0)
 
 
@@ -51,7 +66,7 @@ def _child(kind: str, n: int, batch: int) -> None:
 
     base = _rss_mb()
     start = time.perf_counter()
-    (open_per_position if kind == "per-position" else open_full_permutation)(n, batch)
+    {"per-position": open_per_position, "mixture": open_mixture, "full": open_full_permutation}[kind](n, batch)
     seconds = time.perf_counter() - start
     print(json.dumps({"seconds": seconds, "peak_rss_mb": _peak_mb() - base}))
 
@@ -60,9 +75,9 @@ def bench_sampler(args) -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     rows = []
     for n in args.samples:
-        for kind in ("per-position", "full permutation (0.3)"):
+        for kind in ("per-position", "mixture of 3 sources", "full permutation (0.3)"):
             row = {"system": kind, "num_samples": n}
-            if kind != "per-position" and n * FULL_BYTES_PER_SAMPLE > 0.6 * ram:
+            if kind.startswith("full") and n * FULL_BYTES_PER_SAMPLE > 0.6 * ram:
                 row["skipped"] = f"needs {n * FULL_BYTES_PER_SAMPLE / 1024**3:,.0f} GiB of RAM"
             else:
                 code = f"from bench.sampler_bench import _child; _child({kind.split()[0]!r}, {n}, {args.batch_size})"

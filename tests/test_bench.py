@@ -52,16 +52,18 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "%memcpy" in table and "GPU util" in table and "WebDataset" in table
     assert "first pass of a fresh Loader" in table and "machine load: 1-min load average" in table
+    mixture = next(r for name, r in rows.items() if name.startswith("mmpack Loader over a Mixture of 3 datasets"))
+    assert mixture["samples_per_s"] > 0 and mixture["of_one_source_pct"] > 0 and "A Mixture of 3 datasets" in table
 
 
 def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "sampler.json"
     assert main(["sampler", "--samples", "1e6,1e10", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
-    new = [r for r in rows if r["system"] == "per-position"]
-    assert [r["num_samples"] for r in new] == [10**6, 10**10]
+    new = [r for r in rows if r["system"] in ("per-position", "mixture of 3 sources")]
+    assert [r["num_samples"] for r in new] == [10**6, 10**6, 10**10, 10**10]
     assert all(r["seconds"] > 0 and r["peak_rss_mb"] < 64 for r in new)  # nothing of size N
-    old = [r for r in rows if r["system"] != "per-position"]
+    old = [r for r in rows if r["system"].startswith("full")]
     assert old[0]["seconds"] > 0 and "needs" in old[1]["skipped"]
     assert "peak RSS" in capsys.readouterr().out
 
@@ -178,8 +180,10 @@ def test_bench_augment_smallest(work, tmp_path, capsys):
         pass
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert [r["dataset"] for r in report["loaders"]] == ["fixed", "keep-aspect"]
+    assert [r["dataset"] for r in report["loaders"]] == ["fixed", "keep-aspect", "keep-aspect"]
     assert all(r["images_per_s"] > 0 and r["cpu_s_per_1000"] >= 0 for r in report["loaders"])
+    fixed, mixed, bucketed = (r["padding_pct"] for r in report["loaders"])
+    assert fixed == 0 and 0 <= bucketed <= mixed and "bucket_by" in report["loaders"][2]["flags"]
     assert len(report["transforms"]) == 4 and all(r["ms"] > 0 for r in report["transforms"])
     assert list(report["model_step_ms"]) == ["small CNN"] and all(
         r["pct_of_step"]["small CNN"] > 0 for r in report["transforms"])

@@ -23,14 +23,15 @@ from loaders.batch.gather import ColumnGather, Memory, empty
 from loaders.order.blend import Blend
 from loaders.order.orders import Order
 from loaders.views.dataset import MMapDataset
+from loaders.views.packed import PackedDocuments
 from loaders.views.tokens import TokenWindows
 
 class Mixture:
     """Several sources of one kind as one stream, by weight.
 
     Args:
-        sources: MMapDatasets (or dataset dirs) with the same columns, or TokenWindows views
-            with the same seq_len.
+        sources: MMapDatasets (or dataset dirs) with the same columns, or TokenWindows (or
+            PackedDocuments) views with the same seq_len.
         weights: each source's share of the samples (any positive numbers; normalised).
         num_samples: the mixture's epoch, in samples (default: until the source with the
             largest weight has been through its samples once, the others taking their shares).
@@ -41,7 +42,8 @@ class Mixture:
     `Loader(Mixture(...), B, seed=...)`, `ds.batched`-style `BatchedDataset(...)` and
     `StatefulDataLoader` take it; `order` and `seed` there set each source's own order. Every
     batch carries a `source` column (int64: the index of each sample's source); a batch of
-    TokenWindows is (x, y, source).
+    TokenWindows is (x, y, source); of PackedDocuments, rows each from one source, whose
+    cu_seqlens cover the batch as for one source.
     """
 
     def __init__(self, sources, weights, *, num_samples: int | None = None, reweighted_from: dict | None = None):
@@ -71,23 +73,40 @@ class Mixture:
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         out = self._parts[0].alloc(batch_size, memory)
+        if isinstance(self._parts[0], PackedDocuments):  # room for the most segments any source's rows hold
+            per_row = max(p.alloc(1, "plain")["cu_seqlens"].numel() - 1 for p in self._parts)
+            out["cu_seqlens"] = empty((batch_size * per_row + 1,), np.int32, memory)
         out["source"] = empty((batch_size,), np.int64, memory)
         return out
 
     def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1):
         ids = np.asarray(ids, dtype=np.int64)
-        source = buffers["source"][: len(ids)]
+        n = len(ids)
+        source = buffers["source"][:n]
         source.numpy()[:] = self.blend.source_of(ids)
-        if len(self._parts) == 1:  # datasets: one gather over all their shards
+        if isinstance(self._parts[0], ColumnGather):  # datasets: one gather over all their shards
             return {**self._parts[0].gather(ids, buffers, pool, num_threads), "source": source}
-        window = buffers["window"][: len(ids)]
+        rows = ("window",) if isinstance(self._parts[0], TokenWindows) else ("tokens", "position_ids", "lengths")
+        out = {name: buffers[name][:n] for name in rows}
+        bounds = []  # packed documents: each source's segment ends, moved to its rows' places
         for k, part in enumerate(self._parts):
             sel = np.flatnonzero(source.numpy() == k)
-            if len(sel):
-                own = part.alloc(len(sel), "plain")
-                part.gather(ids[sel] - self.blend.offsets[k], own)
-                window[torch.from_numpy(sel)] = own["window"]
-        return window[:, :-1], window[:, 1:], source
+            if not len(sel):
+                continue
+            own = part.alloc(len(sel), "plain")
+            got = part.gather(ids[sel] - self.blend.offsets[k], own)
+            for name in rows:
+                out[name][torch.from_numpy(sel)] = own[name][: len(sel)]
+            if "cu_seqlens" in own:
+                ends = got["cu_seqlens"].numpy()[1:].astype(np.int64)
+                row = (ends - 1) // part.seq_len
+                bounds.append(sel[row] * part.seq_len + ends - row * part.seq_len)
+        if "window" in out:
+            return out["window"][:, :-1], out["window"][:, 1:], source
+        ends = np.sort(np.concatenate(bounds)) if bounds else np.zeros(0, np.int64)
+        cu = buffers["cu_seqlens"][: len(ends) + 1]
+        cu.numpy()[0], cu.numpy()[1:] = 0, ends
+        return {**out, "cu_seqlens": cu, "source": source}
 
     def __repr__(self) -> str:
         shares = ", ".join(f"{n:,} x {w:.3g}" for n, w in zip(self.sizes, self.weights))
@@ -115,7 +134,7 @@ def _reweighted(state: dict, sizes: list[int], parts: list[str], new: Blend) -> 
 
 def _parts(sources) -> list:
     """What gathers the sources' samples: one ColumnGather over every dataset's shards, or the
-    token-window views themselves (gathered apart, then placed)."""
+    views themselves (token windows, packed documents: gathered apart, then placed)."""
     if all(isinstance(s, MMapDataset) for s in sources):
         names = list(sources[0].columns)
         if any(list(s.columns) != names for s in sources[1:]):
@@ -127,5 +146,11 @@ def _parts(sources) -> list:
         if len({s.seq_len for s in sources}) > 1:
             raise ConfigError(f"mixed TokenWindows must share seq_len: {[s.seq_len for s in sources]}")
         return list(sources)
+    if all(isinstance(s, PackedDocuments) for s in sources):
+        if len({(s.seq_len, s.padding_value) for s in sources}) > 1:
+            raise ConfigError(f"mixed PackedDocuments must share seq_len and padding_value: "
+                              f"{[(s.seq_len, s.padding_value) for s in sources]}")
+        return list(sources)
     kinds = sorted({type(s).__name__ for s in sources})
-    raise ConfigError(f"a Mixture mixes MMapDatasets or TokenWindows, one kind at a time, not {', '.join(kinds)}")
+    raise ConfigError(f"a Mixture mixes MMapDatasets, TokenWindows or PackedDocuments, one kind at a time, not "
+                      f"{', '.join(kinds)}")

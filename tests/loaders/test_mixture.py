@@ -155,8 +155,10 @@ def test_what_a_mixture_refuses(tokens_of, built):
         Mixture(tokens_of, [1, 0])
     with pytest.raises(ConfigError, match="columns"):
         Mixture([MMapDataset(built["text"]), MMapDataset(built["pairs"])], [1, 1])
-    with pytest.raises(ConfigError, match="MMapDatasets or TokenWindows"):
-        Mixture([PackedDocuments(built["text"], 64), PackedDocuments(built["text"], 64)], [1, 1])
+    with pytest.raises(ConfigError, match="one kind at a time"):
+        Mixture([PackedDocuments(built["text"], 64), TokenWindows(built["text"], 64)], [1, 1])
+    with pytest.raises(ConfigError, match="seq_len"):
+        Mixture([PackedDocuments(built["text"], 64), PackedDocuments(built["pairs"], 32)], [1, 1])
     saved = Loader(Mixture(tokens_of, [0.7, 0.3]), 8, seed=1)
     next(iter(saved))
     with pytest.raises(ConfigError, match="source"):  # other weights: another stream
@@ -189,3 +191,23 @@ def test_a_curriculum_goes_on_with_new_weights_from_where_the_state_stopped(toke
     assert [b["key"] for b in again] == rest
     with pytest.raises(ConfigError, match="num_samples=240"):
         Mixture(tokens_of, [0.5, 0.5], reweighted_from=state)
+
+
+def test_packed_documents_mix_by_rows_with_the_segments_of_each(built, short_docs):
+    """Each row of a mixed batch is its source's row, and cu_seqlens cuts the batch where each
+    row's own segments end (what a batch of those rows from one source says, row by row)."""
+    views = [PackedDocuments(built["text"], 64), PackedDocuments(short_docs[0], 64)]
+    mixture = Mixture(views, [1, 2])
+    loader = Loader(mixture, 6, seed=2)
+    epochs = loader._epochs
+    ids = epochs.batch_ids(epochs.upcoming(), 0)
+    batch = next(iter(loader))
+    source = batch["source"].numpy()
+    assert set(source.tolist()) == {0, 1}
+    cuts = [0]
+    for r, (k, i) in enumerate(zip(source.tolist(), (ids - mixture.blend.offsets[source]).tolist())):
+        one = views[k].gather(np.array([i]), views[k].alloc(1, "plain"))
+        for name in ("tokens", "position_ids", "lengths"):
+            assert torch.equal(batch[name][r], one[name][0])
+        cuts += (r * 64 + one["cu_seqlens"].numpy()[1:]).tolist()
+    assert batch["cu_seqlens"].tolist() == cuts
