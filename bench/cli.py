@@ -87,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     au.add_argument("--passes", type=int, default=3, help="timed Loader passes after a warm-up (median)")
     au.add_argument("--reps", type=int, default=None, help="timed calls per transform (default 20 on CUDA, 5 on a CPU)")
 
+    do = sub.add_parser("doctor", help="whether your training script waits for data, why, and what to try",
+                        description="bench doctor [--steps N] [--json R] [--plot R.png] -- python train.py ARGS...")
+    do.add_argument("--steps", type=int, default=50, help="training steps to watch (then the script is stopped)")
+    do.add_argument("--json", type=Path, default=None, help="write every figure here")
+    do.add_argument("--plot", type=Path, default=None, help="per-step waiting and working, as a PNG")
+    do.add_argument("script", nargs=argparse.REMAINDER, help="-- python train.py ARGS...")
+
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
                     help="sample counts (default 1e6,1e8,1e9,1e10)")
@@ -103,7 +110,17 @@ QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # `bench ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # 128 + SIGPIPE, what a shell reports for a program its pipe stopped
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "doctor":
+        return _doctor(args)
     if getattr(args, "plot", None):
         report._plt()  # before the run, not after it: matplotlib is there, or say so now
     if args.quick:
@@ -135,6 +152,22 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(result, indent=1, default=str))
     if getattr(args, "plot", None):
         plot(result, args.plot)
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _doctor(args) -> int:
+    from . import doctor
+
+    if args.plot:
+        report._plt()
+    command = args.script[1:] if args.script[:1] == ["--"] else args.script
+    result = doctor.run(command, steps=args.steps)
+    print(doctor.text(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1, default=str))
+    if args.plot and result.get("per_step"):
+        doctor.plot(result, args.plot)
         print(f"plot: {args.plot}")
     return 0
 

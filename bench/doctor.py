@@ -1,0 +1,313 @@
+"""`bench doctor`: whether a training script's GPU (or CPU) waits for data, why, and what to try.
+
+    bench doctor [--steps 50] [--json R.json] [--plot R.png] -- python train.py ARGS...
+    with bench.doctor.watch(loader) as w:   # a loop that is not a script
+        for batch in loader: ...
+    print(w.report()["verdict"])
+
+The script runs unmodified in a child process (nothing of mmpack imported by it), with every
+`torch.utils.data.DataLoader` and mmpack `Loader` it iterates watched: how long each `next()`
+blocks (waiting for data) and how long the script works between batches (the step). After
+`--steps` batches, or when the script ends or fails, the loader it iterated most is measured
+alone for a few batches (its ceiling without the model), and for a map-style dataset the cost of
+one `__getitem__` and of the collate. A partial run still gives its report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
+REPORT_ENV = "MMPACK_DOCTOR_REPORT"
+STEPS_ENV = "MMPACK_DOCTOR_STEPS"
+CEILING_BATCHES = 20
+
+
+class _Stop(BaseException):
+    """Raised in the script at the step limit: a BaseException, so its own `except Exception`
+    does not swallow it."""
+
+
+class Watch:
+    """The waits and steps of the loaders iterated while it is active."""
+
+    def __init__(self, steps: int | None = None):
+        self.steps, self.by_loader = steps, {}
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        self.error: str | None = None
+
+    def iterate(self, loader, it):
+        """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
+        handed over and the next asked for is a step."""
+        rec = self.by_loader.setdefault(id(loader), {"loader": loader, "waits": [], "steps": [], "samples": 0})
+        last = None
+        while True:
+            asked = time.perf_counter()
+            if last is not None:
+                rec["steps"].append(asked - last)
+            if self.steps is not None and self.batches() >= self.steps:
+                raise _Stop
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            last = time.perf_counter()
+            rec["waits"].append(last - asked)
+            rec["samples"] += _batch_len(batch)
+            yield batch
+
+    def batches(self) -> int:
+        return sum(len(r["waits"]) for r in self.by_loader.values())
+
+    def main(self) -> dict | None:
+        return max(self.by_loader.values(), key=lambda r: len(r["waits"]), default=None)
+
+    def report(self, *, ceiling: bool = True) -> dict:
+        return _report(self, ceiling=ceiling)
+
+
+def _batch_len(batch) -> int:
+    import torch
+
+    first = batch
+    while isinstance(first, (list, tuple, dict)) and first:
+        first = next(iter(first.values())) if isinstance(first, dict) else first[0]
+    return len(first) if isinstance(first, torch.Tensor) and first.dim() else 1
+
+
+@contextmanager
+def _patched(watch: Watch, classes):
+    """Every `cls.__iter__` of `classes` returns a watched iterator while active."""
+    saved = {cls: cls.__dict__.get("__iter__") for cls in classes}
+
+    def wrap(original):
+        def __iter__(self):
+            return watch.iterate(self, original(self))
+        return __iter__
+
+    for cls in classes:
+        cls.__iter__ = wrap(cls.__iter__)
+    try:
+        yield
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.__iter__
+            else:
+                cls.__iter__ = original
+
+
+def _loader_classes() -> list:
+    import torch
+
+    classes = [torch.utils.data.DataLoader]
+    try:
+        from loaders import Loader
+
+        classes.append(Loader)
+    except ImportError:  # the script's environment may lack mmpack's loaders: DataLoader alone
+        pass
+    return classes
+
+
+@contextmanager
+def watch(loader=None, *, steps: int | None = None):
+    """Watch the loaders iterated inside the block (`loader`: only to name what is watched);
+    `w.report()` afterwards gives the same report as `bench doctor`."""
+    w = Watch(steps)
+    with _patched(w, _loader_classes()):
+        try:
+            yield w
+        except _Stop:
+            pass
+
+
+# -- the report ---------------------------------------------------------------------------
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    return {"n": len(values), "total_s": sum(values), "p50_ms": 1e3 * ordered[len(ordered) // 2],
+            "p95_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]}
+
+
+def _ceiling(loader, batches: int = CEILING_BATCHES) -> dict:
+    """The loader alone: a fresh iterator, its first batch apart (workers starting), the next
+    `batches` timed with nothing done between them."""
+    try:
+        it = iter(loader)
+        first = time.perf_counter()
+        next(it)
+        started, samples, n = time.perf_counter(), 0, 0
+        for batch in it:
+            samples += _batch_len(batch)
+            n += 1
+            if n >= batches:
+                break
+        seconds = time.perf_counter() - started
+        return {"batches": n, "samples_per_s": samples / seconds if seconds > 0 and n else None,
+                "first_batch_s": started - first}
+    except Exception as exc:  # noqa: BLE001 - a loader that cannot be iterated again: said, not raised
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def _per_sample(loader) -> dict | None:
+    """For a DataLoader over a map-style dataset: one __getitem__ and the collate of a batch, in
+    this process (what each worker pays per sample)."""
+    import torch
+
+    if not isinstance(loader, torch.utils.data.DataLoader) or not hasattr(loader.dataset, "__getitem__"):
+        return None
+    ds = loader.dataset
+    try:
+        n = min(len(ds), 64)
+        started = time.perf_counter()
+        items = [ds[i] for i in range(n)]
+        item_s = (time.perf_counter() - started) / max(n, 1)
+        collate = loader.collate_fn
+        size = min(loader.batch_size or 1, n)
+        started = time.perf_counter()
+        if collate is not None and size:
+            collate(items[:size])
+        collate_s = (time.perf_counter() - started) / max(size, 1)
+        return {"getitem_ms": 1e3 * item_s, "collate_ms_per_sample": 1e3 * collate_s,
+                "num_workers": loader.num_workers, "pin_memory": bool(loader.pin_memory),
+                "batch_size": loader.batch_size, "dataset": type(ds).__name__}
+    except Exception as exc:  # noqa: BLE001
+        return {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+
+def _report(w: Watch, *, ceiling: bool) -> dict:
+    main = w.main()
+    out = {"batches": w.batches(), "wall_s": time.perf_counter() - w.started,
+           "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count()}
+    if main is None:
+        out["verdict"] = "no DataLoader or Loader was iterated" + (f" (the script failed: {w.error})" if w.error else "")
+        return out
+    waits, steps = main["waits"][1:], main["steps"]  # the first wait is the loader's start-up
+    wait, work = sum(waits), sum(steps)
+    share = wait / (wait + work) if wait + work > 0 else 0.0
+    batches = len(main["waits"])
+    per_batch = main["samples"] / batches if batches else 0
+    model_rate = per_batch * len(steps) / work if work > 0 else None
+    loader = main["loader"]
+    out.update({"loader": type(loader).__name__, "wait": _stats(waits), "step": _stats(steps),
+                "first_batch_s": main["waits"][0] if main["waits"] else None, "wait_share": share,
+                "samples": main["samples"], "model_samples_per_s": model_rate,
+                "per_step": [{"wait_ms": 1e3 * a, "step_ms": 1e3 * b} for a, b in zip(main["waits"][1:], steps)],
+                "per_sample": _per_sample(loader)})
+    out["loader_alone"] = _ceiling(loader) if ceiling else None
+    out["verdict"], out["fixes"] = _verdict(out)
+    return out
+
+
+def _verdict(r: dict) -> tuple[str, list[dict]]:
+    alone = (r.get("loader_alone") or {}).get("samples_per_s")
+    rates = (f"; the loader alone makes {alone:,.0f} samples/s" if alone else "") + (
+        f", the model takes {r['model_samples_per_s']:,.0f}/s" if r.get("model_samples_per_s") else "")
+    wait = r["wait"]
+    waited = (f"{100 * r['wait_share']:.0f}% of the loop waiting for the next batch"
+              + (f" (p50 {wait['p50_ms']:.1f} ms, p95 {wait['p95_ms']:.1f} ms)" if wait.get("n") else ""))
+    fixes = []
+    if r["wait_share"] <= DATA_BOUND:
+        return f"compute-bound: {waited}{rates}: the data is not what the step waits for", fixes
+    ps = r.get("per_sample") or {}
+    cores = r.get("cores") or 1
+    if "getitem_ms" in ps:
+        workers = ps["num_workers"]
+        if workers < cores:
+            gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
+            fixes.append({"fix": f"num_workers={cores} (now {workers})", "expected": f"up to {gain:.1f}x the data rate",
+                          "how": "estimated: the per-sample work spread over more processes"})
+        fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
+                      "expected": f"no decode per sample: {ps['getitem_ms']:.2f} ms of __getitem__ a sample gone",
+                      "how": "estimated from the measured __getitem__; bench loaders measures it on sample data"})
+        if not ps.get("pin_memory"):
+            fixes.append({"fix": "pin_memory=True", "expected": "faster host-to-GPU copies on CUDA",
+                          "how": "estimated"})
+    why = (f"; __getitem__ takes {ps['getitem_ms']:.2f} ms a sample and the collate "
+           f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""
+    return f"data-bound: {waited}{rates}{why}", fixes
+
+
+def text(r: dict) -> str:
+    lines = [r["verdict"]]
+    if r.get("error"):
+        lines.append(f"the script stopped early: {r['error']} (the report covers what ran)")
+    for i, f in enumerate(r.get("fixes") or [], 1):
+        lines.append(f"  {i}. {f['fix']}: {f['expected']} ({f['how']})")
+    if "step" in r:
+        lines.append(f"{r['batches']} batches of {r['loader']}: step p50 {r['step'].get('p50_ms', 0):.1f} ms, "
+                     f"wait p50 {r['wait'].get('p50_ms', 0):.1f} ms; first batch after {r['first_batch_s']:.2f} s")
+    return "\n".join(lines)
+
+
+def plot(r: dict, path: Path) -> None:
+    from .report import _plt
+
+    plt = _plt()
+    steps = r.get("per_step") or []
+    fig, ax = plt.subplots(figsize=(10, 4))
+    x = range(1, len(steps) + 1)
+    work = [s["step_ms"] for s in steps]
+    ax.bar(x, work, color="#4c72b0", label="working (the step)")
+    ax.bar(x, [s["wait_ms"] for s in steps], bottom=work, color="#dd8452", label="waiting for the batch")
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms")
+    ax.set_title(r["verdict"][:110], fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- running a script -------------------------------------------------------------------------
+def child_main(argv: list[str]) -> None:
+    """In the child: run the script as __main__ with its loaders watched, then write the report."""
+    steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
+    w = Watch(steps)
+    sys.argv = argv
+    sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+    with _patched(w, _loader_classes()):
+        try:
+            runpy.run_path(argv[0], run_name="__main__")
+        except _Stop:
+            pass
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                w.error = f"exit {exc.code}"
+        except BaseException as exc:  # noqa: BLE001 - the script's failure is part of the report
+            w.error = f"{type(exc).__name__}: {exc}"[:300]
+    r = w.report()
+    Path(os.environ[REPORT_ENV]).write_text(json.dumps(r, default=str))
+
+
+def run(command: list[str], *, steps: int | None) -> dict:
+    """`command` (`python script.py ARGS`) in a child process with its loaders watched."""
+    if len(command) < 2 or Path(command[0]).name not in ("python", "python3", Path(sys.executable).name):
+        if command and command[0].endswith(".py"):
+            command = [sys.executable, *command]
+        else:
+            raise SystemExit("bench doctor: give the training command after --, e.g. -- python train.py ARGS")
+    with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
+        out = Path(tmp) / "report.json"
+        env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or "")}
+        started = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-c", "import sys; from bench.doctor import child_main; "
+                               "child_main(sys.argv[1:])", *command[1:]], env=env)
+        if not out.exists():
+            return {"verdict": f"the script ended (exit {proc.returncode}) before a report could be made",
+                    "exit_code": proc.returncode, "wall_s": time.perf_counter() - started}
+        r = json.loads(out.read_text())
+    r.update(command=command, exit_code=proc.returncode)
+    return r
+

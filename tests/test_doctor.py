@@ -1,0 +1,75 @@
+"""`bench doctor` on scripts with known answers: data-bound (the wait share the sleeps imply),
+compute-bound, a script that fails mid-way (a partial report, no traceback of ours), and the
+in-process `watch` for loops that are not a script."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import doctor
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "tools" / "doctor_train.py"
+
+
+def _doctor(tmp_path, *args, steps: int = 12) -> tuple[dict, subprocess.CompletedProcess]:
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", str(steps), "--json", str(out), "--",
+                           "python", str(SCRIPT), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text()), proc
+
+
+def test_a_data_bound_script_is_told_so_with_the_wait_its_sleeps_imply(tmp_path):
+    report, proc = _doctor(tmp_path, 0.02, 0.02)  # 4 samples x 20 ms of data against a 20 ms step
+    assert report["verdict"].startswith("data-bound") and report["verdict"] in proc.stdout
+    assert abs(report["wait_share"] - 0.8) < 0.1
+    assert report["batches"] == 12 and report["per_sample"]["getitem_ms"] >= 20 and report["fixes"]
+    assert report["loader_alone"]["samples_per_s"] > 0 and report["model_samples_per_s"] > 0
+    assert any("num_workers" in f["fix"] for f in report["fixes"])
+
+
+def test_a_compute_bound_script_is_told_so(tmp_path):
+    report, _ = _doctor(tmp_path, 0, 0.04)
+    assert report["verdict"].startswith("compute-bound") and report["wait_share"] < 0.1 and not report["fixes"]
+
+
+def test_a_script_that_fails_gives_a_partial_report_not_a_traceback(tmp_path):
+    report, proc = _doctor(tmp_path, 0.002, 0.005, 4)
+    assert report["batches"] == 5 and "the script's own failure" in report["error"]
+    assert report["exit_code"] == 0 and "Traceback" not in proc.stderr and "stopped early" in proc.stdout
+
+
+def test_watch_reports_a_loop_in_this_process(built):
+    from loaders import Loader, MMapDataset
+
+    loader = Loader(MMapDataset(built["images"], columns=["image", "label"]), 8)
+    with doctor.watch(loader, steps=5) as w:
+        for _ in loader:
+            torch.ones(256, 256) @ torch.ones(256, 256)
+    report = w.report()
+    assert report["batches"] == 5 and report["loader"] == "Loader" and report["loader_alone"]["samples_per_s"] > 0
+    assert report["verdict"].split(":")[0] in ("data-bound", "compute-bound")
+    with doctor.watch() as nothing:
+        pass
+    assert nothing.report()["verdict"] == "no DataLoader or Loader was iterated"
+
+
+def test_the_plot_shows_each_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "r.png"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--plot", str(png), "--",
+                           "python", str(SCRIPT), "0.002", "0.002"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and png.stat().st_size > 0, proc.stderr[-2000:]
+
+
+def test_a_closed_pipe_ends_bench_quietly(tmp_path):
+    proc = subprocess.run(f"{sys.executable} -u -m bench.cli doctor --steps 4 -- python {SCRIPT} 0.001 0.001 | true",
+                          shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr[-2000:]
