@@ -150,13 +150,21 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"read the headers of K images spread over RAW and scale up (default {SIZES_SAMPLE}; 0: all)")
     sz.add_argument("--json", action="store_true", help="print the figures as JSON")
 
-    i = sub.add_parser("info", help="describe a dataset dir")
-    i.add_argument("out", type=Path)
+    ps = sub.add_parser("push", help="upload a dataset dir to object storage (s3://BUCKET/PREFIX), the manifest last")
+    ps.add_argument("out", type=Path)
+    ps.add_argument("url")
+
+    pl = sub.add_parser("pull", help="download a dataset from object storage, every file verified")
+    pl.add_argument("url")
+    pl.add_argument("out", type=Path)
+
+    i = sub.add_parser("info", help="describe a dataset dir (or archive, or s3:// URL)")
+    i.add_argument("out", type=_local_or_url)
     i.add_argument("--json", action="store_true", help="print the figures as JSON")
     i.add_argument("--skipped", action="store_true", help="list every skipped record with its reason")
 
-    v = sub.add_parser("verify", help="re-hash and check every file of a dataset dir")
-    v.add_argument("out", type=Path)
+    v = sub.add_parser("verify", help="re-hash and check every file of a dataset dir (or archive, or s3:// URL)")
+    v.add_argument("out", type=_local_or_url)
     return p
 
 
@@ -409,8 +417,35 @@ def _cmd_unpack(args) -> int:
     return 0
 
 
+def _local_or_url(text: str):
+    """A dataset dir or archive as a Path; an s3:// URL as the local copy in the node's cache
+    (downloaded and verified once)."""
+    from packer.dataset.remote import is_url, materialize
+
+    return materialize(text) if is_url(text) else Path(text)
+
+
+def _cmd_push(args) -> int:
+    from packer.dataset.remote import push
+
+    m = push(args.out, args.url)
+    samples, size = sum(s.num_samples for s in m.shards), sum(s.size_bytes for s in m.shards)
+    print(f"pushed {args.out} -> {args.url}: {samples:,} samples, {_human_bytes(size)}, the manifest last")
+    return 0
+
+
+def _cmd_pull(args) -> int:
+    from packer.dataset.outdir import check_out
+    from packer.dataset.remote import pull
+
+    check_out(args.out, append=False, overwrite=False)
+    m = pull(args.url, args.out)
+    print(f"pulled {args.url} -> {args.out}: {sum(s.num_samples for s in m.shards):,} samples, every file verified")
+    return 0
+
+
 COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "sizes": _cmd_sizes, "info": _cmd_info, "verify": _cmd_verify,
-            "merge": _cmd_merge, "pack": _cmd_pack, "unpack": _cmd_unpack}
+            "merge": _cmd_merge, "pack": _cmd_pack, "unpack": _cmd_unpack, "push": _cmd_push, "pull": _cmd_pull}
 
 
 def main(argv: list[str] | None = None) -> int:

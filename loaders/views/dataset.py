@@ -31,9 +31,13 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:
-    """A dataset dir as is; an archive unpacked into the cache (once) and that dir returned."""
+    """A dataset dir as is; an archive unpacked into the cache (once), or a dataset in object
+    storage (an s3:// URL) downloaded and verified into the node's cache (once), and that dir."""
+    from packer.dataset import remote
     from packer.dataset.archive import is_archive, materialize
 
+    if remote.is_url(root):
+        return remote.materialize(root, cache_dir)
     return materialize(root, cache_dir)[0] if is_archive(root) else Path(root)
 
 

@@ -22,6 +22,7 @@ import torch
 
 from packer.dataset.reader import DatasetReader
 
+from loaders.views.dataset import resolve_root
 from loaders.batch.gather import Memory, _ranges, empty
 
 Policy = Literal["best-fit", "in-order"]
@@ -142,7 +143,7 @@ class PackedDocuments:
 
     def __init__(self, root: str | Path, seq_len: int, *, column: str = "tokens", policy: Policy = "best-fit",
                  truncate: bool = False, padding_value: int = 0):
-        self.root, self.seq_len, self.column = Path(root), seq_len, column
+        self.root, self.seq_len, self.column = resolve_root(root), seq_len, column
         self.policy, self.truncate, self.padding_value = policy, truncate, padding_value
         self.generation: str | None = None  # set at open: a pickled copy re-opens this very build
         self._open()

@@ -19,6 +19,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from packer.errors import ConfigError
 from packer.dataset.reader import DatasetReader
 
+from loaders.views.dataset import resolve_root
 from loaders.batch.gather import Memory, empty
 from loaders.order.orders import Order, Permutation
 
@@ -40,7 +41,7 @@ class TokenWindows:
                  *, seed: int = 0, column: str = "tokens"):
         if seq_len <= 0 or (stride is not None and stride <= 0):
             raise ValueError("seq_len and stride must be positive")
-        self.root, self.seq_len, self.stride = Path(root), seq_len, stride or seq_len
+        self.root, self.seq_len, self.stride = resolve_root(root), seq_len, stride or seq_len
         self.order, self.seed, self.column = order, seed, column
         self.generation: str | None = None  # set at open: a pickled copy re-opens this very build
         self._reader: DatasetReader | None = None

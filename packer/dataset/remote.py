@@ -1,0 +1,207 @@
+"""Datasets in object storage (`s3://bucket/prefix`, AWS or any S3-compatible endpoint): `push` a
+finished dataset dir, `pull` one, and `materialize` one into a node-local cache for readers.
+
+The object layout is the dataset dir's own (FORMAT.md): every file the manifest lists under its
+generation dirs, the generation's copy of the manifest, and `manifest.json` at the prefix, put
+last, so a reader sees the old dataset or the new one. Every file is verified: after an upload
+by its size, after a download by the manifest's checksum (fetched once more on a mismatch, then
+an IntegrityError naming the URL), and it lands by rename, so a kill leaves nothing partial that
+a later reader would use. A reader pins the generation of the manifest it read.
+
+Credentials and endpoint are the standard environment: AWS_ENDPOINT_URL (or
+AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+AWS_REGION / AWS_DEFAULT_REGION. The client (obstore, the Rust object_store) is made lazily in
+the process that uses it, never inherited by a fork.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from packer.dataset import format as fmt
+from packer.dataset.outdir import write_atomic
+from packer.dataset.writer import checksum_file
+from packer.errors import ConfigError, IntegrityError
+from packer.system import flock
+
+SCHEMES = ("s3://",)
+DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmpack" / "remote"
+
+
+def is_url(path) -> bool:
+    return isinstance(path, str) and path.startswith(SCHEMES)
+
+
+@dataclass(frozen=True)
+class Remote:
+    """One dataset's place in object storage."""
+
+    url: str
+
+    @property
+    def bucket(self) -> str:
+        return self.url[len("s3://"):].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        rest = self.url[len("s3://"):].split("/", 1)
+        return rest[1].strip("/") if len(rest) > 1 else ""
+
+    def key(self, path: str) -> str:
+        return f"{self.prefix}/{path}" if self.prefix else path
+
+    def where(self, path: str) -> str:
+        return f"s3://{self.bucket}/{self.key(path)}"
+
+    def store(self):
+        try:
+            from obstore.store import S3Store
+        except ImportError:
+            raise ConfigError("s3:// datasets need obstore: pip install 'mmpack[remote]'") from None
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        extra = {"endpoint": endpoint, "allow_http": endpoint.startswith("http://"),
+                 "virtual_hosted_style_request": False} if endpoint else {}
+        if not self.bucket:
+            raise ConfigError(f"{self.url}: no bucket (s3://BUCKET/PREFIX)")
+        return S3Store(self.bucket, region=region, **extra)
+
+
+def _errors(remote: Remote, what: str):
+    """Runs `what` against the store; its errors as our one-line errors naming the URL."""
+
+    class Guard:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if exc is None or isinstance(exc, (ConfigError, IntegrityError)):
+                return False
+            name = type(exc).__name__
+            text = str(exc).splitlines()[0][:200] if str(exc) else name
+            if "NotFound" in name or "not found" in text.lower():
+                raise IntegrityError(f"{remote.url}: {what}: not found ({text})") from None
+            if "PermissionDenied" in name or "Unauthenticated" in name or any(
+                    s in text for s in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")):
+                raise ConfigError(f"{remote.url}: {what}: access denied; set AWS_ACCESS_KEY_ID and "
+                                  "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS store)") from None
+            if isinstance(exc, OSError) or "Generic" in name or "Error" in name:
+                raise ConfigError(f"{remote.url}: {what}: {text}") from None
+            return False
+
+    return Guard()
+
+
+def _files(manifest: fmt.Manifest) -> list[fmt.FileEntry]:
+    files = [f for s in manifest.shards for f in s.files]
+    return files + ([manifest.inputs] if manifest.inputs is not None else [])
+
+
+def push(out: str | Path, url: str) -> fmt.Manifest:
+    """Upload the dataset dir `out` to `url`: its files (those of the same size there already
+    kept: a killed push run again goes on), each checked after upload, then the manifest last."""
+    import obstore as obs
+
+    from packer.dataset.reader import DatasetReader
+
+    remote = Remote(url)
+    reader = DatasetReader(out)
+    manifest, root = reader.manifest, reader.root
+    store = remote.store()
+    generations = sorted({f.path.split("/", 1)[0] for f in _files(manifest) if "/" in f.path})
+    uploads = [(f.path, f.size_bytes) for f in _files(manifest)]
+    uploads += [(f"{g}/{fmt.MANIFEST_NAME}", (root / g / fmt.MANIFEST_NAME).stat().st_size) for g in generations
+                if (root / g / fmt.MANIFEST_NAME).is_file()]
+    for path, size in uploads:
+        with _errors(remote, f"upload {path}"):
+            if _size(obs, store, remote.key(path)) == size:
+                continue
+            with open(root / path, "rb") as f:
+                obs.put(store, remote.key(path), f)
+            if _size(obs, store, remote.key(path)) != size:
+                raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another size; push again")
+    with _errors(remote, "upload the manifest"):
+        obs.put(store, remote.key(fmt.MANIFEST_NAME), manifest.to_json().encode())
+    return manifest
+
+
+def _size(obs, store, key: str) -> int | None:
+    try:
+        return obs.head(store, key)["size"]
+    except FileNotFoundError:
+        return None
+    except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
+        if "NotFound" in type(exc).__name__ or "not found" in str(exc).lower():
+            return None
+        raise
+
+
+def read_manifest(url: str) -> fmt.Manifest:
+    import obstore as obs
+
+    remote = Remote(url)
+    with _errors(remote, "read the manifest"):
+        text = bytes(obs.get(remote.store(), remote.key(fmt.MANIFEST_NAME)).bytes()).decode("utf-8")
+    return fmt.Manifest.from_json(text, where=remote.where(fmt.MANIFEST_NAME))
+
+
+def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None) -> fmt.Manifest:
+    """Download the dataset at `url` into the dir `out` (made complete, or left without its
+    manifest): every file verified by the manifest's checksum, the manifest written last."""
+    import obstore as obs
+
+    remote = Remote(url)
+    manifest = manifest or read_manifest(url)
+    out = Path(out)
+    store = remote.store()
+    for entry in _files(manifest):
+        target = out / entry.path
+        if target.is_file() and target.stat().st_size == entry.size_bytes and \
+                checksum_file(target, entry.algo) == entry.checksum:
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in (1, 2):
+            temp = target.with_name(f".{target.name}.part-{os.getpid()}")
+            with _errors(remote, f"download {entry.path}"):
+                with open(temp, "wb") as f:
+                    for chunk in obs.get(store, remote.key(entry.path)):
+                        f.write(chunk)
+            if temp.stat().st_size == entry.size_bytes and checksum_file(temp, entry.algo) == entry.checksum:
+                os.replace(temp, target)
+                break
+            temp.unlink(missing_ok=True)
+            if attempt == 2:
+                raise IntegrityError(f"{remote.where(entry.path)}: its bytes do not match the manifest's checksum "
+                                     "(fetched twice); the remote dataset is damaged: push it again")
+    for g in sorted({e.path.split("/", 1)[0] for e in _files(manifest) if "/" in e.path}):
+        (out / g).mkdir(parents=True, exist_ok=True)
+        write_atomic(out / g / fmt.MANIFEST_NAME, manifest.to_json())
+        (out / g / fmt.READERS_LOCK).touch()
+    write_atomic(out / fmt.MANIFEST_NAME, manifest.to_json())
+    return manifest
+
+
+def materialize(url: str, cache_dir: str | Path | None = None) -> Path:
+    """The dataset at `url` as a local dir in the node's cache (downloaded once per node: the
+    processes of every rank wait for the first one), pinned to the manifest read now: a push
+    after this open is another generation, in another cache dir."""
+    manifest = read_manifest(url)
+    digest = hashlib.sha256(f"{url}\0{manifest.generation}\0{manifest.to_json()}".encode()).hexdigest()[:16]
+    root = Path(cache_dir or DEFAULT_CACHE) / Remote(url).bucket / digest
+    if (root / fmt.MANIFEST_NAME).is_file():
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root.parent / f".{digest}.lock", "a") as lock:
+        flock(lock)
+        if not (root / fmt.MANIFEST_NAME).is_file():
+            try:
+                pull(url, root, manifest=manifest)
+            except BaseException:
+                if not (root / fmt.MANIFEST_NAME).is_file():
+                    shutil.rmtree(root, ignore_errors=True)
+                raise
+    return root
