@@ -186,6 +186,20 @@ def _per_sample(loader) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
+def _more_workers(loader, share: float) -> dict | None:
+    """A data-bound DataLoader with fewer workers than cores: the same loader with one worker a
+    core, measured alone, so the fix it suggests comes with its measured gain."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if share <= DATA_BOUND or not isinstance(loader, torch.utils.data.DataLoader) or loader.num_workers >= cores \
+            or loader.batch_size is None or isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return None
+    wider = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
+                                        num_workers=cores, collate_fn=loader.collate_fn, drop_last=loader.drop_last)
+    return {"num_workers": cores, **_ceiling(wider)}
+
+
 def _report(w: Watch, *, ceiling: bool) -> dict:
     main = w.main()
     out = {"batches": w.batches(), "wall_s": time.perf_counter() - w.started,
@@ -206,6 +220,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
                 "per_step": [{"wait_ms": 1e3 * a, "step_ms": 1e3 * b} for a, b in zip(main["waits"][1:], steps)],
                 "per_sample": _per_sample(loader)})
     out["loader_alone"] = _ceiling(loader) if ceiling else None
+    out["more_workers"] = _more_workers(loader, share) if ceiling else None
     out["verdict"], out["fixes"] = _verdict(out)
     return out
 
@@ -224,7 +239,13 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
     cores = r.get("cores") or 1
     if "getitem_ms" in ps:
         workers = ps["num_workers"]
-        if workers < cores:
+        wider = r.get("more_workers") or {}
+        if wider.get("samples_per_s") and alone:
+            fixes.append({"fix": f"num_workers={wider['num_workers']} (now {workers})",
+                          "expected": f"{wider['samples_per_s'] / alone:.1f}x the data rate "
+                                      f"({wider['samples_per_s']:,.0f} samples/s alone)",
+                          "how": "measured: the same loader with that many workers, alone"})
+        elif workers < cores:
             gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
             fixes.append({"fix": f"num_workers={cores} (now {workers})", "expected": f"up to {gain:.1f}x the data rate",
                           "how": "estimated: the per-sample work spread over more processes"})

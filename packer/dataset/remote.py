@@ -19,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 from packer.dataset import format as fmt
@@ -29,6 +31,8 @@ from packer.errors import ConfigError, IntegrityError
 from packer.system import flock
 
 SCHEMES = ("s3://",)
+RETRIES = 10
+DOWNLOADS = 8  # files fetched at once: one GET's latency hidden behind the others
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmpack" / "remote"
 
 
@@ -68,7 +72,10 @@ class Remote:
                  "virtual_hosted_style_request": False} if endpoint else {}
         if not self.bucket:
             raise ConfigError(f"{self.url}: no bucket (s3://BUCKET/PREFIX)")
-        return S3Store(self.bucket, region=region, **extra)
+        # timeouts, resets and 5xx retried with exponential backoff and full jitter (the client's own)
+        retry = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=3),
+                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
+        return S3Store(self.bucket, region=region, retry_config=retry, **extra)
 
 
 def _errors(remote: Remote, what: str):
@@ -158,31 +165,36 @@ def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None) -> 
     manifest = manifest or read_manifest(url)
     out = Path(out)
     store = remote.store()
-    for entry in _files(manifest):
-        target = out / entry.path
-        if target.is_file() and target.stat().st_size == entry.size_bytes and \
-                checksum_file(target, entry.algo) == entry.checksum:
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        for attempt in (1, 2):
-            temp = target.with_name(f".{target.name}.part-{os.getpid()}")
-            with _errors(remote, f"download {entry.path}"):
-                with open(temp, "wb") as f:
-                    for chunk in obs.get(store, remote.key(entry.path)):
-                        f.write(chunk)
-            if temp.stat().st_size == entry.size_bytes and checksum_file(temp, entry.algo) == entry.checksum:
-                os.replace(temp, target)
-                break
-            temp.unlink(missing_ok=True)
-            if attempt == 2:
-                raise IntegrityError(f"{remote.where(entry.path)}: its bytes do not match the manifest's checksum "
-                                     "(fetched twice); the remote dataset is damaged: push it again")
+    with ThreadPoolExecutor(DOWNLOADS) as pool:  # obstore's GETs release the GIL while they wait
+        for done in [pool.submit(_fetch, obs, store, remote, entry, out / entry.path) for entry in _files(manifest)]:
+            done.result()
     for g in sorted({e.path.split("/", 1)[0] for e in _files(manifest) if "/" in e.path}):
         (out / g).mkdir(parents=True, exist_ok=True)
         write_atomic(out / g / fmt.MANIFEST_NAME, manifest.to_json())
         (out / g / fmt.READERS_LOCK).touch()
     write_atomic(out / fmt.MANIFEST_NAME, manifest.to_json())
     return manifest
+
+
+def _fetch(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path) -> None:
+    """One file into `target`, verified by the manifest's checksum (kept when it is there and
+    whole already); a mismatch is fetched once more, then refused naming the object."""
+    if target.is_file() and target.stat().st_size == entry.size_bytes and \
+            checksum_file(target, entry.algo) == entry.checksum:
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = target.with_name(f".{target.name}.part-{os.getpid()}")
+    for attempt in (1, 2):
+        with _errors(remote, f"download {entry.path}"):
+            with open(temp, "wb") as f:
+                for chunk in obs.get(store, remote.key(entry.path)):
+                    f.write(chunk)
+        if temp.stat().st_size == entry.size_bytes and checksum_file(temp, entry.algo) == entry.checksum:
+            os.replace(temp, target)
+            return
+        temp.unlink(missing_ok=True)
+    raise IntegrityError(f"{remote.where(entry.path)}: its bytes do not match the manifest's checksum "
+                         "(fetched twice); the remote dataset is damaged: push it again")
 
 
 def materialize(url: str, cache_dir: str | Path | None = None) -> Path:
