@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("build", help="build a dataset dir from RAW")
     b.add_argument("raw", type=Path, help="input folder")
-    b.add_argument("out", type=Path, help="dataset dir to create")
+    b.add_argument("out", help="dataset dir to create, or s3://BUCKET/PREFIX (built in a local cache, then pushed)")
     b.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
     b.add_argument("--image-size", default="224", help="shorter side resized to S, centre-cropped SxS; 'keep' for own sizes")
     b.add_argument("--keep-aspect", action="store_true",
@@ -184,8 +184,21 @@ def _config(args: argparse.Namespace) -> BuildConfig:
         except ValueError:
             raise ConfigError(f"--background: {args.background!r} is not R,G,B (e.g. 255,255,255)") from None
     same = {f.name: getattr(args, f.name) for f in fields(BuildConfig) if hasattr(args, f.name)}  # flag = field
-    return BuildConfig(**{**same, "image_size": size, "shard_rows": rows, "shard_bytes": nbytes,
+    return BuildConfig(**{**same, "out": _build_dir(args), "image_size": size, "shard_rows": rows, "shard_bytes": nbytes,
                           "background": background, "part": parse_part(args.part) if args.part else None})
+
+
+def _build_dir(args) -> Path:
+    """OUT, or for an s3:// URL the local dir the build runs in (kept: the same command run
+    again after a kill resumes there), pushed once the build is published."""
+    from packer.dataset.remote import build_dir, is_url
+
+    if not is_url(args.out):
+        return Path(args.out)
+    if args.append or args.part:
+        raise ConfigError(f"{args.out}: --append and --part build into a local dir; pull the dataset, build there, "
+                          "then packer push")
+    return build_dir(args.out)
 
 
 def _cmd_build(args) -> int:
@@ -207,6 +220,11 @@ def _cmd_build(args) -> int:
               f"run 'packer commit {config.out}' once all {n} parts are done")
         return 0
     _summary(manifest, config.out, seconds, quiet=args.quiet, appended=config.append)
+    if str(args.out) != str(config.out):  # a URL: the built dataset goes there
+        from packer.dataset.remote import push
+
+        push(config.out, args.out)
+        print(f"pushed -> {args.out} (built in {config.out})")
     return 0
 
 
@@ -465,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{exc.filename}: " if exc.filename else ""
         hint = ""
         if exc.errno == errno.ENOSPC and args.command == "build":
-            hint = (f"; no dataset was published, whole shards stay in {args.out / fmt.STAGING_DIR}: free "
+            hint = (f"; no dataset was published, whole shards stay in {_build_dir(args) / fmt.STAGING_DIR}: free "
                     "space and run the same command to resume, or delete it")
         print(f"packer {args.command}: error: {where}{exc.strerror or exc}{hint}", file=sys.stderr)
         return 2

@@ -197,6 +197,11 @@ def _fetch(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path) -> No
                          "(fetched twice); the remote dataset is damaged: push it again")
 
 
+def build_dir(url: str) -> Path:
+    """Where `packer build RAW URL` builds before it pushes: one local dir per URL."""
+    return DEFAULT_CACHE.parent / "builds" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 def materialize(url: str, cache_dir: str | Path | None = None) -> Path:
     """The dataset at `url` as a local dir in the node's cache (downloaded once per node: the
     processes of every rank wait for the first one), pinned to the manifest read now: a push

@@ -130,3 +130,19 @@ def test_a_reader_keeps_the_build_it_opened_when_a_new_one_is_pushed(s3, built, 
     assert main(["push", str(built["pairs"]), url]) == 0  # another dataset at the same URL
     assert np.array_equal(np.asarray(ds[0]["image"]), first) and "label" in ds.columns
     assert "tokens" in MMapDataset(url).columns  # a new open reads the new one
+
+
+def test_a_build_into_a_url_builds_locally_then_pushes(s3, image_raw, tmp_path, capsys):
+    url = _url(tmp_path, "built")
+    args = ["build", str(image_raw), url, "--image-size", "32", "-q"]
+    assert main(args) == 0 and "pushed -> " + url in capsys.readouterr().out
+    assert main(args) == 0  # run again: the local build is done, the push keeps every object
+    assert len(MMapDataset(url)) == len(MMapDataset(str(_local_build(url))))
+    assert main(["build", str(image_raw), url, "--append", "-q"]) == 2
+    assert "pull the dataset" in capsys.readouterr().err
+
+
+def _local_build(url: str):
+    from packer.dataset.remote import build_dir
+
+    return build_dir(url)
