@@ -21,6 +21,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +37,70 @@ class _Stop(BaseException):
     does not swallow it."""
 
 
+class Processes:
+    """CPU seconds and bytes read from disk of this process and of every process it started
+    (DataLoader workers), sampled from /proc while the loop runs: a worker's last sample stands
+    for it once it is gone. Nothing where /proc is not there."""
+
+    def __init__(self, every_s: float = 0.2):
+        self.every_s, self.seen = every_s, {}  # pid -> (cpu_s, read_bytes)
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="mmpack-doctor")
+        self.base = self._sample_one(os.getpid())
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            self.sample()
+
+    def sample(self) -> None:
+        for pid in [os.getpid(), *_descendants(os.getpid())]:
+            got = self._sample_one(pid)
+            if got is not None:
+                self.seen[pid] = got
+
+    def _sample_one(self, pid: int):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            cpu = (int(stat[11]) + int(stat[12])) / self.tick
+            io = dict(line.split(": ") for line in Path(f"/proc/{pid}/io").read_text().splitlines())
+            return cpu, int(io.get("read_bytes", 0))
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def report(self, wall_s: float) -> dict:
+        self.stop.set()
+        self.sample()
+        me = os.getpid()
+        base_cpu, base_read = self.base or (0.0, 0)
+        workers = {pid: v for pid, v in self.seen.items() if pid != me}
+        cpu = sum(v[0] for v in workers.values())
+        own = self.seen.get(me, (base_cpu, base_read))
+        return {"worker_processes": len(workers), "cpu_s_workers": cpu,
+                "worker_cpu_busy": cpu / (wall_s * len(workers)) if workers and wall_s > 0 else None,
+                "cpu_s_main_total": own[0] - base_cpu,
+                "read_bytes": own[1] - base_read + sum(v[1] for v in workers.values())}
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{p}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                children = []
+            out += children
+            todo += children
+    return out
+
+
 class Watch:
     """The waits and steps of the loaders iterated while it is active."""
 
@@ -44,6 +109,7 @@ class Watch:
         self.started = time.perf_counter()
         self.cpu_started = time.process_time()
         self.error: str | None = None
+        self.processes = Processes() if Path("/proc/self/stat").exists() else None
 
     def iterate(self, loader, it):
         """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
@@ -202,8 +268,11 @@ def _more_workers(loader, share: float) -> dict | None:
 
 def _report(w: Watch, *, ceiling: bool) -> dict:
     main = w.main()
-    out = {"batches": w.batches(), "wall_s": time.perf_counter() - w.started,
-           "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count()}
+    wall = time.perf_counter() - w.started
+    loop = sum(main["waits"]) + sum(main["steps"]) if main else wall  # the watched loop, before the measures below
+    out = {"batches": w.batches(), "wall_s": wall,
+           "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count(),
+           "processes": w.processes.report(loop) if w.processes else None}
     if main is None:
         out["verdict"] = "no DataLoader or Loader was iterated" + (f" (the script failed: {w.error})" if w.error else "")
         return out
@@ -257,6 +326,9 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
                           "how": "estimated"})
     why = (f"; __getitem__ takes {ps['getitem_ms']:.2f} ms a sample and the collate "
            f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""
+    procs = r.get("processes") or {}
+    if procs.get("worker_cpu_busy") is not None:
+        why += f" at {100 * procs['worker_cpu_busy']:.0f}% CPU each"
     return f"data-bound: {waited}{rates}{why}", fixes
 
 

@@ -76,3 +76,15 @@ def test_a_closed_pipe_ends_bench_quietly(tmp_path):
     proc = subprocess.run(f"{sys.executable} -u -m bench.cli doctor --steps 4 -- python {SCRIPT} 0.001 0.001 | true",
                           shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_busy_workers_are_counted_with_their_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "40", "--json", str(out), "--",
+                           "python", str(ROOT / "tests" / "tools" / "doctor_workers.py")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    procs = report["processes"]
+    assert procs["worker_processes"] == 2 and procs["cpu_s_workers"] > 0 and procs["worker_cpu_busy"] > 0.4
+    assert report["verdict"].startswith("data-bound") and "% CPU each" in report["verdict"]
