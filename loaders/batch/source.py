@@ -49,6 +49,16 @@ def epochs_of(source: BatchSource, batch_size: int, *, bucket_by: str | None = N
             raise ConfigError(f"bucket_by must be 'aspect' or None, not {bucket_by!r}")
         if stream is not None or not hasattr(source, "shapes_of"):
             raise ConfigError("bucket_by='aspect' groups the images of one MMapDataset (not a Mixture or a view)")
-        name = source.image_column()
-        stream = Bucketed(lambda ids: aspect_bucket(source.shapes_of(name, ids)), batch_size)
+        stream = Bucketed(AspectOf(source, source.image_column()), batch_size)
     return Epochs(len(source), batch_size, source=source.source_id, stream=stream, **kwargs)
+
+
+class AspectOf:
+    """ids -> their aspect-ratio buckets, from a batch source's image shapes (a class, not a
+    closure: it goes to spawned DataLoader workers with the epochs)."""
+
+    def __init__(self, source, name: str):
+        self.source, self.name = source, name
+
+    def __call__(self, ids):
+        return aspect_bucket(self.source.shapes_of(self.name, ids))

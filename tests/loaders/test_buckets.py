@@ -69,3 +69,12 @@ def test_what_grouping_by_shape_refuses(built):
     mixture = Mixture([MMapDataset(built["aspect"])] * 2, [1, 1])
     with pytest.raises(ConfigError, match="Mixture"):
         Loader(mixture, 8, bucket_by="aspect")
+
+
+def test_grouped_batches_go_to_spawned_workers(built):
+    """A DataLoader started with spawn (macOS's, Windows') pickles the dataset with its epochs."""
+    import pickle
+
+    batched = MMapDataset(built["aspect"], columns=["image", "key"]).batched(8, seed=2, bucket_by="aspect")
+    again = pickle.loads(pickle.dumps(batched))
+    assert [b["key"] for b in again] == [b["key"] for b in batched]
