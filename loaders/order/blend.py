@@ -4,8 +4,8 @@ any position of a stream of 10^10 samples as cheap as the first.
 Source k's j-th sample (j = 0, 1, ...) is an event at time (2j + 1) / w_k; the stream is every
 source's events in time order, a tie going to the lower source. This is the order in which the
 Sainte-Laguë (Webster) method awards seats, so every prefix of the stream holds each source in
-proportion to its weight, off by less than one sample with two sources and by a little more with
-many (Megatron's greedy blending deviates alike). What makes it usable here is that it has a
+proportion to its weight, off by less than K/2 samples with K sources (one with two; Megatron's
+greedy blend is tighter with many skewed sources, but has no closed form). What makes it usable here is that it has a
 closed form: the number of source k's events before time T is round(T w_k / 2) in effect, so the
 counts at any position are found from an estimate and a few exact corrections, never by walking
 the stream from its start as a greedy blend must.

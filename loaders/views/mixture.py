@@ -141,6 +141,12 @@ def _parts(sources) -> list:
             other = next(s for s in sources[1:] if list(s.columns) != names)
             raise ConfigError(f"{other.root}: columns {list(other.columns)} differ from {sources[0].root}'s {names}; "
                               "mixed datasets must hold the same columns (open them with columns=[...])")
+        if "label" in names:  # a label is an index into its dataset's classes: mixed, they must mean the same
+            other = next((s for s in sources[1:] if s.classes != sources[0].classes), None)
+            if other is not None:
+                raise ConfigError(f"{other.root}: its classes differ from {sources[0].root}'s, so the same label would "
+                                  "name two classes; mix datasets built with the same class folders, or open them "
+                                  "with columns=[...] without label")
         return [ColumnGather([s.reader for s in sources], names, sources[0].padding_value)]
     if all(isinstance(s, TokenWindows) for s in sources):
         if len({s.seq_len for s in sources}) > 1:

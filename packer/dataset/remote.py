@@ -90,7 +90,7 @@ def _errors(remote: Remote, what: str):
                 return False
             name = type(exc).__name__
             text = str(exc).splitlines()[0][:200] if str(exc) else name
-            if "NotFound" in name or "not found" in text.lower():
+            if _not_found(exc):
                 raise IntegrityError(f"{remote.url}: {what}: not found ({text})") from None
             if "PermissionDenied" in name or "Unauthenticated" in name or any(
                     s in text for s in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")):
@@ -139,12 +139,14 @@ def push(out: str | Path, url: str) -> fmt.Manifest:
 def _size(obs, store, key: str) -> int | None:
     try:
         return obs.head(store, key)["size"]
-    except FileNotFoundError:
-        return None
     except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
-        if "NotFound" in type(exc).__name__ or "not found" in str(exc).lower():
+        if _not_found(exc):
             return None
         raise
+
+
+def _not_found(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) or "NotFound" in type(exc).__name__ or "not found" in str(exc).lower()
 
 
 def read_manifest(url: str) -> fmt.Manifest:

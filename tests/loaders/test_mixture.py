@@ -22,10 +22,9 @@ weights_st = st.lists(st.floats(0.001, 1.0), min_size=1, max_size=6)
 
 
 def _bound(k: int) -> float:
-    """How far a source's count may be from its share at any prefix: under one sample with two
-    sources (Webster's order keeps quota for two), under two with up to six (measured; the greedy
-    blend Megatron uses strays as far)."""
-    return 1.0 if k <= 2 else 2.0
+    """How far a source's count may be from its share at any prefix: under K/2 samples with K
+    sources (one big source ahead of K - 1 small ones reaches (K - 1)/2: hypothesis found it)."""
+    return k / 2
 
 
 def _walk(w: np.ndarray, n: int) -> list[tuple[int, int]]:
@@ -211,3 +210,26 @@ def test_packed_documents_mix_by_rows_with_the_segments_of_each(built, short_doc
             assert torch.equal(batch[name][r], one[name][0])
         cuts += (r * 64 + one["cu_seqlens"].numpy()[1:]).tolist()
     assert batch["cu_seqlens"].tolist() == cuts
+
+
+
+def test_datasets_whose_labels_name_other_classes_do_not_mix(built, image_raw, tmp_path):
+    """Label 0 of one dataset is not label 0 of another built from other folders: mixing their
+    label columns would train on the wrong class silently, so it is refused (without labels, fine)."""
+    import shutil
+
+    from packer.cli import main
+
+    raw = tmp_path / "raw"
+    for k, src in enumerate(sorted(p for p in image_raw.rglob("*.jpg"))[:4]):
+        (raw / ("cats" if k % 2 else "dogs")).mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, raw / ("cats" if k % 2 else "dogs") / src.name)
+    assert main(["build", str(raw), str(tmp_path / "pets"), "--image-size", "64", "-q"]) == 0
+    ours, pets = MMapDataset(built["images"]), MMapDataset(tmp_path / "pets")
+    assert list(ours.columns) == list(pets.columns) and ours.classes != pets.classes
+    with pytest.raises(ConfigError, match="classes differ"):
+        Mixture([ours, pets], [1, 1])
+    unlabeled = Mixture([MMapDataset(built["images"], columns=["image", "key"]),
+                         MMapDataset(tmp_path / "pets", columns=["image", "key"])], [1, 1])
+    assert "label" not in next(iter(Loader(unlabeled, 4)))
+    assert Mixture([ours, MMapDataset(built["images"])], [1, 1])  # the same classes mix
