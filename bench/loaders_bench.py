@@ -103,11 +103,26 @@ def _prepared(work: Path, name: str, size, make_raw, build_args: list[str]) -> t
     return raw, out, seconds
 
 
-def prepare_images(work: Path, count: int, part: int | None = None) -> tuple[Path, Path, float]:
-    """Raw photo crops and their mmpack build (reused from `work` when present); `part`: another
-    set of crops (for a mixture's sources)."""
-    name, seed = ("images", 0) if part is None else (f"images-part{part}", 101 + part)
-    return _prepared(work, name, count, lambda raw: data.make_image_folders(raw, count, seed=seed), [])
+def prepare_images(work: Path, count: int) -> tuple[Path, Path, float]:
+    """Raw photo crops and their mmpack build (reused from `work` when present)."""
+    return _prepared(work, "images", count, lambda raw: data.make_image_folders(raw, count, seed=0), [])
+
+
+def prepare_image_thirds(work: Path, count: int) -> list[Path]:
+    """The crops of `prepare_images` cut in three datasets, every class folder in each (so their
+    labels mean the same classes): a mixture's sources of the same total."""
+    raw, _, _ = prepare_images(work, count)
+
+    def third(k: int):
+        def make(out: Path) -> None:
+            for folder in sorted(p for p in raw.iterdir() if p.is_dir()):
+                (out / folder.name).mkdir(parents=True, exist_ok=True)
+                for i, f in enumerate(sorted(folder.iterdir())):
+                    if i % 3 == k:
+                        shutil.copy(f, out / folder.name / f.name)
+        return make
+
+    return [_prepared(work, f"images-third{k}", count, third(k), [])[1] for k in range(3)]
 
 
 def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
@@ -179,8 +194,8 @@ def bench_loaders(args) -> dict:
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     single = r
-    # as many samples from a mixture of 3 datasets of a third each (other crops of the same photos), 5:3:2
-    parts = [MMapDataset(prepare_images(work, args.images // 3, part=k)[1], columns=["image", "label"]) for k in range(3)]
+    # as many samples from a mixture of the same crops cut in 3 datasets, 5:3:2
+    parts = [MMapDataset(out, columns=["image", "label"]) for out in prepare_image_thirds(work, args.images)]
     mixture = Mixture(parts, [5, 3, 2], num_samples=len(ds))
     loader = Loader(mixture, bs)
     r = run(f"mmpack Loader over a Mixture of 3 datasets, default ({loader.num_threads} threads)", "mmpack",
