@@ -130,6 +130,11 @@ class Loader(Resumable):
         self._pool = None
         self._pool_threads = 0  # the size of _pool (0: none made yet)
         self._running: set = set()  # this Loader's open producers (`loaders.producer`)
+        if getattr(self.source, "remote", False):  # refused now, not at the first batch: a limit too small
+            from loaders.batch.fetch import check_room
+
+            twin = self._epochs.twin()
+            check_room(self.source, functools.partial(twin.batch_ids, twin.upcoming()), len(self))
 
     @property
     def batch_size(self) -> int:
@@ -182,23 +187,34 @@ class Loader(Resumable):
         if self._timed:
             self._time_threads(p, ring)
         pool, threads = self._pool_of(self.num_threads), self.num_threads
+        ahead = None
+        if getattr(source, "remote", False) and p.num_batches:  # a remote dataset's shards fetched ahead
+            from loaders.batch.fetch import Lookahead
+
+            ahead = Lookahead(source, functools.partial(epochs.twin().batch_ids, p), p.num_batches)
 
         def make(b: int, needed, stop=_NEVER):
             buffers = ring.take(needed, stop)
             if buffers is None:
                 return None
             try:
+                if ahead is not None:
+                    ahead.at(b)
                 return source.gather(epochs.batch_ids(p, b), buffers, pool, threads)
             finally:
                 ring.filled(buffers)
 
-        if p.num_batches == 0:
-            return
-        if ring.batch_bytes < INLINE_BELOW_BYTES:
-            for b in range(p.num_batches):
-                yield make(b, lambda: True)
-            return
-        yield from made_ahead(make, p.num_batches, self.num_buffers - 1, ring.wake, self._running)
+        try:
+            if p.num_batches == 0:
+                return
+            if ring.batch_bytes < INLINE_BELOW_BYTES:
+                for b in range(p.num_batches):
+                    yield make(b, lambda: True)
+                return
+            yield from made_ahead(make, p.num_batches, self.num_buffers - 1, ring.wake, self._running)
+        finally:
+            if ahead is not None:
+                ahead.close()
 
     def _time_threads(self, p: Pass, ring: Ring) -> None:
         """num_threads="auto": the thread count chosen by timing gathers of the pass's batches at

@@ -24,9 +24,17 @@ READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", 
            "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)")
 
 
+def opened(paths: dict, key: str, **kwargs) -> MMapDataset:
+    """The dataset `key` of `paths` (a dir, or an s3:// URL read through a cache of
+    paths["cache_limit"] bytes when it names one)."""
+    if paths.get("cache_limit"):
+        kwargs["cache_limit"] = paths["cache_limit"]
+    return MMapDataset(paths[key], **kwargs)
+
+
 def mixture(paths: dict) -> Mixture:
     """The text dataset and the pairs dataset's tokens, 2 to 1."""
-    return Mixture([MMapDataset(paths[k], columns=["tokens", "key"]) for k in ("text", "pairs")], [2, 1])
+    return Mixture([opened(paths, k, columns=["tokens", "key"]) for k in ("text", "pairs")], [2, 1])
 
 
 def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
@@ -36,7 +44,7 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
     windows = lambda: TokenWindows(paths["text"], 256)  # noqa: E731
     packed = lambda: PackedDocuments(paths["text"], 512)  # noqa: E731
     if reader == "Loader(images)":
-        return Loader(MMapDataset(paths["images"], columns=["label", "key"]), BATCH, num_threads=par, **common)
+        return Loader(opened(paths, "images", columns=["label", "key"]), BATCH, num_threads=par, **common)
     if reader == "Loader(TokenWindows)":
         return Loader(windows(), BATCH, num_threads=par, **common)
     if reader == "Loader(PackedDocuments)":
@@ -44,18 +52,19 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
     if reader == "Loader(Mixture)":
         return Loader(mixture(paths), BATCH, num_threads=par, **common)
     if reader == "Loader(images, bucket_by)":
-        return Loader(MMapDataset(paths["aspect"], columns=["image", "key"]), BATCH, num_threads=par, bucket_by="aspect",
+        return Loader(opened(paths, "aspect", columns=["image", "key"]), BATCH, num_threads=par, bucket_by="aspect",
                       **common)
     if reader == "StatefulDataLoader(batched)":
-        source = MMapDataset(paths["images"], columns=["label", "key"]).batched(BATCH, **common)
+        source = opened(paths, "images", columns=["label", "key"]).batched(BATCH, **common)
     elif reader == "StatefulDataLoader(MMapIterableDataset)":
-        source = MMapIterableDataset(paths["images"], chunk=BATCH, columns=["label", "key"], **common)
+        limit = {"cache_limit": paths["cache_limit"]} if paths.get("cache_limit") else {}
+        source = MMapIterableDataset(paths["images"], chunk=BATCH, columns=["label", "key"], **common, **limit)
     elif reader == "StatefulDataLoader(TokenWindows)":
         source = BatchedDataset(windows(), BATCH, **common)
     elif reader == "StatefulDataLoader(Mixture)":
         source = BatchedDataset(mixture(paths), BATCH, **common)
     elif reader == "StatefulDataLoader(batched, bucket_by)":
-        source = MMapDataset(paths["aspect"], columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
+        source = opened(paths, "aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
     else:
         source = BatchedDataset(packed(), BATCH, **common)
     return StatefulDataLoader(source, num_workers=par)

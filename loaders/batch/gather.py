@@ -124,9 +124,15 @@ class ColumnGather:
         counts = [n for r in readers for n in np.diff([0, *r.shard_ends])]
         ends = np.cumsum(np.asarray(counts, dtype=np.int64)) if counts else np.zeros(0, np.int64)
         self._shards = [(r, k) for r in readers for k in range(len(r.shard_ends))]
+        # a remote dataset's shards are mapped while batches need them (`_resident`), the others None
+        self.remote = any(r.cache is not None for r in readers)
+        self._live: set[int] = set()
+        self._pid = os.getpid()  # a forked child holds none of its parent's pins: it maps afresh
+        self.lookahead = None  # a pass's `loaders.batch.fetch.Lookahead`, while one runs
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-        self._by_column: dict[str, list[ColumnArrays]] = {}
+        self._by_column: dict[str, list[ColumnArrays | None]] = {}
+        self._index_of: dict[str, list[ColumnArrays]] = {}
         self._longest_of: dict[str, int] = {}
         self._largest_of: dict[str, tuple[int, ...]] = {}
         self._addresses_of: dict[str, np.ndarray | None] = {}
@@ -157,19 +163,91 @@ class ColumnGather:
         ids = np.asarray(ids, dtype=np.int64)
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]
-        arrays = self._arrays(name)
+        arrays = self._index(name)
         out = np.empty((len(ids), arrays[0].shapes.shape[1] if arrays else 0), np.int64)
         for k in np.unique(shard).tolist():
             sel = shard == k
             out[sel] = arrays[k].shapes[rows[sel]]
         return out
 
-    def _arrays(self, name: str) -> list[ColumnArrays]:
-        """Every shard's maps of one column, built once: not O(shards) work per batch."""
+    def _arrays(self, name: str) -> list[ColumnArrays | None]:
+        """Every shard's maps of one column, built once: not O(shards) work per batch (a
+        remote dataset's: those of the shards mapped now, None for the others)."""
         arrays = self._by_column.get(name)
         if arrays is None:
-            arrays = self._by_column[name] = [r.column(k, name) for r, k in self._shards]
+            arrays = self._by_column[name] = [r.column(k, name) if not self.remote or g in self._live else None
+                                              for g, (r, k) in enumerate(self._shards)]
         return arrays
+
+    def _index(self, name: str) -> list[ColumnArrays]:
+        """Every shard's offsets and shapes of a ragged column (a remote dataset's without its values)."""
+        if not self.remote:
+            return self._arrays(name)
+        if name not in self._index_of:
+            self._index_of[name] = [r.index(k, name) for r, k in self._shards]
+        return self._index_of[name]
+
+    def shards_of(self, ids: np.ndarray) -> np.ndarray:
+        """The shards (positions over every reader's) that a batch of ids reads, sorted."""
+        return np.unique(np.searchsorted(self._ends, ids, side="right"))
+
+    def shard_bytes(self, g: int) -> int:
+        r, k = self._shards[g]
+        return r.cache.sizes[k] if r.cache is not None else 0
+
+    def cache_of(self, g: int):
+        return self._shards[g][0].cache
+
+    def _resident(self, needed: list[int]) -> None:
+        """A remote dataset's shards of a batch mapped (fetched and pinned first); under a cache
+        limit, those no longer needed (nor in the lookahead's window) unmapped and unpinned."""
+        if self._pid != os.getpid():
+            self._pid = os.getpid()
+            for g in list(self._live):
+                self._drop(g, pinned=False)
+        if any(r.cache is not None and r.cache.limit is not None for r in self.readers):
+            # under a limit only the batch's shards stay mapped (a mapped shard cannot be
+            # evicted); those the lookahead still wants stay softly pinned, the others go
+            window = self.lookahead.window() if self.lookahead is not None else frozenset()
+            for g in self._live - set(needed):
+                self._drop(g, soften=g in window)
+            first = 0
+            for r in self.readers:  # pins the lookahead took for shards that left its window
+                if r.cache is not None:
+                    for k in r.cache.pinned():
+                        if first + k not in window and first + k not in self._live:
+                            r.cache.release(k)
+                first += len(r.shard_ends)
+        for g in needed:
+            if g in self._live:
+                continue
+            r, k = self._shards[g]
+            r.cache.acquire(k)
+            self._live.add(g)
+            for name, arrays in self._by_column.items():
+                arrays[g] = r.column(k, name)
+                addresses = self._addresses_of.get(name)
+                if addresses is not None:
+                    addresses[g] = arrays[g].values.ctypes.data
+
+    def _drop(self, g: int, soften: bool = False, pinned: bool = True) -> None:
+        r, k = self._shards[g]
+        self._live.discard(g)
+        for name, arrays in self._by_column.items():
+            arrays[g] = None
+            addresses = self._addresses_of.get(name)
+            if addresses is not None:
+                addresses[g] = 0
+        if pinned:
+            r.release(k, soften)
+
+    def release(self) -> None:
+        """Unmaps and unpins every shard of a remote dataset this gather holds."""
+        for g in list(self._live):
+            self._drop(g)
+        for r in self.readers:
+            if r.cache is not None:
+                r.cache.release_all()
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         """Buffers for the fixed-shape columns; in a Loader's ring (long-lived), also for each
@@ -197,14 +275,14 @@ class ColumnGather:
     def _longest(self, name: str) -> int:
         """The longest sample of a ragged column, from its offsets: once, not per ring buffer."""
         if name not in self._longest_of:
-            self._longest_of[name] = max((int(np.diff(a.offsets).max(initial=0)) for a in self._arrays(name)), default=0)
+            self._longest_of[name] = max((int(np.diff(a.offsets).max(initial=0)) for a in self._index(name)), default=0)
         return self._longest_of[name]
 
     def _largest(self, name: str) -> tuple[int, ...]:
         """A ragged column's largest size along each axis (height, width, channels), from its
         shapes: once, not per ring buffer."""
         if name not in self._largest_of:
-            tops = [a.shapes.max(axis=0) for a in self._arrays(name) if a.shapes is not None and len(a.shapes)]
+            tops = [a.shapes.max(axis=0) for a in self._index(name) if a.shapes is not None and len(a.shapes)]
             self._largest_of[name] = tuple(int(v) for v in np.max(tops, axis=0)) if tops else (0,)
         return self._largest_of[name]
 
@@ -214,15 +292,18 @@ class ColumnGather:
         if native.LIB is None:
             return None
         if name not in self._addresses_of:
-            arrays = self._arrays(name)
-            ok = all(a.values.flags.c_contiguous for a in arrays)
-            self._addresses_of[name] = np.array([a.values.ctypes.data for a in arrays], np.uint64) if ok else None
+            arrays = [a for a in self._arrays(name) if a is not None]
+            ok = all(a.values.flags.c_contiguous for a in arrays)  # a remote shard mapped later is a whole file too
+            self._addresses_of[name] = np.array([a.values.ctypes.data if a is not None else 0
+                                                 for a in self._arrays(name)], np.uint64) if ok else None
         return self._addresses_of[name]
 
     def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor],
                pool: native.Pool | ThreadPoolExecutor | None = None, num_threads: int = 1) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
+        if self.remote:
+            self._resident(np.unique(shard).tolist())
         rows = ids - self._starts[shard]
         order = np.lexsort((rows, shard))  # the copies run in (shard, row) order: locality
         out: dict = {}
@@ -273,11 +354,11 @@ class ColumnGather:
 def _rows(dst: np.ndarray, arrays: list[ColumnArrays], addresses, shard, rows, order):
     """copy(a, b): the samples order[a:b] of a fixed-shape column into their slots of dst: in
     one native call (its whole share, the GIL released), else a numpy copy each."""
-    if addresses is not None and arrays and dst.dtype == arrays[0].values.dtype:  # not widened (token ids)
+    if addresses is not None and arrays and dst.dtype == _values_dtype(arrays):  # not widened (token ids)
         nbytes = int(np.prod(dst.shape[1:])) * dst.itemsize
         sources = (addresses[shard] + rows.astype(np.uint64) * np.uint64(nbytes))[order]
         return native.Job(dst, sources, order, nbytes=nbytes, stream=dst.nbytes >= native.STREAM_FROM)
-    values = [a.values for a in arrays]
+    values = [a.values if a is not None else None for a in arrays]
     shard, rows, order = shard.tolist(), rows.tolist(), order.tolist()
 
     def copy(a, b):
@@ -303,8 +384,9 @@ def _canvas(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buf
     zeroing the rest of those slots (a sample's padding is never stale: the batch is a pure
     function of its ids). Samples may be empty (a 0 x w image): all padding."""
     n = len(rows)
-    dtype = arrays[0].values.dtype if arrays else np.dtype(np.uint8)
-    shapes = np.zeros((n, arrays[0].shapes.shape[1] if arrays else 3), np.int64)
+    first = next((a for a in arrays if a is not None), None)
+    dtype = first.values.dtype if first is not None else np.dtype(np.uint8)
+    shapes = np.zeros((n, first.shapes.shape[1] if first is not None else 3), np.int64)
     for k in np.unique(shard):
         sel = shard == k
         shapes[sel] = arrays[k].shapes[rows[sel]]
@@ -397,7 +479,7 @@ def _gather_ragged(name, arrays, shard, rows, buffers, pad: int = 0) -> dict:
     flat, lens = buffers.get(name), buffers.get(f"{name}_lengths")
     fresh = flat is None or n * width > flat.numel() or lens is None  # no buffer, or wider than it was sized for
     if fresh:  # zeroed by the OS, and only as far as it is touched
-        flat = torch.from_numpy(np.zeros(n * width, batch_dtype(arrays[0].values.dtype)))
+        flat = torch.from_numpy(np.zeros(n * width, batch_dtype(_values_dtype(arrays))))
         lens = torch.empty(n, dtype=torch.int64)
         fresh = pad == 0  # else it is filled below, as a reused buffer is
     padded, lens = flat[: n * width].view(n, width), lens[:n]
@@ -416,3 +498,8 @@ def _gather_ragged(name, arrays, shard, rows, buffers, pad: int = 0) -> dict:
                 if not fresh:
                     dst[i, m:] = pad
     return {name: padded, f"{name}_lengths": lens}
+
+
+def _values_dtype(arrays: list[ColumnArrays | None]) -> np.dtype:
+    """The dtype of a column's values, from a shard mapped now."""
+    return next(a.values.dtype for a in arrays if a is not None)

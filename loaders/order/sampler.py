@@ -10,6 +10,7 @@ sample once. Nothing here is O(N): a batch's ids are computed from its positions
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 
@@ -192,6 +193,13 @@ class Epochs:
 
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
         return self.ids(p, b * self.batch_size, (b + 1) * self.batch_size)
+
+    def twin(self) -> Epochs:
+        """A copy whose ids are computed apart from this one's (its own caches of the order): what a
+        thread that reads the order ahead uses."""
+        twin = copy.copy(self)
+        twin._perm = twin._chunk = None
+        return twin
 
     def permutation(self, epoch: int):
         """Positions of `epoch` -> sample ids: the epoch's permutation, or a mixture's stream."""

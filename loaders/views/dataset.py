@@ -19,6 +19,7 @@ import torch
 
 from packer.dataset.format import Column, Manifest
 from packer.dataset.reader import DatasetReader, decode_text
+from packer.errors import ConfigError
 
 from loaders.batch.gather import ColumnGather, batch_dtype
 from loaders.batched import BatchedDataset
@@ -48,7 +49,13 @@ class MMapDataset(torch.utils.data.Dataset):
         root: the dataset dir written by `packer build`, or an archive from `packer pack`.
         columns: the columns to return (default: all).
         cache_dir: where an archive is unpacked, once, on first open (safe when several
-            processes open it at once); default `$MMPACK_CACHE` or ~/.cache/mmpack/archives.
+            processes open it at once); default `$MMPACK_CACHE` or ~/.cache/mmpack/archives;
+            for an s3:// URL, the node's cache of remote datasets (default
+            ~/.cache/mmpack/remote), whose shards are fetched as they are first read (a
+            `Loader` fetches them ahead) and shared by the node's processes.
+        cache_limit: for an s3:// URL, the most bytes its cache entry may hold (an int, or a
+            string such as "20GB" or "512MiB"); shards no reader maps are evicted, the one used
+            farthest ahead first. None: no limit. Too small a limit is refused with what it needs.
         padding_value: what follows each sample of a ragged 1-D column (tokens) in a batch, up
             to the batch's longest (`Loader`, `ds.batched`); `tokens_lengths` says where it
             starts. Default 0, which is a real token of many vocabularies: pass your pad id, or
@@ -56,10 +63,21 @@ class MMapDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None,
-                 padding_value: int = 0):
-        self.root = resolve_root(root, cache_dir)
+                 padding_value: int = 0, cache_limit: int | str | None = None):
+        from packer.dataset import remote
+        from packer.dataset.cache import parse_limit
+
+        self._cache = None
+        if remote.is_url(root):
+            self._cache = remote.open_cached(root, cache_dir, parse_limit(cache_limit))
+            self.root = self._cache.root
+        elif cache_limit is not None:
+            raise ConfigError(f"{root}: cache_limit is for datasets in object storage (s3:// URLs); "
+                              "a local dataset is never a cache")
+        else:
+            self.root = resolve_root(root, cache_dir)
         self.padding_value = padding_value
-        self._reader: DatasetReader | None = DatasetReader(self.root)
+        self._reader: DatasetReader | None = DatasetReader(self.root, cache=self._cache)
         self._generation = self._reader.generation  # what a worker re-opens: this very build
         self._reader.check_columns(columns or ())
         self._names = list(columns) if columns else [c.name for c in self._reader.manifest.columns]
@@ -67,8 +85,14 @@ class MMapDataset(torch.utils.data.Dataset):
     @property
     def reader(self) -> DatasetReader:
         if self._reader is None:  # first use after unpickling in a worker
-            self._reader = DatasetReader(self.root, self._generation)
+            self._reader = DatasetReader(self.root, self._generation, self._cache)
         return self._reader
+
+    @property
+    def bytes_downloaded(self) -> int:
+        """Bytes this process has fetched from object storage for this dataset's shards (0 for a
+        local dataset)."""
+        return self._cache._here().downloaded if self._cache is not None else 0
 
     @property
     def manifest(self) -> Manifest:
@@ -98,6 +122,8 @@ class MMapDataset(torch.utils.data.Dataset):
                 out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
             else:
                 out[name] = _tensor(value)
+        if self._cache is not None and self._cache.limit is not None:
+            self.reader.release(shard)  # under a limit a sample's shard stays pinned only while it is read
         return out
 
     def batch_source(self, columns: list[str] | None = None):
@@ -110,11 +136,12 @@ class MMapDataset(torch.utils.data.Dataset):
 
     def __getstate__(self) -> dict:
         return {"root": str(self.root), "names": self._names, "generation": self._generation,
-                "padding_value": self.padding_value}
+                "padding_value": self.padding_value, "cache": self._cache}
 
     def __setstate__(self, state: dict) -> None:
         self.root, self._names, self._reader = Path(state["root"]), state["names"], None
         self._generation, self.padding_value = state.get("generation"), state.get("padding_value", 0)
+        self._cache = state.get("cache")
 
     def __repr__(self) -> str:
         return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"

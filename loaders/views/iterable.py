@@ -21,8 +21,9 @@ from loaders.order.sampler import Epochs, Order, Pass
 class MMapIterableDataset(EpochDataset):
     def __init__(self, root: str | Path, *, shuffle: bool = True, seed: int = 0, order: Order | None = None,
                  chunk: int = 1, drop_last: bool = False, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, cache_dir: str | Path | None = None):
-        self.dataset = MMapDataset(root, columns=columns, cache_dir=cache_dir)
+                 columns: list[str] | None = None, cache_dir: str | Path | None = None,
+                 cache_limit: int | str | None = None):
+        self.dataset = MMapDataset(root, columns=columns, cache_dir=cache_dir, cache_limit=cache_limit)
         self._epochs = Epochs(len(self.dataset), chunk, shuffle=shuffle, order=order, seed=seed,
                                drop_last=drop_last, rank=rank, world_size=world_size,
                                source=self.dataset.reader.content_id)

@@ -67,10 +67,13 @@ def load_manifest(root: str | Path, generation: str | None = None) -> fmt.Manife
     return fmt.Manifest.from_json(read_manifest_text(root, generation), where=str(path))
 
 
-def check_file_sizes(root: Path, shards: Iterable[fmt.Shard]) -> None:
-    """Every file of these shards exists with the size the manifest records (one stat per file)."""
+def check_file_sizes(root: Path, shards: Iterable[fmt.Shard], skip: frozenset[str] = frozenset()) -> None:
+    """Every file of these shards (but those in `skip`) exists with the size the manifest
+    records (one stat per file)."""
     for shard in shards:
         for entry in shard.files:
+            if entry.path in skip:
+                continue
             path = root / entry.path
             try:
                 size = path.stat().st_size
@@ -168,6 +171,20 @@ def map_column(shard_dir: Path, column: fmt.Column, num_samples: int) -> ColumnA
     return ColumnArrays(values, offsets, shapes)
 
 
+def map_index(shard_dir: Path, column: fmt.Column, num_samples: int, values_bytes: int) -> ColumnArrays:
+    """A ragged column's offsets and shapes without its values (`values` empty), checked as
+    `map_column` checks them: what a reader of a dataset whose values are not all there (a
+    remote one's cache) sizes batches and groups shapes by."""
+    names = fmt.column_file_names(column)
+    offsets = map_npy(shard_dir / names["offsets"], fmt.OFFSETS_DTYPE, (num_samples + 1,))
+    check_offsets(shard_dir / names["offsets"], offsets, (values_bytes - fmt.NPY_HEADER_BYTES) // np.dtype(column.dtype).itemsize)
+    shapes = None
+    if "shapes" in names:
+        shapes = map_npy(shard_dir / names["shapes"], fmt.SHAPES_DTYPE, (num_samples, len(column.shape)))
+        check_shapes(shard_dir / names["shapes"], shapes, offsets, column)
+    return ColumnArrays(np.zeros(0, column.dtype), offsets, shapes)
+
+
 def check_offsets(path: Path, offsets: np.ndarray, num_values: int) -> None:
     """Offsets start at 0, never decrease and end at the number of values the file holds."""
     if offsets[0] != 0:
@@ -245,13 +262,16 @@ class DatasetReader:
     """A dataset dir: manifest, sample-id -> (shard, row) index, and lazily mapped columns.
 
     `generation`: open that generation's own manifest (a worker re-opening what its parent
-    opened) rather than the dataset's current one."""
+    opened) rather than the dataset's current one. `cache`: the dir is a remote dataset's cache
+    entry (`packer.dataset.cache.ShardCache`), whose shards are fetched and pinned as they are
+    mapped, and unpinned by `release`."""
 
-    def __init__(self, root: str | Path, generation: str | None = None):
-        self.root = Path(root)
+    def __init__(self, root: str | Path, generation: str | None = None, cache=None):
+        self.root, self.cache = Path(root), cache
         self.manifest, self._locks = self._open(generation)
         self.generation = self.manifest.generation
-        check_file_sizes(self.root, self.manifest.shards)
+        skip = frozenset(e.path for files in cache.bulk for e in files) if cache is not None else frozenset()
+        check_file_sizes(self.root, self.manifest.shards, skip)
         check_shards_listed(self.root, self.manifest)
         self._ends = list(accumulate(s.num_samples for s in self.manifest.shards))
         self._maps: dict[tuple[int, str], ColumnArrays] = {}
@@ -310,12 +330,35 @@ class DatasetReader:
 
     def column(self, shard_pos: int, name: str) -> ColumnArrays:
         key = (shard_pos, name)
+        if self.cache is not None:  # pinned in this process (a forked child maps its parent's maps)
+            self.cache.acquire(shard_pos)
         arrays = self._maps.get(key)
         if arrays is None:
             shard = self.manifest.shards[shard_pos]
             arrays = map_column(self.root / shard.dir, self.manifest.column(name), shard.num_samples)
             self._maps[key] = arrays
         return arrays
+
+    def index(self, shard_pos: int, name: str) -> ColumnArrays:
+        """A ragged column's offsets and shapes, without fetching a remote dataset's values."""
+        if self.cache is None:
+            return self.column(shard_pos, name)
+        key = (shard_pos, f"{name}\0index")
+        arrays = self._maps.get(key)
+        if arrays is None:
+            shard, column = self.manifest.shards[shard_pos], self.manifest.column(name)
+            values = fmt.column_file_names(column)["values"]
+            size = next(f.size_bytes for f in shard.files if f.path.rsplit("/", 1)[-1] == values)
+            arrays = self._maps[key] = map_index(self.root / shard.dir, column, shard.num_samples, size)
+        return arrays
+
+    def release(self, shard_pos: int, soften: bool = False) -> None:
+        """Unmaps a remote dataset's shard and unpins it (the cache may then evict it), or with
+        `soften` leaves it softly pinned (this process may evict it for a shard needed sooner)."""
+        for key in [key for key in self._maps if key[0] == shard_pos and not key[1].endswith("\0index")]:
+            del self._maps[key]
+        if self.cache is not None:
+            (self.cache.soften if soften else self.cache.release)(shard_pos)
 
     def key_bytes(self) -> Iterator[bytes]:
         """Every sample's key as its UTF-8 bytes, in sample order (one shard's keys in memory at
@@ -343,10 +386,10 @@ class DatasetReader:
         return self.column(shard_pos, name).sample(row)
 
     def __getstate__(self) -> dict:
-        return {"root": str(self.root), "generation": self.generation}
+        return {"root": str(self.root), "generation": self.generation, "cache": self.cache}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["root"], state.get("generation"))
+        self.__init__(state["root"], state.get("generation"), state.get("cache"))
 
 
 def content_id(manifest: fmt.Manifest) -> str:

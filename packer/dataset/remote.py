@@ -36,6 +36,26 @@ DOWNLOADS = 8  # files fetched at once: one GET's latency hidden behind the othe
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmpack" / "remote"
 
 
+# obstore's runtime (tokio) is not fork-safe: a process forked after its parent made a request
+# hangs on its first own request, whatever client it makes. Such a process (a forked DataLoader
+# worker) hands its requests to a helper it starts with exec (`Helper`), a fresh interpreter.
+_used = False  # this process has made a request
+_forked_after_use = False  # an ancestor had, before it forked this process
+
+
+def _after_fork() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _used
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def fork_safe() -> bool:
+    """Whether this process may use obstore itself (it was not forked from one that had)."""
+    return not _forked_after_use
+
+
 def is_url(path) -> bool:
     return isinstance(path, str) and path.startswith(SCHEMES)
 
@@ -62,6 +82,8 @@ class Remote:
         return f"s3://{self.bucket}/{self.key(path)}"
 
     def store(self):
+        global _used
+        _used = True
         try:
             from obstore.store import S3Store
         except ImportError:
@@ -150,17 +172,22 @@ def _not_found(exc: BaseException) -> bool:
 
 
 def read_manifest(url: str) -> fmt.Manifest:
-    import obstore as obs
-
     remote = Remote(url)
-    with _errors(remote, "read the manifest"):
-        text = bytes(obs.get(remote.store(), remote.key(fmt.MANIFEST_NAME)).bytes()).decode("utf-8")
+    if not fork_safe():
+        text = Helper.get().call({"op": "manifest", "url": url})["text"]
+    else:
+        import obstore as obs
+
+        with _errors(remote, "read the manifest"):
+            text = bytes(obs.get(remote.store(), remote.key(fmt.MANIFEST_NAME)).bytes()).decode("utf-8")
     return fmt.Manifest.from_json(text, where=remote.where(fmt.MANIFEST_NAME))
 
 
-def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None) -> fmt.Manifest:
+def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None,
+         files: list[fmt.FileEntry] | None = None) -> fmt.Manifest:
     """Download the dataset at `url` into the dir `out` (made complete, or left without its
-    manifest): every file verified by the manifest's checksum, the manifest written last."""
+    manifest): every file (or those of `files`) verified by the manifest's checksum, the
+    manifest written last."""
     import obstore as obs
 
     remote = Remote(url)
@@ -168,7 +195,8 @@ def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None) -> 
     out = Path(out)
     store = remote.store()
     with ThreadPoolExecutor(DOWNLOADS) as pool:  # obstore's GETs release the GIL while they wait
-        for done in [pool.submit(_fetch, obs, store, remote, entry, out / entry.path) for entry in _files(manifest)]:
+        for done in [pool.submit(fetch_verified, obs, store, remote, entry, out / entry.path)
+                     for entry in (_files(manifest) if files is None else files)]:
             done.result()
     for g in sorted({e.path.split("/", 1)[0] for e in _files(manifest) if "/" in e.path}):
         (out / g).mkdir(parents=True, exist_ok=True)
@@ -178,23 +206,33 @@ def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None) -> 
     return manifest
 
 
-def _fetch(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path) -> None:
+def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path, temp=None) -> None:
     """One file into `target`, verified by the manifest's checksum (kept when it is there and
-    whole already); a mismatch is fetched once more, then refused naming the object."""
-    if target.is_file() and target.stat().st_size == entry.size_bytes and \
+    whole already); a mismatch is fetched once more, then refused naming the object. `temp`: an
+    open part file to write it in (the cache's, reserved at its size), left there verified for
+    the caller to rename; else one made here, renamed to `target`."""
+    if temp is None and target.is_file() and target.stat().st_size == entry.size_bytes and \
             checksum_file(target, entry.algo) == entry.checksum:
         return
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.with_name(f".{target.name}.part-{os.getpid()}")
-    for attempt in (1, 2):
-        with _errors(remote, f"download {entry.path}"):
-            with open(temp, "wb") as f:
+    own = temp is None
+    f = open(target.with_name(f".{target.name}.part-{os.getpid()}"), "w+b") if own else temp
+    try:
+        for _ in (1, 2):
+            f.seek(0)
+            with _errors(remote, f"download {entry.path}"):
                 for chunk in obs.get(store, remote.key(entry.path)):
                     f.write(chunk)
-        if temp.stat().st_size == entry.size_bytes and checksum_file(temp, entry.algo) == entry.checksum:
-            os.replace(temp, target)
-            return
-        temp.unlink(missing_ok=True)
+            f.truncate()
+            f.flush()
+            if f.tell() == entry.size_bytes and checksum_file(Path(f.name), entry.algo) == entry.checksum:
+                if own:
+                    os.replace(f.name, target)
+                return
+    finally:
+        if own:
+            f.close()
+            Path(f.name).unlink(missing_ok=True)
     raise IntegrityError(f"{remote.where(entry.path)}: its bytes do not match the manifest's checksum "
                          "(fetched twice); the remote dataset is damaged: push it again")
 
@@ -204,23 +242,127 @@ def build_dir(url: str) -> Path:
     return DEFAULT_CACHE.parent / "builds" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
-def materialize(url: str, cache_dir: str | Path | None = None) -> Path:
-    """The dataset at `url` as a local dir in the node's cache (downloaded once per node: the
-    processes of every rank wait for the first one), pinned to the manifest read now: a push
-    after this open is another generation, in another cache dir."""
+def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None = None):
+    """The node's cache entry of the dataset at `url` (`packer.dataset.cache.ShardCache`), made
+    with its manifest and index files on first open (the processes of every rank wait for the
+    first one); its other files come per shard as readers need them. Pinned to the manifest
+    read now: a push after this open is another entry."""
+    from packer.dataset.cache import ShardCache, entry_dir
+
     manifest = read_manifest(url)
-    digest = hashlib.sha256(f"{url}\0{manifest.generation}\0{manifest.to_json()}".encode()).hexdigest()[:16]
-    root = Path(cache_dir or DEFAULT_CACHE) / Remote(url).bucket / digest
+    root = entry_dir(url, manifest, cache_dir)
+    cache = ShardCache(url, root, manifest, limit)
+    if limit is not None:
+        least = cache.index_bytes + max(cache.sizes, default=0)
+        if limit < least:
+            raise ConfigError(f"{url}: cache_limit {limit:,} bytes is below the {least:,} this dataset needs at "
+                              "least (its index files and its largest shard); raise cache_limit")
     if (root / fmt.MANIFEST_NAME).is_file():
-        return root
+        return cache
     root.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{digest}.lock", "a") as lock:
+    with open(root.parent / f".{root.name}.lock", "a") as lock:
         flock(lock)
         if not (root / fmt.MANIFEST_NAME).is_file():
             try:
-                pull(url, root, manifest=manifest)
+                pull(url, root, manifest=manifest, files=cache.index)
             except BaseException:
                 if not (root / fmt.MANIFEST_NAME).is_file():
                     shutil.rmtree(root, ignore_errors=True)
                 raise
-    return root
+    return cache
+
+
+def materialize(url: str, cache_dir: str | Path | None = None) -> Path:
+    """The whole dataset at `url` in the node's cache (see `open_cached`), and that dir."""
+    cache = open_cached(url, cache_dir)
+    cache.fetch(range(len(cache.bulk)))
+    inputs = cache.manifest.inputs  # the build's record of its inputs: `packer verify` checks it, readers never read it
+    if inputs is not None:
+        fetch_file(cache.store, url, inputs, cache.root / inputs.path)
+    return cache.root
+
+
+def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None) -> None:
+    """`fetch_verified` here (`store_of()`: this process's client), or, in a process forked after
+    a request, by the helper."""
+    if fork_safe():
+        import obstore as obs
+
+        fetch_verified(obs, store_of(), Remote(url), entry, target, temp=temp)
+    else:
+        Helper.get().call({"op": "fetch", "url": url, "entry": entry.to_json(), "target": str(target),
+                           "temp": temp.name if temp is not None else None})
+
+
+class Helper:
+    """A fresh interpreter (`python -m packer.dataset.remote`) that makes a forked process's
+    requests: JSON lines in, JSON lines out, one request at a time; it ends with its parent's
+    end of the pipe."""
+
+    _mine: Helper | None = None
+    _pid = None
+
+    @classmethod
+    def get(cls) -> Helper:
+        if cls._mine is None or cls._pid != os.getpid():
+            cls._mine, cls._pid = cls(), os.getpid()
+        return cls._mine
+
+    def __init__(self):
+        import subprocess
+        import sys
+        import threading
+
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, "-m", "packer.dataset.remote"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def call(self, request: dict) -> dict:
+        import json
+
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise ConfigError(f"{request.get('url')}: the download helper of this forked process ended")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise (IntegrityError if reply["error"] == "IntegrityError" else ConfigError)(reply["message"])
+        return reply
+
+
+def _serve() -> None:
+    """The helper's loop (see `Helper`)."""
+    import json
+    import sys
+
+    stores: dict = {}
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            if request["op"] == "manifest":
+                reply = {"text": read_manifest(request["url"]).to_json()}
+            else:
+                doc = request["entry"]
+                entry = fmt.FileEntry(doc["path"], doc["size_bytes"], doc["checksum"]["hex"], doc["checksum"]["algo"])
+                temp = open(request["temp"], "r+b") if request["temp"] else None
+                url = request["url"]
+                if url not in stores:
+                    stores[url] = Remote(url).store()
+                try:
+                    fetch_file(lambda: stores[url], url, entry, Path(request["target"]), temp)  # noqa: B023
+                finally:
+                    if temp is not None:
+                        temp.close()
+                reply = {}
+        except (ConfigError, IntegrityError) as exc:
+            reply = {"error": type(exc).__name__, "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - sent back as one line
+            reply = {"error": "ConfigError", "message": f"{request.get('url')}: {type(exc).__name__}: {exc}"}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    _serve()

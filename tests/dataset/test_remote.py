@@ -105,8 +105,11 @@ def test_a_damaged_object_is_fetched_again_then_refused_naming_it(s3, built, tmp
     data[-1] ^= 0xFF
     remote = Remote(url)
     obs.put(remote.store(), remote.key(path), bytes(data))
+    ds = MMapDataset(url)  # opens: its shards are fetched when first read
     with pytest.raises(IntegrityError, match=path.split("/")[-1]):
-        MMapDataset(url)
+        ds[0]
+    with pytest.raises(IntegrityError, match=path.split("/")[-1]):
+        list(Loader(ds, 8, shuffle=False))
     assert not any(p.name.startswith(".") and ".part-" in p.name for p in (tmp_path / "cache").rglob("*"))
 
 
@@ -146,3 +149,145 @@ def _local_build(url: str):
     from packer.dataset.remote import build_dir
 
     return build_dir(url)
+
+
+def _bytes_on_disk(root) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def _shard_bytes(out) -> int:
+    return sum(s.size_bytes for s in MMapDataset(out).manifest.shards)
+
+
+def test_opening_a_url_fetches_its_index_only_and_a_read_its_shard_only(s3, built, tmp_path):
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    ds, local = MMapDataset(url), MMapDataset(built["images"])
+    assert ds.bytes_downloaded == 0
+    assert ds[0]["key"] == local[0]["key"] and torch.equal(ds[0]["image"], local[0]["image"])
+    assert ds.bytes_downloaded == local.manifest.shards[0].size_bytes - sum(
+        f.size_bytes for f in local.manifest.shards[0].files if "offsets" in f.path or "shapes" in f.path)
+
+
+def test_a_cache_limit_below_the_dataset_holds_for_three_epochs_and_gives_the_local_batches(s3, built, tmp_path):
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    before, total = tree(built["images"]), _shard_bytes(built["images"])
+    limit, cache = total * 2 // 5, tmp_path / "limited"
+    ds, local = MMapDataset(url, cache_dir=cache, cache_limit=limit), MMapDataset(built["images"])
+    for epoch in range(3):
+        fetched = ds.bytes_downloaded
+        batches = 0
+        for a, b in zip(Loader(ds, 8, shuffle=False, num_threads=2), Loader(local, 8, shuffle=False)):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+            assert _bytes_on_disk(cache) <= limit
+            batches += 1
+        assert batches == -(-len(local) // 8)
+        assert ds.bytes_downloaded - fetched <= 1.1 * total  # each shard once an epoch: this order reads them in turn
+    for i in range(0, len(local), 7):  # sample by sample too, one shard mapped at a time
+        assert ds[i]["key"] == local[i]["key"]
+        assert _bytes_on_disk(cache) <= limit
+    assert tree(built["images"]) == before  # nothing outside the cache is touched
+
+
+def test_too_small_a_cache_limit_is_refused_saying_what_it_needs(s3, built, tmp_path):
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    with pytest.raises(ConfigError, match="needs at least"):
+        MMapDataset(url, cache_limit="10KB")
+    ds = MMapDataset(url, cache_limit=_shard_bytes(built["images"]) * 2 // 5)
+    with pytest.raises(ConfigError, match="order='block'"):  # a random batch of 32 reads every shard
+        Loader(ds, 32, seed=1)
+    with pytest.raises(ConfigError, match="order='block'"):
+        ds.batched(32, seed=1)
+    with pytest.raises(ConfigError, match="never a cache"):
+        MMapDataset(built["images"], cache_limit="1GB")
+    with pytest.raises(ConfigError, match="cache_limit"):
+        MMapDataset(url, cache_limit="lots")
+
+
+def test_forked_dataloader_workers_read_a_url_the_parent_read_first(s3, built, tmp_path):
+    """obstore's client hangs in a forked child after the parent used it: each process makes its own."""
+    from loaders import StatefulDataLoader
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    for limit in (None, _shard_bytes(built["images"]) * 4 // 5):  # each worker maps its batch's shards: room for both
+        ds = MMapDataset(url, cache_dir=tmp_path / f"cache-{limit}", cache_limit=limit)
+        assert ds[0]["key"] == MMapDataset(built["images"])[0]["key"]  # the parent reads first
+        got = StatefulDataLoader(ds.batched(8, shuffle=False), num_workers=2, multiprocessing_context="fork",
+                                 timeout=120)  # a hung worker fails the test instead of hanging it
+        want = Loader(MMapDataset(built["images"]), 8, shuffle=False)
+        for a, b in zip(got, want, strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+
+
+def _read_all(url: str, cache: str, limit, out) -> None:
+    ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+    out.put([k for batch in Loader(ds, 8, shuffle=False, num_threads=1) for k in batch["key"]])
+
+
+def test_processes_sharing_a_limited_cache_read_everything_within_it(s3, built, tmp_path, monkeypatch):
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    limit, cache = _shard_bytes(built["images"]), tmp_path / "shared"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two ranks on this node: each takes half the limit
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_read_all, args=(url, str(cache), limit, out)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    keys = [out.get(timeout=180) for _ in procs]
+    for p in procs:
+        p.join(60)
+    local = MMapDataset(built["images"])
+    assert keys == [[local[i]["key"] for i in range(len(local))]] * 2
+    assert _bytes_on_disk(cache) <= limit, sorted((str(p), p.stat().st_size) for p in cache.rglob("*") if p.is_file())
+
+
+KILLED_READER = """
+import sys
+from loaders import Loader, MMapDataset
+ds = MMapDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))
+for epoch in range(100):
+    for batch in Loader(ds, 8, shuffle=False, num_threads=1):
+        print(epoch, flush=True)
+"""
+
+
+def test_a_reader_killed_at_any_instant_leaves_nothing_a_later_reader_would_use(s3, built, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    limit, cache = _shard_bytes(built["images"]) * 2 // 5, tmp_path / "killed"
+    local = MMapDataset(built["images"])
+    for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
+        proc = subprocess.Popen([sys.executable, "-c", KILLED_READER, url, str(cache), str(limit)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout.readline()  # reading: a batch made
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+        for a, b in zip(Loader(ds, 8, shuffle=False, num_threads=1), Loader(local, 8, shuffle=False), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert _bytes_on_disk(cache) <= limit
+        ds.batch_source().release()
+    assert not [p for p in cache.rglob("*.part-*")]  # a killed writer's part files are removed by the next reader
+
+
+@pytest.mark.parametrize("reader", ["Loader(images)", "StatefulDataLoader(batched)", "StatefulDataLoader(MMapIterableDataset)",
+                                    "Loader(Mixture)", "Loader(images, bucket_by)", "Loader(TokenWindows)"])
+def test_the_resume_contract_holds_over_urls_through_a_limited_cache(s3, built, tmp_path, reader):
+    """tests/loaders/test_resume_contract.py's contract, every dataset read from the server (the
+    fresh processes too), through caches limited to what the readers' random batches need."""
+    from tests.loaders import test_resume_contract
+
+    urls = {k: _url(tmp_path, k) for k in built}
+    for k, url in urls.items():
+        assert main(["push", str(built[k]), url]) == 0
+    urls["cache_limit"] = str(max(_shard_bytes(built[k]) for k in built) * 2)
+    test_resume_contract.test_resume_in_a_fresh_process_goes_on_with_the_next_batch(urls, reader)

@@ -1,0 +1,165 @@
+"""Fetching ahead: the shards of a remote dataset that a pass's coming batches read, downloaded
+into the node's cache (`packer.dataset.cache`) before the gather needs them.
+
+A pass's batches are a pure function of integers (`loaders.order.sampler`), so the lookahead
+knows them: it walks the next AHEAD_BATCHES batches' ids, lists their shards in order of first
+use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: as much of it
+as the cache limit leaves this process (the limit less the index files, shared by the node's
+ranks, LOCAL_WORLD_SIZE), or all of it without one. The same list orders eviction: a shard the
+list does not hold is evicted first, then the one used farthest ahead (`ShardCache.next_use`).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+from packer.dataset.remote import DOWNLOADS
+from packer.errors import ConfigError
+
+AHEAD_BATCHES = 64  # how far ahead the lookahead reads the order: its horizon
+FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
+
+
+def local_ranks() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def budgets(gather) -> dict:
+    """Bytes of shards each limited cache may hold for this process: its limit less its index
+    files, over the node's ranks."""
+    out = {}
+    for r in gather.readers:
+        cache = r.cache
+        if cache is not None and cache.limit is not None:
+            out[id(cache)] = (cache.limit - cache.index_bytes) // local_ranks()
+    return out
+
+
+def check_room(gather, batch_ids, num_batches: int) -> None:
+    """A ConfigError when one of the first batches reads more shard bytes than the cache limit
+    leaves this process: its batches could never be gathered."""
+    room = budgets(gather)
+    for b in range(min(num_batches, FIRST_BATCHES)):
+        need: dict = {}
+        shards = gather.shards_of(batch_ids(b))
+        for g in shards.tolist():
+            cache = gather.cache_of(g)
+            if cache is not None and id(cache) in room:
+                need[id(cache)] = need.get(id(cache), 0) + gather.shard_bytes(g)
+        for key, nbytes in need.items():
+            if nbytes > room[key]:
+                cache = next(r.cache for r in gather.readers if id(r.cache) == key)
+                raise ConfigError(
+                    f"{cache.url}: cache_limit {cache.limit:,} bytes leaves {room[key]:,} a process, and one batch of "
+                    f"this order reads {len(shards)} shards, {nbytes:,} bytes: raise cache_limit, or use "
+                    "order='block' (a batch reads a few shards) or a smaller batch")
+
+
+class Lookahead:
+    """Keeps the shards of a pass's coming batches fetched (see the module); `at(b)`: the gather
+    is at batch b; `window()`: the shards to keep; `close()` at the pass's end."""
+
+    def __init__(self, gather, batch_ids, num_batches: int):
+        self.gather, self.batch_ids, self.num_batches = gather, batch_ids, num_batches
+        self._now, self._window, self._rank = 0, frozenset(), {}
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._room = budgets(gather)
+        first = 0
+        for r in gather.readers:
+            if r.cache is not None:
+                r.cache.next_use = _NextUse(self, first)
+            first += len(r.shard_ends)
+        gather.lookahead = self
+        self._thread = threading.Thread(target=self._run, daemon=True, name="mmpack-fetch")
+        self._thread.start()
+
+    def at(self, b: int) -> None:
+        self._now = b
+        self._wake.set()
+
+    def window(self) -> frozenset:
+        return self._window
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+        if self.gather.lookahead is self:
+            self.gather.lookahead = None
+        for r in self.gather.readers:
+            if r.cache is not None:
+                r.cache.next_use = None
+
+    def _plan(self, shards_of: dict) -> list[int]:
+        """The shards of the coming batches, in order of first use."""
+        now = self._now
+        for b in [b for b in shards_of if b < now]:
+            del shards_of[b]
+        order, seen = [], set()
+        for b in range(now, min(now + AHEAD_BATCHES, self.num_batches)):
+            if b not in shards_of:
+                shards_of[b] = self.gather.shards_of(self.batch_ids(b)).tolist()
+            for g in shards_of[b]:
+                if g not in seen:
+                    seen.add(g)
+                    order.append(g)
+        return order
+
+    def _run(self) -> None:
+        pending: dict = {}
+        failed: set = set()  # fetched again by the gather, which raises what went wrong
+        no_room: dict = {}  # shard -> the batch at which the limit had no room for it: tried again at the next
+        shards_of: dict = {}
+        with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="mmpack-download") as pool:
+            while not self._stop.is_set():
+                self._wake.clear()
+                try:
+                    order = self._plan(shards_of)
+                except Exception:  # noqa: BLE001 - the gather computes the same ids and raises
+                    return
+                used: dict = {}
+                window = []
+                for g in order:
+                    cache = self.gather.cache_of(g)
+                    if cache is None:
+                        continue
+                    key = id(cache)
+                    if key in self._room:
+                        if used.get(key, 0) + self.gather.shard_bytes(g) > self._room[key]:
+                            break
+                        used[key] = used.get(key, 0) + self.gather.shard_bytes(g)
+                    window.append(g)
+                self._rank = {g: i for i, g in enumerate(order)}
+                self._window = frozenset(window)
+                pinned = {(id(r.cache), k) for r in self.gather.readers if r.cache is not None for k in r.cache.pinned()}
+                for g in window:
+                    if len(pending) >= DOWNLOADS:
+                        break
+                    r, k = self.gather._shards[g]
+                    if g not in pending and g not in failed and no_room.get(g) != self._now and \
+                            (id(r.cache), k) not in pinned:
+                        pending[g] = pool.submit(r.cache.prefetch, k, self._rank[g])
+                done = wait(list(pending.values()), timeout=0.05, return_when=FIRST_COMPLETED)[0] if pending else ()
+                for g in [g for g, f in pending.items() if f in done]:
+                    f = pending.pop(g)
+                    if f.exception() is not None:
+                        failed.add(g)
+                    elif not f.result():
+                        no_room[g] = self._now
+                if not pending:
+                    self._wake.wait(0.05)
+
+
+class _NextUse:
+    """A cache's next use of its shard k: its place in the lookahead's order, else never."""
+
+    def __init__(self, lookahead: Lookahead, first: int):
+        self.lookahead, self.first = lookahead, first
+
+    def __call__(self, k: int) -> float:
+        return self.lookahead._rank.get(self.first + k, float("inf"))

@@ -1,0 +1,342 @@
+"""The node-local cache of a dataset in object storage: its files fetched shard by shard when a
+reader first needs them (or a `loaders.batch.fetch.Lookahead` ahead of that), kept under an
+optional byte limit, and shared by every process and rank on the node.
+
+A cache entry is a dataset dir (FORMAT.md) whose manifest and index files (the offsets and
+shapes of ragged columns, a few bytes a sample) are there from the open on, and whose other
+files come and go per shard. The rules, each for a failure users of peers have met:
+
+- A file is fetched once per node: a reader takes the shard's fetch lock (an flock), and one
+  that waited on it finds the files there.
+- A file lands only whole and verified: it is written to a hidden part file, checked against
+  the manifest's checksum (fetched once more on a mismatch, then an IntegrityError naming the
+  URL) and renamed into place. A process killed at any instant leaves at most a part file,
+  which no reader maps and the next accounting removes (its flock is gone with its writer).
+- A shard a process maps is pinned (a shared flock on the shard's pin file, held while it is
+  mapped); eviction takes an exclusive one without waiting, so it never removes a pinned shard.
+  A shard fetched ahead is pinned softly: the process that fetched it may drop it for a shard
+  it needs sooner.
+- `limit` bounds the bytes of the entry's files (index, data and part files). A download
+  reserves its bytes first (its part files are made at their full size), evicting unpinned
+  shards, then the process's own soft pins, those whose next use is farthest first
+  (`next_use`, which a reader that knows its order sets; unknown is farthest, then the oldest).
+  A fetch ahead evicts only shards used later than its own, and gives up when that frees too
+  little. A reader whose own mapped shards leave no room is refused with the bytes it needs;
+  one that waits on other processes' pins gives up after WAIT_FOR_ROOM_S, saying so.
+- Only the files the manifest lists, under the entry's own dir, are ever removed: a local
+  dataset is never a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from packer.dataset import format as fmt
+from packer.dataset import remote as rem
+from packer.errors import ConfigError
+from packer.system import flock
+
+PIN = ".pin"  # in each shard dir: shared flocks of the processes that map it
+FETCH = ".fetch"  # in each shard dir: the flock of the process downloading it
+ACCOUNTING = ".accounting.lock"  # in the entry: one process at a time reserves or evicts
+WAIT_FOR_ROOM_S = 120  # how long a download waits for other processes to unpin shards
+INDEX_PARTS = ("offsets", "shapes")
+
+
+def index_names(manifest: fmt.Manifest) -> set[str]:
+    """The file names, inside a shard dir, of the index files: a ragged column's offsets and shapes."""
+    return {name for c in manifest.columns for part, name in fmt.column_file_names(c).items() if part in INDEX_PARTS}
+
+
+def entry_dir(url: str, manifest: fmt.Manifest, cache_dir: str | Path | None) -> Path:
+    """The cache dir of the build `manifest` at `url`: a push after this open is another one."""
+    digest = hashlib.sha256(f"{url}\0{manifest.generation}\0{manifest.to_json()}".encode()).hexdigest()[:16]
+    return Path(cache_dir or rem.DEFAULT_CACHE) / rem.Remote(url).bucket / digest
+
+
+class ShardCache:
+    """One remote dataset's cache entry, as one process uses it (see the module's rules).
+
+    `acquire(k)` makes shard k's files present and pins them for this process, `prefetch(k,
+    rank)` softly (see the module); `soften(k)` turns a pin soft, `release(k)` drops it. `next_use(k)`, when set, orders eviction. Pickles as (url, dir, limit): each
+    process (a forked or spawned DataLoader worker) makes its own client, pins and threads."""
+
+    def __init__(self, url: str, root: Path, manifest: fmt.Manifest, limit: int | None = None):
+        self.url, self.root, self.manifest, self.limit = url, Path(root), manifest, limit
+        index = index_names(manifest)
+        self.bulk = [[f for f in s.files if f.path.rsplit("/", 1)[-1] not in index] for s in manifest.shards]
+        self.index = [f for s in manifest.shards for f in s.files if f.path.rsplit("/", 1)[-1] in index]
+        self.sizes = [sum(f.size_bytes for f in files) for files in self.bulk]
+        # the index files and the manifest's copies (the entry's and each generation's) stay
+        self.index_bytes = sum(f.size_bytes for f in self.index) + \
+            (1 + len(manifest.generations)) * len(manifest.to_json().encode())
+        self.next_use = None
+        self._pid = None
+
+    def __getstate__(self) -> dict:
+        return {"url": self.url, "root": str(self.root), "limit": self.limit, "manifest": self.manifest.to_json()}
+
+    def __setstate__(self, state: dict) -> None:
+        manifest = fmt.Manifest.from_json(state["manifest"], where=f"{state['root']}/{fmt.MANIFEST_NAME}")
+        self.__init__(state["url"], Path(state["root"]), manifest, state["limit"])
+
+    def _here(self) -> ShardCache:
+        """This process's state: a forked child drops its parent's (its pins stay the parent's:
+        an flock belongs to the open file, which the parent keeps)."""
+        if self._pid != os.getpid():
+            for f in getattr(self, "_pins", {}).values():
+                f.close()
+            self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
+            self._store, self._pool, self.downloaded = None, None, 0
+        return self
+
+    def store(self):
+        self._here()
+        if self._store is None:
+            self._store = rem.Remote(self.url).store()
+        return self._store
+
+    def shard_dir(self, k: int) -> Path:
+        return self.root / self.manifest.shards[k].dir
+
+    def pinned(self) -> list[int]:
+        with self._here()._guard:
+            return list(self._pins)
+
+    def present(self, k: int) -> bool:
+        for entry in self.bulk[k]:
+            try:
+                if (self.root / entry.path).stat().st_size != entry.size_bytes:
+                    return False
+            except FileNotFoundError:
+                return False
+        return True
+
+    def acquire(self, k: int) -> None:
+        """Shard k's files present, verified and pinned for this process (downloaded here, or
+        waited for while another process downloads them)."""
+        self._pin(k, None)
+
+    def prefetch(self, k: int, rank: float) -> bool:
+        """Shard k fetched and softly pinned, if the limit has room for it once the shards used
+        after `rank` (its place in the order ahead) are evicted; False when it has not."""
+        return self._pin(k, rank)
+
+    def _pin(self, k: int, rank: float | None) -> bool:
+        self._here()
+        with self._guard:
+            if k in self._pins:
+                if rank is None:
+                    self._soft.discard(k)
+                return True
+        where = self.shard_dir(k)
+        where.mkdir(parents=True, exist_ok=True)
+        pin = open(where / PIN, "ab")
+        try:
+            flock(pin, shared=True)
+            if not self.present(k):
+                with open(where / FETCH, "ab") as fetching:
+                    flock(fetching)
+                    if not self.present(k) and not self._download(k, rank):
+                        pin.close()
+                        return False
+        except BaseException:
+            pin.close()
+            raise
+        with self._guard:
+            if k in self._pins:  # another thread of this process pinned it meanwhile
+                pin.close()
+            else:
+                self._pins[k] = pin
+                if rank is not None:
+                    self._soft.add(k)
+            if rank is None:
+                self._soft.discard(k)
+        return True
+
+    def soften(self, k: int) -> None:
+        with self._here()._guard:
+            if k in self._pins:
+                self._soft.add(k)
+
+    def release(self, k: int) -> None:
+        with self._here()._guard:
+            pin = self._pins.pop(k, None)
+            self._soft.discard(k)
+        if pin is not None:
+            pin.close()
+
+    def release_all(self) -> None:
+        for k in self.pinned():
+            self.release(k)
+
+    def fetch(self, shards) -> None:
+        """Every shard of `shards` present (DOWNLOADS at once), none left pinned: a whole
+        dataset for readers that map all of it at open (TokenWindows, `packer verify`)."""
+        def one(k):
+            self.acquire(k)
+            self.release(k)
+        with ThreadPoolExecutor(rem.DOWNLOADS) as pool:
+            for done in [pool.submit(one, k) for k in shards]:
+                done.result()
+
+    def _download(self, k: int, rank: float | None = None) -> bool:
+        missing = [e for e in self.bulk[k] if not _whole(self.root / e.path, e.size_bytes)]
+        parts = self._reserve(missing, rank)
+        if parts is None:
+            return False
+        try:
+            for entry, part in zip(missing, parts):
+                rem.fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part)
+                with self._guard:
+                    self.downloaded += entry.size_bytes
+            with open(self.root / ACCOUNTING, "ab") as accounting:
+                flock(accounting)  # not while another process counts: it would see neither name, or both
+                for entry, part in zip(missing, parts):
+                    os.replace(part.name, self.root / entry.path)
+        finally:
+            for part in parts:
+                part.close()
+                try:
+                    os.unlink(part.name)
+                except FileNotFoundError:
+                    pass
+        return True
+
+    def _reserve(self, entries: list[fmt.FileEntry], rank: float | None = None) -> list | None:
+        """Part files for `entries`, made at their full size (so every process's accounting
+        counts them) and flocked while they are written, once the limit has room for them; for
+        a fetch ahead (`rank`), None when evicting what is used after it does not make room."""
+        need = sum(e.size_bytes for e in entries)
+        deadline = time.monotonic() + WAIT_FOR_ROOM_S
+        while True:
+            with open(self.root / ACCOUNTING, "ab") as accounting:
+                flock(accounting)
+                over = 0 if self.limit is None else self.index_bytes + self.usage() + need - self.limit
+                if over <= 0 or self._evict(over, rank):
+                    return [_part(self.root / e.path, e.size_bytes) for e in entries]
+            if rank is not None:
+                return None
+            with self._guard:
+                mapped = sum(self.sizes[j] for j in self._pins if j not in self._soft)
+            if self.index_bytes + mapped + need > self.limit:
+                raise ConfigError(f"{self.url}: cache_limit {self.limit:,} bytes is too small: this reader maps "
+                                  f"{self.index_bytes + mapped + need:,} at once (index files and the shards of its "
+                                  "current batch); raise cache_limit")
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
+                                  f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
+            time.sleep(0.05)
+
+    def usage(self) -> int:
+        """Bytes of the entry's data files and part files, its index files aside (a dead
+        writer's part files removed)."""
+        total = 0
+        for k in range(len(self.bulk)):
+            try:
+                entries = list(os.scandir(self.shard_dir(k)))
+            except FileNotFoundError:
+                continue
+            names = {e.path.rsplit("/", 1)[-1] for e in self.bulk[k]}
+            for item in entries:
+                if item.name in names:
+                    total += _size(item)
+                elif ".part-" in item.name:
+                    if _abandoned(item.path):
+                        continue
+                    total += _size(item)
+        return total
+
+    def _evict(self, over: int, rank: float | None = None) -> bool:
+        """Remove unpinned shards, then this process's soft pins, farthest next use first
+        (for a fetch ahead at `rank`, only those used after it), until `over` bytes are freed."""
+        next_use = self.next_use or (lambda j: float("inf"))
+        with self._guard:
+            mine, soft = set(self._pins), set(self._soft)
+        present = [j for j in range(len(self.bulk)) if j not in mine and any(
+            (self.root / e.path).exists() for e in self.bulk[j])]
+
+        def age(j):
+            try:
+                return (self.shard_dir(j) / PIN).stat().st_mtime
+            except FileNotFoundError:
+                return 0.0
+        later = (lambda j: True) if rank is None else (lambda j: next_use(j) > rank)
+        candidates = sorted((j for j in present if later(j)), key=lambda j: (-next_use(j), age(j)))
+        candidates += sorted((j for j in soft if later(j)), key=lambda j: -next_use(j))
+        for j in candidates:
+            if j in soft:
+                self.release(j)
+            with open(self.shard_dir(j) / PIN, "ab") as pin:
+                if not flock(pin, block=False):
+                    continue  # another process reads it
+                for entry in self.bulk[j]:
+                    try:
+                        over -= (self.root / entry.path).stat().st_size
+                        os.unlink(self.root / entry.path)
+                    except FileNotFoundError:
+                        pass
+            if over <= 0:
+                return True
+        return False
+
+
+def _whole(path: Path, size: int) -> bool:
+    try:
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
+
+
+def _size(item: os.DirEntry) -> int:
+    try:
+        return item.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _part(target: Path, size: int):
+    """A part file for `target`, flocked, at its full size (sparse until written)."""
+    f = open(target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}"), "w+b")
+    flock(f)
+    f.truncate(size)
+    return f
+
+
+def _abandoned(path: str) -> bool:
+    """True (and the file removed) for a part file whose writer is gone."""
+    try:
+        with open(path, "rb") as f:
+            if not flock(f, block=False):
+                return False
+            os.unlink(path)
+            return True
+    except FileNotFoundError:
+        return True
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_limit(limit) -> int | None:
+    """A cache limit as bytes: None, a positive int, or a string of a number and a unit
+    ("20GB", "512MiB", "1.5 TB")."""
+    if limit is None:
+        return None
+    if isinstance(limit, str):
+        import re
+
+        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", limit)
+        unit = match and match.group(2).upper()
+        if not match or unit not in _UNITS:
+            raise ConfigError(f"cache_limit {limit!r}: expected bytes, or a number and a unit (20GB, 512MiB)")
+        limit = int(float(match.group(1)) * _UNITS[unit])
+    if type(limit) is not int or limit <= 0:
+        raise ConfigError(f"cache_limit must be a positive number of bytes, not {limit!r}")
+    return limit
