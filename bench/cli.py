@@ -5,6 +5,7 @@
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
     bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
     bench sampler  opening an order over 1e6..1e10 samples: time and memory
+    bench remote   Loader from object storage (a local S3 server) vs local disk and the raw GET rate; cache limits
 """
 
 from __future__ import annotations
@@ -94,6 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     do.add_argument("--plot", type=Path, default=None, help="per-step waiting and working, as a PNG")
     do.add_argument("script", nargs=argparse.REMAINDER, help="-- python train.py ARGS...")
 
+    re_ = sub.add_parser("remote", help="Loader from object storage vs local disk and raw GETs; cache limits")
+    common(re_, 3000, 0)
+    re_.add_argument("--batch-size", type=int, default=256)
+    re_.add_argument("--passes", type=int, default=3, help="cold and warm passes (median)")
+    re_.add_argument("--shard-size", default="8MB", help="shard size of the dataset pushed (default 8MB)")
+    re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
+                     "a SeaweedFS server on loopback")
+
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
                     help="sample counts (default 1e6,1e8,1e9,1e10)")
@@ -106,7 +115,8 @@ def _parser() -> argparse.ArgumentParser:
 QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
          "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]},
-         "augment": {"images": 300, "passes": 2, "batch_size": 64}}
+         "augment": {"images": 300, "passes": 2, "batch_size": 64},
+         "remote": {"images": 400, "passes": 2, "batch_size": 64}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +149,10 @@ def _main(argv: list[str] | None) -> int:
         from .augment_bench import bench_augment
 
         result, text, plot = bench_augment(args), report.augment_table, report.plot_augment
+    elif args.command == "remote":
+        from .remote_bench import bench_remote, plot_remote, remote_table
+
+        result, text, plot = bench_remote(args), remote_table, plot_remote
     elif args.command == "sampler":
         from .sampler_bench import bench_sampler
 

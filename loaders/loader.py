@@ -188,7 +188,7 @@ class Loader(Resumable):
             self._time_threads(p, ring)
         pool, threads = self._pool_of(self.num_threads), self.num_threads
         ahead = None
-        if getattr(source, "remote", False) and p.num_batches:  # a remote dataset's shards fetched ahead
+        if getattr(source, "remote", False) and p.num_batches and not source.all_mapped():  # fetched ahead
             from loaders.batch.fetch import Lookahead
 
             ahead = Lookahead(source, functools.partial(epochs.twin().batch_ids, p), p.num_batches)

@@ -230,6 +230,10 @@ class ColumnGather:
                 if addresses is not None:
                     addresses[g] = arrays[g].values.ctypes.data
 
+    def all_mapped(self) -> bool:
+        """Every shard of a remote dataset is mapped here (in its cache, nothing to fetch)."""
+        return len(self._live) == len(self._shards) and self._pid == os.getpid()
+
     def _drop(self, g: int, soften: bool = False, pinned: bool = True) -> None:
         r, k = self._shards[g]
         self._live.discard(g)

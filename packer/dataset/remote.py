@@ -220,12 +220,17 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
     try:
         for _ in (1, 2):
             f.seek(0)
+            digest = fmt.hasher(entry.algo)  # hashed as it arrives: no second read of the file
+            if digest is None:
+                raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to "
+                                     "this mmpack; use the release that wrote it, or a newer one")
             with _errors(remote, f"download {entry.path}"):
                 for chunk in obs.get(store, remote.key(entry.path)):
                     f.write(chunk)
+                    digest.update(chunk)
             f.truncate()
             f.flush()
-            if f.tell() == entry.size_bytes and checksum_file(Path(f.name), entry.algo) == entry.checksum:
+            if f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
                 if own:
                     os.replace(f.name, target)
                 return

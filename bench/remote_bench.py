@@ -1,0 +1,201 @@
+"""`bench remote`: Loader over a dataset in object storage against the same dataset on local
+disk, and against the store's raw GET rate measured here: a cold epoch (an empty cache), warm
+epochs (the cache full), time to first batch; bytes downloaded per epoch at cache limits of
+100%, 50% and 10% of the dataset, per order; and per rank with 4 ranks on separate caches.
+
+The store is a SeaweedFS server started on loopback (`bench.s3server`), or `--url` with the
+standard AWS environment. On loopback the network is memory: the figures say what the cache
+and the fetch ahead cost, not what a real link gives.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+from . import data
+from .loaders_bench import _prepared, machine, prepare_images
+
+ORDERS = ("sequential", "block", "random")
+LIMITS = (1.0, 0.5, 0.1)
+RANKS = 4
+
+
+def _say(text: str) -> None:
+    print(f"  {text}", file=sys.stderr, flush=True)
+
+
+def raw_get_rate(url: str, manifest, threads: int) -> float:
+    """Bytes/s of GETs of every data file of the dataset, `threads` at once, into memory."""
+    import obstore as obs
+
+    from packer.dataset.remote import Remote
+
+    remote = Remote(url)
+    store = remote.store()
+    files = [f for s in manifest.shards for f in s.files]
+
+    def get(entry) -> int:
+        return sum(len(chunk) for chunk in obs.get(store, remote.key(entry.path)))
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        nbytes = sum(pool.map(get, files))
+    return nbytes / (time.perf_counter() - start)
+
+
+def _epoch(loader) -> tuple[int, float, float]:
+    """(samples, seconds, seconds to the first batch) of one pass."""
+    start = time.perf_counter()
+    first, n = None, 0
+    for batch in loader:
+        n += len(batch["label"])
+        first = first or time.perf_counter() - start
+    return n, time.perf_counter() - start, first or 0.0
+
+
+def bench_remote(args) -> dict:
+    from loaders import Loader, MMapDataset
+    from packer.cli import main as packer
+    from packer.dataset.remote import DOWNLOADS
+
+    from .s3server import KEY, SECRET, s3_server
+
+    work = args.work or Path(tempfile.mkdtemp(prefix="mmpack-bench-remote-"))
+    work.mkdir(parents=True, exist_ok=True)
+    raw, _, _ = prepare_images(work, args.images)
+    _, out, _ = _prepared(work, f"images-{args.shard_size}", args.images, lambda r: shutil.copytree(raw, r),
+                          ["--shard-size", args.shard_size])
+    local = MMapDataset(out)
+    total = sum(s.size_bytes for s in local.manifest.shards)
+    with ExitStack() as stack:
+        url = args.url
+        if url is None:
+            server = work / "s3"
+            shutil.rmtree(server, ignore_errors=True)
+            server.mkdir()
+            endpoint = stack.enter_context(s3_server(server))
+            os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
+                              AWS_REGION=os.environ.get("AWS_REGION", "us-east-1"))
+            url = "s3://mmpack-bench/images"
+        start = time.perf_counter()
+        packer(["push", str(out), url])
+        push_s = time.perf_counter() - start
+        caches = Path(tempfile.mkdtemp(prefix="caches-", dir=work))
+        stack.callback(shutil.rmtree, caches, True)
+        fresh = iter(range(10**6))
+
+        def opened(limit=None):
+            return MMapDataset(url, cache_dir=caches / str(next(fresh)), cache_limit=limit)
+
+        raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
+        _say(f"raw GET rate {raw_rate / 1e6:,.0f} MB/s")
+        loader_kw = dict(batch_size=args.batch_size, seed=0)
+        Loader(local, **loader_kw)  # imports, first maps
+        local_rates = []
+        for _ in range(args.passes + 1):
+            n, s, _ = _epoch(Loader(local, **loader_kw))
+            local_rates.append(n / s)
+        local_rate = statistics.median(local_rates[1:])
+        _say(f"local disk {local_rate:,.0f} images/s")
+        cold, warm = [], []
+        for _ in range(args.passes):
+            ds = opened()
+            start = time.perf_counter()
+            n, s, first = _epoch(Loader(ds, **loader_kw))
+            cold.append({"samples_per_s": n / s, "bytes_per_s": ds.bytes_downloaded / s, "first_batch_s": first,
+                         "open_s": 0.0, "seconds": time.perf_counter() - start})
+        for _ in range(args.passes):
+            n, s, _ = _epoch(Loader(ds, **loader_kw))
+            warm.append(n / s)
+        cold_rate = statistics.median(c["bytes_per_s"] for c in cold)
+        _say(f"cold {cold_rate / 1e6:,.0f} MB/s, warm {statistics.median(warm):,.0f} images/s")
+        limits = []
+        for order in ORDERS:
+            for share in LIMITS:
+                row = {"order": order, "limit_share": share}
+                limit = int(share * total) + 2 * len(local.manifest.to_json()) + sum(
+                    f.size_bytes for s in local.manifest.shards for f in s.files if "offsets" in f.path or "shapes" in f.path)
+                row["limit_bytes"] = limit
+                try:
+                    ds = opened(limit)
+                    loader = Loader(ds, **loader_kw, order=order)
+                    per_epoch = []
+                    for _ in range(2):
+                        before = ds.bytes_downloaded
+                        n, s, _ = _epoch(loader)
+                        per_epoch.append({"downloaded_share": (ds.bytes_downloaded - before) / total,
+                                          "samples_per_s": n / s})
+                    row.update(epochs=per_epoch, cache_bytes=_dir_bytes(ds.root))
+                except Exception as exc:  # noqa: BLE001 - a refused limit is a row saying why
+                    row["refused"] = str(exc).splitlines()[0][:300]
+                limits.append(row)
+                _say(f"{order} at {share:.0%}: {row.get('refused') or row['epochs'][-1]}")
+        ranks = []
+        for rank in range(RANKS):
+            ds = opened()
+            n, s, _ = _epoch(Loader(ds, **loader_kw, order="sequential", rank=rank, world_size=RANKS))
+            ranks.append({"rank": rank, "downloaded_share": ds.bytes_downloaded / total, "samples": n})
+    return {"command": "bench remote", "machine": machine(), "url": args.url or "a SeaweedFS server on loopback",
+            "images": len(local), "shards": len(local.manifest.shards), "dataset_bytes": total,
+            "batch_size": args.batch_size, "downloads_at_once": DOWNLOADS, "push_bytes_per_s": total / push_s,
+            "raw_get_bytes_per_s": raw_rate, "local_samples_per_s": local_rate, "cold": cold,
+            "cold_of_raw_get": cold_rate / raw_rate,
+            "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm) / local_rate,
+            "limits": limits, "ranks": ranks, "data": data.cache_dir().as_posix()}
+
+
+def _dir_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def remote_table(r: dict) -> str:
+    cold = r["cold"]
+    lines = [f"{r['images']:,} images in {r['shards']} shards, {r['dataset_bytes'] / 1e6:,.0f} MB, batch {r['batch_size']}, "
+             f"from {r['url']} ({r['downloads_at_once']} downloads at once)",
+             f"{'':34} {'images/s':>10} {'MB/s':>8} {'first batch s':>13} {'of the limit':>12}",
+             f"{'raw GET of every file':34} {'':>10} {r['raw_get_bytes_per_s'] / 1e6:>8,.0f} {'':>13} {'100%':>12}",
+             f"{'local disk (warm page cache)':34} {r['local_samples_per_s']:>10,.0f} {'':>8} {'':>13} {'100%':>12}",
+             f"{'remote, cold (empty cache)':34} {statistics.median(c['samples_per_s'] for c in cold):>10,.0f} "
+             f"{statistics.median(c['bytes_per_s'] for c in cold) / 1e6:>8,.0f} "
+             f"{statistics.median(c['first_batch_s'] for c in cold):>13.3f} {100 * r['cold_of_raw_get']:>11.0f}%",
+             f"{'remote, warm (cache full)':34} {r['warm_samples_per_s']:>10,.0f} {'':>8} {'':>13} "
+             f"{100 * r['warm_of_local']:>11.0f}%",
+             "", "cache limit (share of the dataset): bytes downloaded per epoch / the dataset's, epochs 1 and 2",
+             f"{'order':12} {'limit':>6} {'epoch 1':>8} {'epoch 2':>8} {'images/s 2':>10} {'cache MB':>9}"]
+    for row in r["limits"]:
+        head = f"{row['order']:12} {100 * row['limit_share']:>5.0f}%"
+        if "refused" in row:
+            lines.append(f"{head} refused: {row['refused'][:110]}")
+        else:
+            e = row["epochs"]
+            lines.append(f"{head} {e[0]['downloaded_share']:>7.2f}x {e[1]['downloaded_share']:>7.2f}x "
+                         f"{e[1]['samples_per_s']:>10,.0f} {row['cache_bytes'] / 1e6:>9,.1f}")
+    shares = ", ".join(f"{x['downloaded_share']:.2f}x" for x in r["ranks"])
+    lines += ["", f"{len(r['ranks'])} ranks, each its own cache, one epoch: downloaded per rank {shares} of the dataset"]
+    return "\n".join(lines)
+
+
+def plot_remote(r: dict, path: Path) -> None:
+    from .report import _plt
+
+    plt = _plt()
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    names = ["local disk", "remote cold", "remote warm"]
+    rates = [r["local_samples_per_s"], statistics.median(c["samples_per_s"] for c in r["cold"]), r["warm_samples_per_s"]]
+    a.bar(names, rates, color=["#888", "#c66", "#4a8"])
+    a.set_ylabel("images/s")
+    a.set_title(f"Loader, batch {r['batch_size']}")
+    rows = [x for x in r["limits"] if "refused" not in x]
+    b.bar([f"{x['order']}\n{100 * x['limit_share']:.0f}%" for x in rows], [x["epochs"][-1]["downloaded_share"] for x in rows])
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set_ylabel("downloaded per epoch / dataset")
+    b.set_title("cache limits (epoch 2)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
