@@ -291,3 +291,22 @@ def test_the_resume_contract_holds_over_urls_through_a_limited_cache(s3, built, 
         assert main(["push", str(built[k]), url]) == 0
     urls["cache_limit"] = str(max(_shard_bytes(built[k]) for k in built) * 2)
     test_resume_contract.test_resume_in_a_fresh_process_goes_on_with_the_next_batch(urls, reader)
+
+
+def test_resets_503s_pauses_and_flipped_bytes_on_the_wire_are_retried_to_the_local_batches(s3, built, tmp_path,
+                                                                                          monkeypatch):
+    from ..faulty_proxy import FaultyProxy
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    faults = ["reset", "503", "slow", "flip", "503", "reset", "flip", "slow"]
+    proxy = FaultyProxy(s3, faults, target="/image.npy")  # the GETs of the images' values
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ds, local = MMapDataset(url, cache_dir=tmp_path / "faulty"), MMapDataset(built["images"])
+        for _ in range(2):  # the first pass fetches through the faults, the second reads the cache
+            for a, b in zip(Loader(ds, 8, seed=4), Loader(local, 8, seed=4), strict=True):
+                assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert proxy.used == faults  # every fault was met, and got over
+    finally:
+        proxy.close()

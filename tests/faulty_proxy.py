@@ -1,0 +1,132 @@
+"""A loopback HTTP proxy in front of the test S3 server that spoils requests on purpose: each
+request for a path containing `target` takes the next fault of a list (other requests, and those
+after the list, pass through untouched):
+
+    "reset"  the connection closed at once with a TCP reset, before any answer
+    "503"    answered `503 Service Unavailable`, the connection closed
+    "slow"   passed on after a 0.5 s pause
+    "flip"   passed on, one byte of its answer's body flipped
+
+`used` lists the faults dealt so far. Requests and answers are read by their Content-Length
+(HTTP/1.1 without pipelining: the answers come in the requests' order)."""
+
+from __future__ import annotations
+
+import collections
+import socket
+import struct
+import threading
+import time
+
+FLIP_AT = 1024  # the byte of an answer's body that "flip" flips
+
+
+class FaultyProxy:
+    def __init__(self, upstream: str, faults: list[str], target: str):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream, self.faults, self.target, self.used = (host, int(port)), list(faults), target.encode(), []
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _fault_for(self, request_line: bytes) -> str:
+        with self._lock:
+            if self.target in request_line and self.faults:
+                self.used.append(self.faults.pop(0))
+                return self.used[-1]
+        return "ok"
+
+    def _serve(self, client: socket.socket) -> None:
+        upstream = socket.create_connection(self.upstream)
+        flips: collections.deque = collections.deque()  # per request passed on: flip its answer?
+        threading.Thread(target=_answers, args=(upstream, client, flips), daemon=True).start()
+        buf = b""
+        try:
+            while True:
+                chunk = client.recv(65536)
+                if not chunk:
+                    return
+                buf += chunk
+                while (end := buf.find(b"\r\n\r\n")) >= 0:
+                    head, length = buf[:end + 4], _length(buf[:end])
+                    if len(buf) < end + 4 + length:
+                        break
+                    request, buf = buf[:end + 4 + length], buf[end + 4 + length:]
+                    fault = self._fault_for(head.split(b"\r\n", 1)[0])
+                    if fault == "reset":
+                        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return
+                    if fault == "503":
+                        client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                        return
+                    if fault == "slow":
+                        time.sleep(0.5)
+                    flips.append(fault == "flip")
+                    upstream.sendall(request)
+        except OSError:
+            pass
+        finally:
+            _close(client, upstream)
+
+
+def _length(head: bytes) -> int:
+    for line in head.lower().split(b"\r\n")[1:]:
+        if line.startswith(b"content-length:"):
+            return int(line.split(b":", 1)[1])
+    return 0
+
+
+def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque) -> None:
+    """The store's answers to the client, each one's body flipped at FLIP_AT if its request says so."""
+    buf, body_left, flip_at = b"", 0, -1
+    try:
+        while True:
+            chunk = src.recv(65536)
+            if not chunk:
+                return
+            out = bytearray()
+            buf += chunk
+            while buf:
+                if body_left:  # inside an answer's body
+                    take = buf[:body_left]
+                    if 0 <= flip_at < len(take):
+                        take = bytearray(take)
+                        take[flip_at] ^= 0xFF
+                    flip_at -= len(take)
+                    out += take
+                    body_left -= len(take)
+                    buf = buf[len(take):]
+                    continue
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    break
+                body_left = _length(buf[:end])
+                flip_at = FLIP_AT if (flips.popleft() if flips else False) and body_left > FLIP_AT else -1
+                out += buf[:end + 4]
+                buf = buf[end + 4:]
+            dst.sendall(out)
+    except OSError:
+        pass
+    finally:
+        _close(src, dst)
+
+
+def _close(*socks: socket.socket) -> None:
+    for s in socks:
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        s.close()
