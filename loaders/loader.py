@@ -191,7 +191,7 @@ class Loader(Resumable):
         if getattr(source, "remote", False) and p.num_batches and not source.all_mapped():  # fetched ahead
             from loaders.batch.fetch import Lookahead
 
-            ahead = Lookahead(source, functools.partial(epochs.twin().batch_ids, p), p.num_batches)
+            ahead = Lookahead(source, *epochs.ahead_of(p))
 
         def make(b: int, needed, stop=_NEVER):
             buffers = ring.take(needed, stop)

@@ -2,7 +2,8 @@
 into the node's cache (`packer.dataset.cache`) before the gather needs them.
 
 A pass's batches are a pure function of integers (`loaders.order.sampler`), so the lookahead
-knows them: it walks the next AHEAD_BATCHES batches' ids, lists their shards in order of first
+knows them: it walks the next AHEAD_BATCHES batches' ids (past the pass's end, the next epoch's
+first batches: what it starts with stays in the cache), lists their shards in order of first
 use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: as much of it
 as the cache limit leaves this process (the limit less the index files, shared by the node's
 ranks, LOCAL_WORLD_SIZE), or all of it without one. The same list orders eviction: a shard the

@@ -194,6 +194,17 @@ class Epochs:
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
         return self.ids(p, b * self.batch_size, (b + 1) * self.batch_size)
 
+    def ahead_of(self, p: Pass):
+        """(ids(b), batches): pass p's batches, then the next epoch's from its start as batches
+        p.num_batches on, each computed apart from this object's caches: what a lookahead reads
+        (a cache keeps what the next epoch starts with)."""
+        this, after = self.twin(), self.twin()
+        following = Pass(p.epoch + 1, 0, -(-self.per_rank(0) // self.batch_size))
+
+        def ids(b: int) -> np.ndarray:
+            return this.batch_ids(p, b) if b < p.num_batches else after.batch_ids(following, b - p.num_batches)
+        return ids, p.num_batches + following.num_batches
+
     def twin(self) -> Epochs:
         """A copy whose ids are computed apart from this one's (its own caches of the order): what a
         thread that reads the order ahead uses."""

@@ -207,3 +207,23 @@ def test_topology_sources(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert (resolve_topology().rank, resolve_topology().world_size) == (2, 4)
     assert resolve_topology(1, 3).rank == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), batch=st.integers(1, 40), world=st.integers(1, 3), cursor=st.integers(0, 300),
+       order=st.sampled_from(["random", "block", "sequential"]))
+def test_what_a_lookahead_reads_is_the_pass_then_the_next_epoch(n, batch, world, cursor, order):
+    """`Epochs.ahead_of(p)`: the batches of pass p, then those of the next epoch from its start,
+    as the epochs themselves give them, whatever their own caches hold meanwhile."""
+    kw = dict(shuffle=True, order=order, seed=3, drop_last=False, rank=world - 1, world_size=world)
+    epochs = Epochs(n, batch, **kw)
+    epochs.load_state_dict({**epochs.state_dict(), "epoch": 2, "cursor": min(cursor, n)})
+    p = epochs.start()
+    ids, count = epochs.ahead_of(p)
+    following = Epochs(n, batch, **kw)
+    following.set_epoch(3)
+    q = following.start()
+    assert count == p.num_batches + q.num_batches
+    for b in reversed(range(count)):  # backwards: a chunk cache shared with the epochs would be stale
+        want = epochs.batch_ids(p, b) if b < p.num_batches else following.batch_ids(q, b - p.num_batches)
+        assert np.array_equal(ids(b), want)
