@@ -453,11 +453,17 @@ def _cmd_push(args) -> int:
 
 
 def _cmd_pull(args) -> int:
+    from packer.dataset import format as fmt
     from packer.dataset.outdir import check_out
-    from packer.dataset.remote import pull
+    from packer.dataset.remote import pull, read_manifest
 
+    m = read_manifest(args.url)
+    mine = Path(args.out) / fmt.MANIFEST_NAME
+    if mine.is_file() and fmt.Manifest.from_json(mine.read_text(encoding="utf-8"), where=str(mine)) == m:
+        print(f"{args.out} holds {args.url} already (run 'packer verify {args.out}' to re-hash it)")
+        return 0
     check_out(args.out, append=False, overwrite=False)
-    m = pull(args.url, args.out)
+    m = pull(args.url, args.out, manifest=m)
     print(f"pulled {args.url} -> {args.out}: {sum(s.num_samples for s in m.shards):,} samples, every file verified")
     return 0
 
