@@ -63,8 +63,9 @@ class ShardCache:
     """One remote dataset's cache entry, as one process uses it (see the module's rules).
 
     `acquire(k)` makes shard k's files present and pins them for this process, `prefetch(k,
-    rank)` softly (see the module); `soften(k)` turns a pin soft, `release(k)` drops it. `next_use(k)`, when set, orders eviction. Pickles as (url, dir, limit): each
-    process (a forked or spawned DataLoader worker) makes its own client, pins and threads."""
+    rank)` softly (see the module); `soften(k)` turns a pin soft, `release(k)` drops it.
+    `next_use(k)`, when set, orders eviction. Pickles as (url, dir, limit, manifest): each
+    process (a forked or spawned DataLoader worker) makes its own client and pins."""
 
     def __init__(self, url: str, root: Path, manifest: fmt.Manifest, limit: int | None = None):
         self.url, self.root, self.manifest, self.limit = url, Path(root), manifest, limit
@@ -92,7 +93,7 @@ class ShardCache:
             for f in getattr(self, "_pins", {}).values():
                 f.close()
             self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
-            self._store, self._pool, self.downloaded = None, None, 0
+            self._store, self.downloaded = None, 0
         return self
 
     def store(self):
