@@ -1,0 +1,53 @@
+"""A Mixture of 3 datasets against one dataset of the same total (issue 35's "at least 95%"),
+alternated in one process: the crops of `bench loaders` built whole and cut in three datasets
+with every class folder in each (so their labels mean the same classes), `Loader(ds, 256)` with
+default threads, the best of 4 passes of each per round.
+
+    python -m bench.ab_mixture --work /tmp/brw [--images 3000] [--rounds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+
+def best_rate(ds, batch_size: int) -> float:
+    from loaders import Loader
+
+    loader, best = Loader(ds, batch_size, seed=0), 0.0
+    for _ in range(4):
+        start = time.perf_counter()
+        n = sum(len(b["label"]) for b in loader)
+        best = max(best, n / (time.perf_counter() - start))
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.ab_mixture", description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True, help="raw and built data, made once and reused")
+    ap.add_argument("--images", type=int, default=3000)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--batch-size", type=int, default=256)
+    args = ap.parse_args(argv)
+    from loaders import Mixture, MMapDataset
+
+    from .loaders_bench import prepare_image_thirds, prepare_images
+
+    one = MMapDataset(prepare_images(args.work, args.images)[1])
+    parts = [MMapDataset(p) for p in prepare_image_thirds(args.work, args.images)]
+    mixture = Mixture(parts, [len(p) for p in parts], num_samples=len(one))
+    best_rate(one, args.batch_size), best_rate(mixture, args.batch_size)  # first maps, allocations
+    shares = []
+    for r in range(args.rounds):
+        a, b = best_rate(one, args.batch_size), best_rate(mixture, args.batch_size)
+        shares.append(b / a)
+        print(f"round {r}: one dataset {a:,.0f} images/s, the mixture {b:,.0f} = {100 * b / a:.0f}%", flush=True)
+    print(f"the mixture against one dataset: median {100 * statistics.median(shares):.0f}% "
+          f"({100 * min(shares):.0f}-{100 * max(shares):.0f}%) over {args.rounds} rounds")
+
+
+if __name__ == "__main__":
+    main()
