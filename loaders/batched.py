@@ -3,11 +3,11 @@ with `MMapIterableDataset`, the epochs and each worker's share of a pass (`Epoch
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
 
+from loaders.batch.fetch import check_first_batches
 from loaders.batch.source import as_source, epochs_of
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 
@@ -53,11 +53,7 @@ class BatchedDataset(EpochDataset):
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
                                  drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by)
-        if getattr(self.source, "remote", False):  # a cache limit too small for a batch: refused now
-            from loaders.batch.fetch import check_room
-
-            twin = self._epochs.twin()
-            check_room(self.source, functools.partial(twin.batch_ids, twin.upcoming()), len(self))
+        check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
 
     def __len__(self) -> int:
         return self._epochs.num_batches()

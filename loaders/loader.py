@@ -22,6 +22,7 @@ from packer.system import available_cores
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
+from loaders.batch.fetch import check_first_batches
 from loaders.batch.source import as_source, epochs_of
 from loaders.cuda import to_device
 from loaders.order.sampler import Order, Pass, Resumable, check_int
@@ -106,7 +107,8 @@ class Loader(Resumable):
             batches; see `loaders.batch.ring`).
 
     `close()` (or leaving a `with Loader(...) as loader:` block) stops its open iterations and
-    frees its buffers and threads at once; iterating it again makes new ones.
+    frees its buffers and threads at once, and unpins a remote dataset's shards (the node's
+    cache may evict them); iterating it again makes new ones.
     """
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
@@ -130,11 +132,7 @@ class Loader(Resumable):
         self._pool = None
         self._pool_threads = 0  # the size of _pool (0: none made yet)
         self._running: set = set()  # this Loader's open producers (`loaders.producer`)
-        if getattr(self.source, "remote", False):  # refused now, not at the first batch: a limit too small
-            from loaders.batch.fetch import check_room
-
-            twin = self._epochs.twin()
-            check_room(self.source, functools.partial(twin.batch_ids, twin.upcoming()), len(self))
+        check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
 
     @property
     def batch_size(self) -> int:
@@ -249,9 +247,12 @@ class Loader(Resumable):
         self.num_threads = threads
 
     def close(self) -> None:
-        """Stop this Loader's open iterations and free its buffers and copy threads now."""
+        """Stop this Loader's open iterations, free its buffers and copy threads, and unpin a
+        remote dataset's shards, now."""
         stop_all(self._running)
         self._running.clear()
+        if hasattr(self.source, "release"):  # a remote dataset's shards: unpinned, for the cache to evict
+            self.source.release()
         if self._pool is not None:
             self._pool.shutdown()
         self._pool, self._pool_threads, self._ring = None, 0, None

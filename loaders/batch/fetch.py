@@ -41,6 +41,15 @@ def budgets(gather) -> dict:
     return out
 
 
+def check_first_batches(source, epochs) -> None:
+    """`check_room` for the next pass of `epochs` over a remote dataset's gather (else nothing):
+    what Loader and BatchedDataset check when they are made."""
+    if getattr(source, "remote", False):
+        twin = epochs.twin()
+        p = twin.upcoming()
+        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches)
+
+
 def check_room(gather, batch_ids, num_batches: int) -> None:
     """A ConfigError when one of the first batches reads more shard bytes than the cache limit
     leaves this process: its batches could never be gathered."""

@@ -16,6 +16,7 @@ the process that uses it, never inherited by a fork.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -188,14 +189,11 @@ def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None,
     """Download the dataset at `url` into the dir `out` (made complete, or left without its
     manifest): every file (or those of `files`) verified by the manifest's checksum, the
     manifest written last."""
-    import obstore as obs
-
-    remote = Remote(url)
     manifest = manifest or read_manifest(url)
     out = Path(out)
-    store = remote.store()
+    store = functools.cache(Remote(url).store)  # one client, made where it is used (not in a forked child)
     with ThreadPoolExecutor(DOWNLOADS) as pool:  # obstore's GETs release the GIL while they wait
-        for done in [pool.submit(fetch_verified, obs, store, remote, entry, out / entry.path)
+        for done in [pool.submit(fetch_file, store, url, entry, out / entry.path)
                      for entry in (_files(manifest) if files is None else files)]:
             done.result()
     for g in sorted({e.path.split("/", 1)[0] for e in _files(manifest) if "/" in e.path}):
