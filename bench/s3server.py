@@ -12,6 +12,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from packer.system import linux_libc
+
 KEY, SECRET = "mmpack-test-key", "mmpack-test-secret"
 PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port", "s3.port.iceberg")
@@ -41,7 +43,11 @@ def s3_server(work: Path):
             *(f"-{k}={v}" for k, v in ports.items())]
     env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
     log = open(work / "weed.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    prctl = linux_libc("prctl")  # resolved here: the child between fork and exec only calls it
+    # PR_SET_PDEATHSIG: a run killed before its teardown (a timeout's SIGKILL) takes its server along
+    dies_with_us = (lambda: prctl(1, signal.SIGTERM)) if prctl is not None else None
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=dies_with_us)
     endpoint = f"http://127.0.0.1:{ports['s3.port']}"
     try:
         deadline = time.monotonic() + 60
