@@ -62,6 +62,7 @@ def _epoch(loader) -> tuple[int, float, float]:
 def bench_remote(args) -> dict:
     from loaders import Loader, MMapDataset
     from packer.cli import main as packer
+    from packer.dataset.cache import ShardCache
     from packer.dataset.remote import DOWNLOADS
 
     from .s3server import KEY, SECRET, s3_server
@@ -119,8 +120,7 @@ def bench_remote(args) -> dict:
         for order in ORDERS:
             for share in LIMITS:
                 row = {"order": order, "limit_share": share}
-                limit = int(share * total) + 2 * len(local.manifest.to_json()) + sum(
-                    f.size_bytes for s in local.manifest.shards for f in s.files if "offsets" in f.path or "shapes" in f.path)
+                limit = int(share * total) + ShardCache(url, caches, local.manifest).index_bytes
                 row["limit_bytes"] = limit
                 try:
                     ds = opened(limit)

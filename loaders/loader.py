@@ -22,7 +22,7 @@ from packer.system import available_cores
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
-from loaders.batch.fetch import check_first_batches
+from loaders.batch.fetch import Lookahead, check_first_batches
 from loaders.batch.source import as_source, epochs_of
 from loaders.cuda import to_device
 from loaders.order.sampler import Order, Pass, Resumable, check_int
@@ -187,8 +187,6 @@ class Loader(Resumable):
         pool, threads = self._pool_of(self.num_threads), self.num_threads
         ahead = None
         if getattr(source, "remote", False) and p.num_batches and not source.all_mapped():  # fetched ahead
-            from loaders.batch.fetch import Lookahead
-
             ahead = Lookahead(source, *epochs.ahead_of(p))
 
         def make(b: int, needed, stop=_NEVER):

@@ -9,6 +9,11 @@ import os
 import sys
 from collections.abc import Iterator
 
+# Size units of every size a user writes (--shard-size, cache_limit), case-insensitive: binary,
+# as the build has always read them ("64MB" is 64 MiB)
+SIZE_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
+              "g": 1024**3, "gb": 1024**3, "gib": 1024**3, "t": 1024**4, "tb": 1024**4, "tib": 1024**4}
+
 
 def available_cores() -> int:
     """Cores this process may run on (its affinity mask, not the machine's total)."""

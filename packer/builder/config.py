@@ -18,12 +18,10 @@ from packer.builder.text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_
 from packer.builder.text import resolve_eos, token_dtype
 from packer.dataset import format as fmt
 from packer.errors import ConfigError
-from packer.system import available_cores
+from packer.system import SIZE_UNITS, available_cores
 
 DEFAULT_SHARD_BYTES = 256 * 1024**2
 ENGINES = ("local", "ray")
-_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1024, "kib": 1024, "m": 1024**2, "mb": 1024**2,
-          "mib": 1024**2, "g": 1024**3, "gb": 1024**3, "gib": 1024**3}
 ALWAYS, UNLESS_DEFAULT = "always", "unless default"
 
 
@@ -165,11 +163,11 @@ def parse_shard_size(text: str) -> tuple[int | None, int | None]:
     """'1000' or '1000rows' -> (rows, None); '256MB', '1GiB', '4096B' -> (None, bytes)."""
     m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else None
-    if m is None or (unit not in _UNITS and unit not in ("row", "rows")) or int(m.group(1)) <= 0:
+    if m is None or (unit not in SIZE_UNITS and unit not in ("row", "rows")) or int(m.group(1)) <= 0:
         raise ConfigError(f"--shard-size: {text!r} is neither a row count (1000) nor a size (256MB)")
     if unit in ("", "row", "rows") and not text.strip().lower().endswith("b"):
         return int(m.group(1)), None
-    return None, int(m.group(1)) * _UNITS[unit]
+    return None, int(m.group(1)) * SIZE_UNITS[unit]
 
 
 def parse_part(text: str) -> tuple[int, int]:

@@ -39,7 +39,7 @@ from pathlib import Path
 from packer.dataset import format as fmt
 from packer.dataset import remote as rem
 from packer.errors import ConfigError
-from packer.system import flock
+from packer.system import SIZE_UNITS, flock
 
 PIN = ".pin"  # in each shard dir: shared flocks of the processes that map it
 FETCH = ".fetch"  # in each shard dir: the flock of the process downloading it
@@ -110,13 +110,7 @@ class ShardCache:
             return list(self._pins)
 
     def present(self, k: int) -> bool:
-        for entry in self.bulk[k]:
-            try:
-                if (self.root / entry.path).stat().st_size != entry.size_bytes:
-                    return False
-            except FileNotFoundError:
-                return False
-        return True
+        return all(_whole(self.root / e.path, e.size_bytes) for e in self.bulk[k])
 
     def acquire(self, k: int) -> None:
         """Shard k's files present, verified and pinned for this process (downloaded here, or
@@ -321,23 +315,19 @@ def _abandoned(path: str) -> bool:
         return True
 
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def parse_limit(limit) -> int | None:
     """A cache limit as bytes: None, a positive int, or a string of a number and a unit
-    ("20GB", "512MiB", "1.5 TB")."""
+    ("20GB", "512MiB", "1.5 TB"; binary, as --shard-size reads them: `packer.system.SIZE_UNITS`)."""
     if limit is None:
         return None
     if isinstance(limit, str):
         import re
 
         match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", limit)
-        unit = match and match.group(2).upper()
-        if not match or unit not in _UNITS:
+        unit = match and match.group(2).lower()
+        if not match or unit not in SIZE_UNITS:
             raise ConfigError(f"cache_limit {limit!r}: expected bytes, or a number and a unit (20GB, 512MiB)")
-        limit = int(float(match.group(1)) * _UNITS[unit])
+        limit = int(float(match.group(1)) * SIZE_UNITS[unit])
     if type(limit) is not int or limit <= 0:
         raise ConfigError(f"cache_limit must be a positive number of bytes, not {limit!r}")
     return limit

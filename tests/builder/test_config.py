@@ -58,3 +58,13 @@ def test_append_checks_the_flags_that_change_a_samples_bytes():
 def test_a_config_without_raw_or_out_is_refused():
     with pytest.raises(ConfigError):
         BuildConfig()
+
+
+@pytest.mark.parametrize("text", ["4096B", "64KB", "64kib", "256MB", "1GiB", "2g"])
+def test_a_cache_limit_reads_sizes_as_shard_size_does(text):
+    """One size means one number of bytes wherever a user writes it (binary units)."""
+    from packer.builder.config import parse_shard_size
+    from packer.dataset.cache import parse_limit
+
+    assert parse_limit(text) == parse_shard_size(text)[1]
+    assert parse_limit("1.5GB") == 3 * 2**29
