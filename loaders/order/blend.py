@@ -19,7 +19,7 @@ import numpy as np
 
 from packer.errors import ConfigError
 
-from loaders.order.orders import Order, Permutation, derive_key
+from loaders.order.orders import Order, Permutation, derive_key, permute
 
 SOURCE_KEY = 0x6D6978  # keys each source's own orders apart from a single dataset's with the same seed
 
@@ -70,9 +70,34 @@ def counts_before(positions, w: np.ndarray) -> np.ndarray:
 def sources_at(positions, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(source, how many of that source's samples came before) of the stream's sample at each
     position."""
-    c = counts_before(positions, w)
+    g = np.asarray(positions, dtype=np.int64).reshape(-1)
+    if len(g) > 1 and (np.diff(g) >= 0).all() and g[-1] - g[0] < SPAN * len(g):
+        span = _span(int(g[0]), int(g[-1] - g[0]) + 1, w)
+        if span is not None:
+            return span[0][g - g[0]], span[1][g - g[0]]
+    c = counts_before(g, w)
     source = np.argmin(_time(c, w), axis=1)
     return source, c[np.arange(len(c)), source]
+
+
+SPAN = 8  # sorted positions spread over at most this many times their number are read off one run of the stream
+
+
+def _span(first: int, count: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(source, count before) of the stream positions [first, first + count): the exact counts
+    at `first`, then each source's next events merged in time order (a tie to the lower source,
+    as a stable sort of the sources' runs in source order gives), which costs a sort instead
+    of counts_before's corrections per position. None when a source's run was too short to be
+    sure of the merge (never expected: a source takes within K/2 of its share of any stretch)."""
+    k = len(w)
+    start = counts_before([first], w)[0]
+    runs = np.ceil(count * w).astype(np.int64) + k + 1
+    source = np.repeat(np.arange(k), runs)
+    j = np.concatenate([s + np.arange(r) for s, r in zip(start.tolist(), runs.tolist())])
+    order = np.argsort(_time(j, w[source]), kind="stable")[:count]
+    if (np.bincount(source[order], minlength=k) >= runs).any():
+        return None
+    return source[order], j[order]
 
 
 class Blend:
@@ -141,16 +166,25 @@ class Blend:
         """Positions of mixture epoch `epoch` -> union ids (source k's sample i is offsets[k] + i),
         each source in its own order of its own epochs (keyed by seed and source)."""
 
+        sizes = np.asarray(self.sizes, dtype=np.int64)
+
+        def perm(k: int, e: int) -> Permutation:
+            return Permutation(self.sizes[k], order=order, seed=derive_key(seed, SOURCE_KEY, k), epoch=e)
+
         def ids(positions) -> np.ndarray:
             source, j = self.at(epoch * self.num_samples + np.asarray(positions, dtype=np.int64))
+            own_epoch, pos = np.divmod(j, sizes[source])
+            pairs = np.unique(source * (own_epoch.max(initial=0) + 1) + own_epoch) if len(source) else []
+            runs = [divmod(int(v), int(own_epoch.max(initial=0)) + 1) for v in pairs]  # (source, its epoch)
+            if order == "random":  # one pass of the Feistel network, a key and a size per sample
+                key = np.empty(len(source), np.uint64)
+                for k, e in runs:
+                    key[(source == k) & (own_epoch == e)] = perm(k, e).key
+                return self.offsets[source] + permute(pos, sizes[source], key)
             out = np.empty(len(source), np.int64)
-            for k in np.unique(source).tolist():
-                sel = np.flatnonzero(source == k)
-                own_epoch, pos = np.divmod(j[sel], self.sizes[k])
-                for e in np.unique(own_epoch).tolist():
-                    at = own_epoch == e
-                    perm = Permutation(self.sizes[k], order=order, seed=derive_key(seed, SOURCE_KEY, k), epoch=int(e))
-                    out[sel[at]] = self.offsets[k] + perm(pos[at])
+            for k, e in runs:
+                at = np.flatnonzero((source == k) & (own_epoch == e))
+                out[at] = self.offsets[k] + perm(k, e)(pos[at])
             return out
 
         return ids

@@ -38,9 +38,13 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def derive_key(*parts: int) -> int:
     """A 64-bit key from integers (seed, epoch, purpose, ...): splitmix64 chained over them."""
     key = 0
-    for part in parts:
+    for part in parts:  # _mix in Python ints: a numpy array per part cost more than a batch's ids
         key = (key + _GOLDEN + (int(part) & _M64)) & _M64
-        key = int(_mix(np.array([key], dtype=np.uint64))[0])
+        key ^= key >> 30
+        key = key * 0xBF58476D1CE4E5B9 & _M64
+        key ^= key >> 27
+        key = key * 0x94D049BB133111EB & _M64
+        key ^= key >> 31
     return key
 
 
@@ -48,8 +52,8 @@ def feistel(x: np.ndarray, side: int, key) -> np.ndarray:
     """A keyed bijection of [0, side**2) applied to uint64 `x` (side < 2**32), as two digits
     base `side` (left, right), each round (left, right) -> (right, left + F(right) mod side),
     where F is the mixed right half scaled into [0, side) (multiply and shift: no division);
-    `key` is an int or a uint64 array (one key per element)."""
-    s = np.uint64(side)
+    `side` and `key` are each one for all elements or an array of one per element."""
+    s = np.asarray(side, dtype=np.uint64)
     left, right = x // s, x % s
     key = np.asarray(key, dtype=np.uint64).reshape(-1)  # 1-d: wrapping array arithmetic, no warnings
     for r in range(ROUNDS):
@@ -63,24 +67,41 @@ def feistel(x: np.ndarray, side: int, key) -> np.ndarray:
     return left * s + right
 
 
-def permute(positions: np.ndarray, n: int, key) -> np.ndarray:
+def permute(positions: np.ndarray, n, key) -> np.ndarray:
     """The images of `positions` (in [0, n)) under the keyed permutation of [0, n), int64: the
     Feistel network over the smallest square >= n, whose images past n are mapped again (cycle
-    walking) until they land in [0, n); at most 2 / sqrt(n) of them need it."""
+    walking) until they land in [0, n); at most 2 / sqrt(n) of them need it. `n` and `key` are
+    each one for all positions or an array of one per position (several permutations applied
+    in one pass: what a mixture's sources cost)."""
     x = np.asarray(positions, dtype=np.uint64)
-    if n <= 1:
-        return x.astype(np.int64)
-    side = math.isqrt(n - 1) + 1
-    key = np.asarray(key, dtype=np.uint64)
-    per_element = key.ndim > 0 and key.size == x.size and x.size > 1
-    key = key if key.ndim else key.reshape(1)
+    if np.ndim(n) == 0:
+        if n <= 1:
+            return x.astype(np.int64)
+        side = math.isqrt(n - 1) + 1
+    else:
+        side = _side(np.asarray(n, dtype=np.uint64))
+    n, key = np.asarray(n, dtype=np.uint64), np.asarray(key, dtype=np.uint64)
     out = feistel(x, side, key)
-    outside = out >= np.uint64(n)
+    outside = out >= n
     while outside.any():
-        k = key[outside] if per_element else key
-        out[outside] = feistel(out[outside], side, k)
-        outside = out >= np.uint64(n)
+        out[outside] = feistel(out[outside], _part(side, outside), _part(key, outside))
+        outside = out >= n
     return out.astype(np.int64)
+
+
+def _part(values, mask: np.ndarray):
+    """The elements of a per-element array under `mask`, or the one value for all."""
+    values = np.asarray(values)
+    return values[mask] if values.ndim and values.size == mask.size else values
+
+
+def _side(n: np.ndarray) -> np.ndarray:
+    """isqrt(n - 1) + 1 of each element (n >= 1): the smallest side whose square holds n."""
+    m = n - np.uint64(1)
+    r = np.floor(np.sqrt(m.astype(np.float64))).astype(np.uint64)
+    r -= (r * r > m).astype(np.uint64)  # the float root may be one off either way
+    r += ((r + np.uint64(1)) * (r + np.uint64(1)) <= m).astype(np.uint64)
+    return r + np.uint64(1)
 
 
 class Permutation:

@@ -57,6 +57,37 @@ def test_every_prefix_holds_each_source_by_its_weight(weights, n):
     assert (counts_before([n], w)[0] == seen[-1]).all()  # the closed form agrees with the walk
 
 
+@settings(max_examples=80, deadline=None)
+@given(weights=weights_st, first=st.one_of(st.integers(0, 100), st.integers(0, 10**13)),
+       n=st.integers(2, 2000), stride=st.integers(1, 12))
+def test_a_run_of_positions_merged_from_its_start_is_what_each_position_alone_gives(weights, first, n, stride):
+    """sources_at reads sorted, dense positions off one merge of the sources' next events; each
+    position alone (counts_before's corrections) must give the same, ties included."""
+    w = np.asarray(weights) / sum(weights)
+    g = first + stride * np.arange(n)
+    source, j = sources_at(g, w)
+    alone = [sources_at([p], w) for p in g.tolist()[:: max(1, n // 50)]]
+    assert [(int(k[0]), int(c[0])) for k, c in alone] == list(zip(source.tolist(), j.tolist()))[:: max(1, n // 50)]
+    c = counts_before(g, w)
+    assert (c[np.arange(n), source] == j).all()
+
+
+def test_sources_permuted_in_one_pass_give_each_sources_own_order():
+    """A random-order mixture permutes every source's samples in one Feistel pass, a key and a
+    size per sample: the ids must be each source's own Permutation's."""
+    from loaders.order.blend import SOURCE_KEY
+    from loaders.order.orders import Permutation, derive_key
+
+    blend = Blend([7, 1000, 65537], [1, 3, 2], num_samples=5000)
+    ids = np.concatenate([blend.order_for(order="random", seed=11, epoch=e)(np.arange(5000)) for e in range(3)])
+    source, j = blend.at(np.arange(15000))
+    for k, n in enumerate(blend.sizes):
+        own_epoch, pos = np.divmod(j[source == k], n)
+        expected = [Permutation(n, order="random", seed=derive_key(11, SOURCE_KEY, k), epoch=int(e))([p])[0]
+                    for e, p in zip(own_epoch.tolist(), pos.tolist())]
+        assert (ids[source == k] - blend.offsets[k]).tolist() == expected
+
+
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=4), data=st.data(),
        order=st.sampled_from(["random", "sequential", "block"]), seed=st.integers(0, 2**64 - 1))
