@@ -49,8 +49,10 @@ def loaders_table(report: dict) -> str:
                      f"{d['first_pass_of_steady_pct']:.0f}% of its steady rate (its ring is allocated in it)")
     mix = next((r for r in report["results"] if "of_one_source_pct" in r), None)
     if mix:
+        low, high = mix.get("of_one_source_range_pct", [mix["of_one_source_pct"]] * 2)
         lines.append(f"A Mixture of 3 datasets, the same images cut in thirds (5:3:2): {mix['of_one_source_pct']:.0f}% "
-                     "of the default Loader's rate over them as one dataset, in this run (target: at least 95%)")
+                     f"({low:.0f}-{high:.0f}%) of the default Loader's rate over them as one dataset, median of 5 "
+                     "rounds alternating the two (target: at least 95%)")
     lines.append("%memcpy: against memcpy on as many threads as the row uses (Loader threads, else DataLoader "
                  "workers; Loader's default: the best memcpy of any thread count); x otf: vs the on-the-fly baseline of the same kind; x coll: vs DataLoader(MMapDataset) "
                  "with default collate; RSS/PSS: peak of the whole process tree; CPUs/1k: CPU seconds per 1000 samples")
