@@ -1,11 +1,15 @@
 """Rank shares, the resumable cursor and the resume state: pure functions of integers, and the
 `Epochs` that every reader keeps around them.
 
-An epoch's global order is `loaders.order.orders.Permutation(seed, epoch)`. The `cursor` counts the
-positions of that order already consumed by all ranks together. From any cursor the remaining
-positions are dealt to ranks interleaved (rank r takes remaining[r::W]), so a resumed run, with
-the same or another world size, batch size, worker or thread count, covers each remaining
-sample once. Nothing here is O(N): a batch's ids are computed from its positions.
+An epoch's order is `loaders.order.orders.Permutation(seed, epoch)`. Ranks read it through the
+epoch's global order, the order cut in `slices` contiguous parts walked side by side (`sliced`;
+the world size when the epoch started), so that with interleaved dealing rank r reads part r
+only: on a node with its own cache a rank fetches the shards of its part of the epoch. The
+`cursor` counts the positions of the global order already consumed by all ranks together. From
+any cursor the remaining positions are dealt to ranks interleaved (rank r takes
+remaining[r::W]), so a resumed run, with the same or another world size, batch size, worker or
+thread count, covers each remaining sample once. Nothing here is O(N): a batch's ids are
+computed from its positions.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from packer.errors import ConfigError
 from loaders.order.orders import ORDERS, Order, Permutation
 
 CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
-STATE_VERSION = 2  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
+STATE_VERSION = 3  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
+READS = (2, 3)  # 2: no slices (the global order was the epoch's order: one slice)
 KEY_LIMIT = 1 << 64  # seeds and epochs key the orders as 64-bit integers: larger ones would wrap
 
 
@@ -64,6 +69,18 @@ def rank_positions(cursor: int, first: int, stop: int, *, num_samples: int, rank
     return pos
 
 
+def sliced(positions: np.ndarray, num_samples: int, slices: int) -> np.ndarray:
+    """Positions of the global order -> positions of the epoch's order cut in `slices`
+    contiguous parts walked side by side: the global order's position p is position p // S of
+    part p % S. Dealt interleaved to S ranks, rank r reads part r only. A bijection of [0, N)
+    for any S, which a state resumed on another rank count relies on."""
+    if slices <= 1:
+        return positions
+    part, k = positions % slices, positions // slices
+    base, extra = divmod(num_samples, slices)  # part s holds base positions, one more for s < extra
+    return part * base + np.minimum(part, extra) + k
+
+
 def worker_batches(num_batches: int, worker_id: int, num_workers: int) -> range:
     """Batch numbers a DataLoader worker makes: DataLoader takes batches from its workers in
     round-robin, so batch b from worker b % K keeps the global order whatever K is."""
@@ -103,6 +120,7 @@ class Pass:
     epoch: int
     cursor: int
     num_batches: int
+    slices: int = 1  # the parts of the epoch's order walked side by side (`sliced`)
 
 
 class Epochs:
@@ -135,6 +153,7 @@ class Epochs:
         self.block = getattr(stream, "deal_block", 1)
         self.epoch = 0
         self.cursor = 0
+        self.slices = self.fresh_slices()  # of the epoch in progress
         self.resuming = False  # a loaded state's cursor is where the next pass starts
         self.partial = False  # a pass started and not taken to its end: the next one takes a new epoch
         self._perm: tuple | None = None  # (epoch, its positions -> ids)
@@ -155,13 +174,20 @@ class Epochs:
         """The pass the next iteration makes, without starting it: from a loaded state's cursor,
         else an epoch from its beginning (the next one after a pass left early)."""
         epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
-        return Pass(epoch, self.next_cursor, self.num_batches())
+        slices = self.slices if self.next_cursor else self.fresh_slices()  # a resumed epoch keeps its parts
+        return Pass(epoch, self.next_cursor, self.num_batches(), slices)
+
+    def fresh_slices(self) -> int:
+        """The parts of an epoch started now: one per rank. A mixture's stream or batches
+        grouped by shape keep one (their positions carry the blend's and the buckets' order)."""
+        return self.world_size if self.stream is None else 1
 
     def start(self) -> Pass:
         """Start the next pass (`upcoming`); from here `state_dict()` describes it. A loaded
         cursor is used once."""
         p = self.upcoming()
         self.epoch, self.cursor, self.resuming, self.partial = p.epoch, p.cursor, False, True
+        self.slices = p.slices
         return p
 
     def per_rank(self, cursor: int | None = None) -> int:
@@ -183,12 +209,12 @@ class Epochs:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _ids_of_chunk(self, p: Pass, c: int) -> np.ndarray:
-        key = (p.epoch, p.cursor, c)
+        key = (p.epoch, p.cursor, p.slices, c)
         if self._chunk is None or self._chunk[0] != key:
             stop = min((c + 1) * CHUNK, self.per_rank(p.cursor))
             pos = rank_positions(p.cursor, c * CHUNK, stop, num_samples=self.num_samples, rank=self.rank,
                                  world_size=self.world_size, block=self.block)
-            self._chunk = (key, self.permutation(p.epoch)(pos))
+            self._chunk = (key, self.permutation(p.epoch)(sliced(pos, self.num_samples, p.slices)))
         return self._chunk[1]
 
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
@@ -199,7 +225,7 @@ class Epochs:
         p.num_batches on, each computed apart from this object's caches: what a lookahead reads
         (a cache keeps what the next epoch starts with)."""
         this, after = self.twin(), self.twin()
-        following = Pass(p.epoch + 1, 0, -(-self.per_rank(0) // self.batch_size))
+        following = Pass(p.epoch + 1, 0, -(-self.per_rank(0) // self.batch_size), self.fresh_slices())
 
         def ids(b: int) -> np.ndarray:
             return this.batch_ids(p, b) if b < p.num_batches else after.batch_ids(following, b - p.num_batches)
@@ -234,16 +260,17 @@ class Epochs:
         """A few integers and the identity of what they index: enough to resume exactly in a
         fresh process, whatever the worker, thread or rank count."""
         state = {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
-                 "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor}
+                 "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
+                 "slices": self.slices}
         if hasattr(self.stream, "source_state"):  # a mixture's sources' own epochs and cursors, for the record
             state["sources"] = self.stream.source_state(self.epoch, self.cursor)
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Take a saved state; a state of another dataset, view, size, order or seed is refused."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+        if not isinstance(state, dict) or state.get("version") not in READS:
             raise ConfigError(f"not a loader state of this mmpack (version {state.get('version') if isinstance(state, dict) else None!r}, "
-                              f"expected {STATE_VERSION}); states of mmpack 0.3 and earlier used other orders "
+                              f"expected one of {READS}); states of mmpack 0.3 and earlier used other orders "
                               "and cannot be resumed exactly")
         mine = self.state_dict()
         for name in ("source", "num_samples", "order", "seed"):
@@ -261,7 +288,10 @@ class Epochs:
         if type(epoch) is not int or type(cursor) is not int or not 0 <= epoch < KEY_LIMIT or not 0 <= cursor <= self.num_samples:
             raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
                               f"{self.num_samples} samples")
-        self.epoch, self.cursor, self.resuming, self.partial = epoch, cursor, True, False
+        slices = state.get("slices", 1) if state["version"] == 2 else state.get("slices")
+        if type(slices) is not int or not 1 <= slices < 1 << 31 or (slices > 1 and self.stream is not None):
+            raise ConfigError(f"the state's slices {slices!r} are not valid for this loader")
+        self.epoch, self.cursor, self.slices, self.resuming, self.partial = epoch, cursor, slices, True, False
 
 
 class Resumable:

@@ -192,6 +192,22 @@ def test_a_cache_limit_below_the_dataset_holds_for_three_epochs_and_gives_the_lo
     assert tree(built["images"]) == before  # nothing outside the cache is touched
 
 
+def test_ranks_on_separate_caches_each_fetch_their_part_of_the_epoch(s3, built, tmp_path):
+    """Nodes with a cache each: in sequential order a rank reads a contiguous part of the epoch
+    (its slice), so it downloads its part's shards, not every shard as interleaved ranks did."""
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    local, total = MMapDataset(built["images"]), _shard_bytes(built["images"])
+    assert len(local.manifest.shards) >= 6
+    seen = []
+    for rank in range(3):
+        ds = MMapDataset(url, cache_dir=tmp_path / f"node{rank}")
+        loader = Loader(ds, 8, shuffle=False, rank=rank, world_size=3, drop_last=True)
+        seen += [k for batch in loader for k in batch["key"]]
+        assert ds.bytes_downloaded <= total * (1 / 3 + 1.5 / len(local.manifest.shards))
+    assert len(seen) == len(set(seen)) and len(local) - len(seen) < 3 * 8
+
+
 def test_too_small_a_cache_limit_is_refused_saying_what_it_needs(s3, built, tmp_path):
     url = _url(tmp_path, "images")
     assert main(["push", str(built["images"]), url]) == 0

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders.order.orders import Permutation, epoch_order
-from loaders.order.sampler import Epochs, resolve_topology, worker_batches
+from loaders.order.sampler import Epochs, resolve_topology, sliced, worker_batches
 from packer.errors import ConfigError
 
 orders = st.sampled_from(["random", "sequential", "block"])
@@ -133,7 +133,7 @@ def test_rank_shares_are_equal_and_cover_the_rest_once(n, world, batch, drop_las
     assert len({len(s) for s in shares}) == 1
     taken = np.concatenate(shares)
     order = epoch_order(n, order="random", seed=seed, epoch=0)
-    rest = set(order[cursor:].tolist())
+    rest = set(order[sliced(np.arange(cursor, n), n, world)].tolist())  # the global order's rest
     if drop_last:
         assert len(taken) == len(set(taken.tolist())) and set(taken.tolist()) <= rest
         assert len(rest) - len(taken) < world * batch
@@ -227,3 +227,36 @@ def test_what_a_lookahead_reads_is_the_pass_then_the_next_epoch(n, batch, world,
     for b in reversed(range(count)):  # backwards: a chunk cache shared with the epochs would be stale
         want = epochs.batch_ids(p, b) if b < p.num_batches else following.batch_ids(q, b - p.num_batches)
         assert np.array_equal(ids(b), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 3000), slices=st.integers(1, 9), data=st.data())
+def test_slices_give_each_rank_a_contiguous_part_of_the_epoch(n, slices, data):
+    """The global order is the epoch's order cut in `slices` parts walked side by side: a
+    bijection, and the positions one of S interleaved ranks reads are its own part's, in order."""
+    g = sliced(np.arange(n), n, slices)
+    assert sorted(g.tolist()) == list(range(n))
+    r = data.draw(st.integers(0, slices - 1))
+    mine = g[r::slices]
+    lengths = [len(range(s, n, slices)) for s in range(slices)]
+    assert mine.tolist() == list(range(sum(lengths[:r]), sum(lengths[:r + 1])))
+
+
+def test_ranks_read_their_own_part_of_the_epoch_and_a_state_without_slices_resumes_interleaved():
+    n, world, batch = 1000, 4, 8
+    for r in range(world):  # sequential order: rank r's samples are the r-th quarter of the ids
+        plan = Epochs(n, batch, shuffle=False, order=None, seed=0, drop_last=False, rank=r, world_size=world)
+        p = plan.start()
+        assert p.slices == world and plan.state_dict()["slices"] == world
+        assert plan.ids(p, 0, plan.per_rank()).tolist() == list(range(250 * r, 250 * (r + 1)))
+    # a state of the previous version (no slices: one part) resumes as it was written, the
+    # remaining positions dealt interleaved; the next epoch is cut for the ranks there are
+    old = {"version": 2, "source": "", "num_samples": n, "order": "sequential", "seed": 0, "epoch": 0, "cursor": 96}
+    plan = Epochs(n, batch, shuffle=False, order=None, seed=0, drop_last=False, rank=1, world_size=2)
+    plan.load_state_dict(old)
+    p = plan.start()
+    assert p.slices == 1 and plan.ids(p, 0, 4).tolist() == [97, 99, 101, 103]
+    plan.taken(p, p.num_batches)
+    assert plan.start().slices == 2 and plan.state_dict()["version"] == 3
+    with pytest.raises(ConfigError, match="slices"):
+        plan.load_state_dict({**plan.state_dict(), "slices": 0})
