@@ -154,7 +154,10 @@ class Lookahead:
                     r, k = self.gather._shards[g]
                     if g not in pending and g not in failed and no_room.get(g) != self._now and \
                             (id(r.cache), k) not in pinned:
-                        pending[g] = pool.submit(r.cache.prefetch, k, self._rank[g])
+                        try:
+                            pending[g] = pool.submit(r.cache.prefetch, k, self._rank[g])
+                        except RuntimeError:  # the interpreter is exiting (a pass left unfinished)
+                            return
                 done = wait(list(pending.values()), timeout=0.05, return_when=FIRST_COMPLETED)[0] if pending else ()
                 for g in [g for g, f in pending.items() if f in done]:
                     f = pending.pop(g)

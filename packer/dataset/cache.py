@@ -21,7 +21,9 @@ files come and go per shard. The rules, each for a failure users of peers have m
   shards, then the process's own soft pins, those whose next use is farthest first
   (`next_use`, which a reader that knows its order sets; unknown is farthest, then the oldest).
   A fetch ahead evicts only shards used later than its own, and gives up when that frees too
-  little. A reader whose own mapped shards leave no room is refused with the bytes it needs;
+  little. The bytes held and the shards present are kept in a ledger (`_Ledger`), so neither
+  a download nor an eviction counts every shard's files, which on a dataset of many shards
+  took most of a limited cache's time. A reader whose own mapped shards leave no room is refused with the bytes it needs;
   one that waits on other processes' pins gives up after WAIT_FOR_ROOM_S, saying so.
 - Only the files the manifest lists, under the entry's own dir, are ever removed: a local
   dataset is never a cache.
@@ -36,6 +38,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
+
 from packer.dataset import format as fmt
 from packer.dataset import remote as rem
 from packer.errors import ConfigError
@@ -43,7 +47,8 @@ from packer.system import SIZE_UNITS, flock
 
 PIN = ".pin"  # in each shard dir: shared flocks of the processes that map it
 FETCH = ".fetch"  # in each shard dir: the flock of the process downloading it
-ACCOUNTING = ".accounting.lock"  # in the entry: one process at a time reserves or evicts
+ACCOUNTING = ".accounting.lock"  # in the entry: one process at a time reserves or evicts; holds the ledger
+LEDGER_HEAD = 38  # the ledger's head: bytes of data and part files (20 digits), its checksum; then a bit a shard
 WAIT_FOR_ROOM_S = 120  # how long a download waits for other processes to unpin shards
 INDEX_PARTS = ("offsets", "shapes")
 
@@ -185,23 +190,33 @@ class ShardCache:
         parts = self._reserve(missing, rank)
         if parts is None:
             return False
+        renamed = False
         try:
             for entry, part in zip(missing, parts):
                 rem.fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part)
                 with self._guard:
                     self.downloaded += entry.size_bytes
-            with open(self.root / ACCOUNTING, "ab") as accounting:
-                flock(accounting)  # not while another process counts: it would see neither name, or both
+            with self._accounting() as ledger:  # not while another process counts: it would see neither name, or both
                 for entry, part in zip(missing, parts):
                     os.replace(part.name, self.root / entry.path)
+                renamed = True
+                ledger.add(0, k)
         finally:
             for part in parts:
                 part.close()
-                try:
-                    os.unlink(part.name)
-                except FileNotFoundError:
-                    pass
+            if not renamed:  # what was reserved and not renamed into place leaves the ledger
+                with self._accounting() as ledger:
+                    for entry, part in zip(missing, parts):
+                        try:
+                            os.unlink(part.name)
+                            ledger.add(-entry.size_bytes)
+                        except FileNotFoundError:
+                            pass
         return True
+
+    def _accounting(self) -> _Ledger:
+        """The entry's ledger, held (an exclusive flock) by one thread of one process at a time."""
+        return _Ledger(self)
 
     def _reserve(self, entries: list[fmt.FileEntry], rank: float | None = None) -> list | None:
         """Part files for `entries`, made at their full size (so every process's accounting
@@ -210,10 +225,9 @@ class ShardCache:
         need = sum(e.size_bytes for e in entries)
         deadline = time.monotonic() + WAIT_FOR_ROOM_S
         while True:
-            with open(self.root / ACCOUNTING, "ab") as accounting:
-                flock(accounting)
-                over = 0 if self.limit is None else self.index_bytes + self.usage() + need - self.limit
-                if over <= 0 or self._evict(over, rank):
+            with self._accounting() as ledger:
+                if self._room(ledger, need, rank):
+                    ledger.add(need)
                     return [_part(self.root / e.path, e.size_bytes) for e in entries]
             if rank is not None:
                 return None
@@ -227,6 +241,19 @@ class ShardCache:
                 raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
                                   f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
             time.sleep(0.05)
+
+    def _room(self, ledger: _Ledger, need: int, rank: float | None) -> bool:
+        """Whether `need` more bytes fit the limit, once eviction made room. The ledger may count
+        part files of killed processes: before saying no, it is counted again from the files."""
+        if self.limit is None:
+            return True
+        for recount in (False, True):
+            if recount:
+                ledger.recount()
+            over = self.index_bytes + ledger.used + need - self.limit
+            if over <= 0 or self._evict(over, rank, ledger):
+                return True
+        return False
 
     def usage(self) -> int:
         """Bytes of the entry's data files and part files, its index files aside (a dead
@@ -247,14 +274,13 @@ class ShardCache:
                     total += _size(item)
         return total
 
-    def _evict(self, over: int, rank: float | None = None) -> bool:
+    def _evict(self, over: int, rank: float | None, ledger: _Ledger) -> bool:
         """Remove unpinned shards, then this process's soft pins, farthest next use first
         (for a fetch ahead at `rank`, only those used after it), until `over` bytes are freed."""
         next_use = self.next_use or (lambda j: float("inf"))
         with self._guard:
             mine, soft = set(self._pins), set(self._soft)
-        present = [j for j in range(len(self.bulk)) if j not in mine and any(
-            (self.root / e.path).exists() for e in self.bulk[j])]
+        present = [j for j in ledger.present() if j not in mine]
 
         def age(j):
             try:
@@ -272,13 +298,86 @@ class ShardCache:
                     continue  # another process reads it
                 for entry in self.bulk[j]:
                     try:
-                        over -= (self.root / entry.path).stat().st_size
+                        size = (self.root / entry.path).stat().st_size
                         os.unlink(self.root / entry.path)
                     except FileNotFoundError:
-                        pass
+                        continue
+                    over -= size
+                    ledger.add(-size)
+                ledger.add(0, j, present=False)
             if over <= 0:
                 return True
         return False
+
+
+class _Ledger:
+    """What the entry holds, kept in its accounting file under an exclusive flock (a context
+    manager): the bytes of its data and part files and which shards are present, updated by
+    each reservation, rename and eviction, so a download costs O(1) and an eviction O(shards
+    present) where counting the files costs O(shards). Counted from the files when it is
+    missing or torn (its checksum), and when it may count a killed process's part files."""
+
+    def __init__(self, cache: ShardCache):
+        self.cache = cache
+        self.fd = os.open(cache.root / ACCOUNTING, os.O_RDWR | os.O_CREAT, 0o644)
+        self._used: int | None = None
+        self._present = None  # a bool per shard
+        self._dirty = False
+
+    def __enter__(self) -> _Ledger:
+        try:
+            flock(self.fd)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if self._dirty:  # one write, its checksum telling a torn one
+                bits = np.packbits(self._present).tobytes()
+                head = b"%020d" % self._used
+                os.pwrite(self.fd, head + b" " + _digest(head + bits) + b"\n" + bits, 0)
+        finally:
+            os.close(self.fd)
+
+    def _read(self) -> None:
+        n = len(self.cache.bulk)
+        data = os.pread(self.fd, LEDGER_HEAD + (n + 7) // 8, 0)
+        head, digest, bits = data[:20], data[21:LEDGER_HEAD - 1], data[LEDGER_HEAD:]
+        if len(data) == LEDGER_HEAD + (n + 7) // 8 and head.isdigit() and digest == _digest(head + bits):
+            self._used = int(head)
+            self._present = np.unpackbits(np.frombuffer(bits, np.uint8), count=n).astype(bool)
+        else:
+            self.recount()
+
+    @property
+    def used(self) -> int:
+        if self._used is None:
+            self._read()
+        return self._used
+
+    def present(self) -> list[int]:
+        if self._present is None:
+            self._read()
+        return np.flatnonzero(self._present).tolist()
+
+    def add(self, nbytes: int, shard: int | None = None, present: bool = True) -> None:
+        """`nbytes` more (or fewer) in the entry; shard `shard` now present or not."""
+        self._used = max(self.used + nbytes, 0)
+        if shard is not None:
+            self._present[shard] = present
+        self._dirty = True
+
+    def recount(self) -> None:
+        self._used = self.cache.usage()
+        self._present = np.array([any((self.cache.root / e.path).exists() for e in files)
+                                  for files in self.cache.bulk], dtype=bool).reshape(-1)
+        self._dirty = True
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=8).hexdigest().encode()
 
 
 def _whole(path: Path, size: int) -> bool:

@@ -208,6 +208,37 @@ def test_ranks_on_separate_caches_each_fetch_their_part_of_the_epoch(s3, built, 
     assert len(seen) == len(set(seen)) and len(local) - len(seen) < 3 * 8
 
 
+def test_the_cache_ledger_torn_or_counting_a_dead_process_is_counted_again_from_the_files(s3, built, tmp_path):
+    """The ledger (bytes and shards present, in the accounting file) spares each download a
+    count of every shard's files; a torn one, or one still counting part files of a killed
+    process, must be counted again from the files, not shrink the cache or break the limit."""
+    from packer.dataset.cache import ACCOUNTING
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    total, cache = _shard_bytes(built["images"]), tmp_path / "ledger"
+    limit = total * 2 // 5
+    ds, local = MMapDataset(url, cache_dir=cache, cache_limit=limit), MMapDataset(built["images"])
+    keys = [k for b in Loader(local, 8, shuffle=False) for k in b["key"]]
+
+    def epoch():
+        got = [k for b in Loader(ds, 8, shuffle=False) for k in b["key"]]
+        assert got == keys and _bytes_on_disk(cache) <= limit
+    epoch()
+    shards = ds.reader.cache
+    with shards._accounting() as ledger:
+        assert ledger.used == shards.usage() > 0 and ledger.present()
+        ledger.add(limit)  # a killed process's reservation, never renamed nor removed
+    epoch()
+    with shards._accounting() as ledger:
+        assert ledger.used == shards.usage()
+    accounting = next(cache.rglob(ACCOUNTING))
+    accounting.write_bytes(accounting.read_bytes()[:30] + b"torn")
+    epoch()
+    with shards._accounting() as ledger:
+        assert ledger.used == shards.usage()
+
+
 def test_too_small_a_cache_limit_is_refused_saying_what_it_needs(s3, built, tmp_path):
     url = _url(tmp_path, "images")
     assert main(["push", str(built["images"]), url]) == 0
