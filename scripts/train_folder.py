@@ -3,6 +3,10 @@ train a small CNN from `Loader`, saving the model and the loader's state, so tha
 stopped goes on with the next batch when started again. Runs on a GPU when there is one.
 
     python scripts/train_folder.py RAW [--out DIR] [--epochs 2] [--image-size 64] [--batch-size 32]
+
+`--on-the-fly` trains the same model the way most scripts do instead: a DataLoader whose workers
+decode and resize every image of every epoch (an ImageFolder-like dataset, no packing, no
+resume). `bench doctor -- python scripts/train_folder.py RAW --on-the-fly` says why that waits.
 """
 
 from __future__ import annotations
@@ -26,6 +30,50 @@ def small_cnn(num_classes: int) -> torch.nn.Module:
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, num_classes))
 
 
+class Folder(torch.utils.data.Dataset):
+    """RAW/<class>/<image> decoded and resized per sample, as torchvision's ImageFolder with a
+    Resize: `root`, `classes` and `samples` (path, class index) as it names them."""
+
+    def __init__(self, root: Path, image_size: int):
+        self.root, self.image_size = str(root), image_size
+        self.classes = sorted(d.name for d in Path(root).iterdir() if d.is_dir())
+        self.samples = [(str(f), k) for k, c in enumerate(self.classes) for f in sorted((Path(root) / c).iterdir())
+                        if f.is_file()]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        from PIL import Image
+
+        path, label = self.samples[i]
+        with Image.open(path) as img:
+            img = img.convert("RGB").resize((self.image_size, self.image_size))
+        return {"image": torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(
+            self.image_size, self.image_size, 3), "label": label}
+
+
+def on_the_fly(args) -> int:
+    ds = Folder(args.raw, args.image_size)
+    loader = torch.utils.data.DataLoader(ds, args.batch_size, shuffle=True, num_workers=args.workers)
+    model = small_cnn(len(ds.classes))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    steps = 0
+    for epoch in range(args.epochs):
+        total, count = 0.0, 0
+        for batch in loader:
+            loss = F.cross_entropy(model(random_flip(normalize(batch["image"]))), batch["label"])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            steps += 1
+            total, count = total + loss.item(), count + 1
+            if steps == args.stop_after:
+                return 0
+        print(f"epoch {epoch}: {count} steps, mean loss {total / max(count, 1):.3f}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("raw", type=Path, help="image folder: RAW/<class>/<image>")
@@ -34,7 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image-size", type=int, default=64)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this many steps (as if preempted)")
+    ap.add_argument("--on-the-fly", action="store_true", help="decode every image every epoch in DataLoader "
+                    "workers instead of packing once (what bench doctor should find waiting)")
+    ap.add_argument("--workers", type=int, default=2, help="DataLoader workers with --on-the-fly")
     args = ap.parse_args(argv)
+    if args.on_the_fly:
+        return on_the_fly(args)
     out = args.out or args.raw.with_name(args.raw.name + ".mmpack")
     if not (out / "manifest.json").exists():
         if packer(["build", str(args.raw), str(out), "--image-size", str(args.image_size)]) != 0:

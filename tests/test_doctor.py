@@ -18,10 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "tools" / "doctor_train.py"
 
 
-def _doctor(tmp_path, *args, steps: int = 12) -> tuple[dict, subprocess.CompletedProcess]:
+def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", str(steps), "--json", str(out), "--",
-                           "python", str(SCRIPT), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "python", str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc
 
@@ -88,3 +88,21 @@ def test_busy_workers_are_counted_with_their_cpu(tmp_path):
     procs = report["processes"]
     assert procs["worker_processes"] == 2 and procs["cpu_s_workers"] > 0 and procs["worker_cpu_busy"] > 0.4
     assert report["verdict"].startswith("data-bound") and "% CPU each" in report["verdict"]
+
+
+def test_an_image_folder_decoded_on_the_fly_is_told_to_pack_and_packed_the_verdict_flips(tmp_path):
+    """scripts/train_folder.py the way most scripts train (DataLoader workers decoding every
+    image) against the same images packed: the first fix named is packing, with the rate
+    measured on a sample of the folder's files, and the packed run is no longer data-bound."""
+    from bench import data
+
+    raw = data.make_image_folders(tmp_path / "raw", 160, seed=2, max_side=400)
+    train = ROOT / "scripts" / "train_folder.py"
+    args = (raw, "--image-size", 32, "--batch-size", 16)
+    report, proc = _doctor(tmp_path, *args, "--on-the-fly", script=train)
+    assert report["verdict"].startswith("data-bound"), report["verdict"]
+    first = report["fixes"][0]
+    assert first["fix"].startswith("pack the data") and first["how"].startswith("measured") and first["gain"] > 3
+    assert report["packed"]["files"] == 160 and report["packed"]["image_size"] == 32 and first["fix"] in proc.stdout
+    report, _ = _doctor(tmp_path, *args, "--out", tmp_path / "packed", script=train)
+    assert report["verdict"].startswith("compute-bound"), report["verdict"]
