@@ -342,10 +342,17 @@ def test_the_resume_contract_holds_over_urls_through_a_limited_cache(s3, built, 
     test_resume_contract.test_resume_in_a_fresh_process_goes_on_with_the_next_batch(urls, reader)
 
 
+@pytest.mark.parametrize("ranged", [False, True], ids=["whole GETs", "ranged GETs"])
 def test_resets_503s_pauses_and_flipped_bytes_on_the_wire_are_retried_to_the_local_batches(s3, built, tmp_path,
-                                                                                          monkeypatch):
+                                                                                          monkeypatch, ranged):
+    """Ranged: every file over 16 KB comes in ranges fetched at once (what a large shard's
+    files do), each range a request the proxy may break."""
+    from packer.dataset import remote
+
     from ..faulty_proxy import FaultyProxy
 
+    if ranged:
+        monkeypatch.setattr(remote, "RANGE_BYTES", 16384)
     url = _url(tmp_path, "images")
     assert main(["push", str(built["images"]), url]) == 0
     faults = ["reset", "503", "slow", "flip", "503", "reset", "flip", "slow"]
