@@ -5,7 +5,7 @@ epochs (the cache full), time to first batch; bytes downloaded per epoch at cach
 The block order reads within a window of 8,192 positions, more than the photo crops' dataset
 holds, so its rows (25% of the dataset, and 4 ranks) use a dataset of many 16 px images.
 
-The store is a SeaweedFS server started on loopback (`bench.s3server`), or `--url` with the
+The store is a SeaweedFS server started on loopback (`bench.stores`), or `--url` with the
 standard AWS environment. On loopback the network is memory: the figures say what the cache
 and the fetch ahead cost, not what a real link gives.
 """
@@ -68,7 +68,7 @@ def bench_remote(args) -> dict:
     from packer.cli import main as packer
     from packer.dataset.remote import DOWNLOADS
 
-    from .s3server import KEY, SECRET, s3_server
+    from .stores import KEY, SECRET, s3_server
 
     work = args.work or Path(tempfile.mkdtemp(prefix="mmpack-bench-remote-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,6 @@
-"""Datasets in object storage (`s3://bucket/prefix`, AWS or any S3-compatible endpoint): `push` a
-finished dataset dir, `pull` one, and `materialize` one into a node-local cache for readers.
+"""Datasets in object storage (`s3://bucket/prefix`, AWS or any S3-compatible endpoint, or
+`az://container/prefix`, Azure Blob Storage): `push` a finished dataset dir, `pull` one, and
+`materialize` one into a node-local cache for readers.
 
 The object layout is the dataset dir's own (FORMAT.md): every file the manifest lists under its
 generation dirs, the generation's copy of the manifest, and `manifest.json` at the prefix, put
@@ -8,10 +9,12 @@ by its size, after a download by the manifest's checksum (fetched once more on a
 an IntegrityError naming the URL), and it lands by rename, so a kill leaves nothing partial that
 a later reader would use. A reader pins the generation of the manifest it read.
 
-Credentials and endpoint are the standard environment: AWS_ENDPOINT_URL (or
+Credentials and endpoint are the standard environment: for s3://, AWS_ENDPOINT_URL (or
 AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-AWS_REGION / AWS_DEFAULT_REGION. The client (obstore, the Rust object_store) is made lazily in
-the process that uses it, never inherited by a fork.
+AWS_REGION / AWS_DEFAULT_REGION; for az://, the client's AZURE_* variables (AZURE_STORAGE_ACCOUNT_NAME
+with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, a managed identity or the Azure CLI;
+AZURE_STORAGE_ENDPOINT and AZURE_ALLOW_HTTP for an emulator). The client (obstore, the Rust
+object_store) is made lazily in the process that uses it, never inherited by a fork.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from packer.dataset.writer import checksum_file
 from packer.errors import ConfigError, IntegrityError
 from packer.system import flock
 
-SCHEMES = ("s3://",)
+SCHEMES = ("s3://", "az://")  # gs:// waits for a GCS server the tests can start (object_store speaks its XML API)
+CREDENTIALS = {"s3://": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS store)",
+               "az://": "set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_TOKEN)"}
 RETRIES = 10
 DOWNLOADS = 8  # files fetched at once: one GET's latency hidden behind the others
 RANGE_BYTES = 32 * 2**20  # a larger file comes in ranges of this size, RANGES at once: a single
@@ -70,36 +75,43 @@ class Remote:
     url: str
 
     @property
+    def scheme(self) -> str:
+        return self.url[:self.url.index("://") + 3]
+
+    @property
     def bucket(self) -> str:
-        return self.url[len("s3://"):].split("/", 1)[0]
+        """The bucket (s3://) or container (az://)."""
+        return self.url[len(self.scheme):].split("/", 1)[0]
 
     @property
     def prefix(self) -> str:
-        rest = self.url[len("s3://"):].split("/", 1)
+        rest = self.url[len(self.scheme):].split("/", 1)
         return rest[1].strip("/") if len(rest) > 1 else ""
 
     def key(self, path: str) -> str:
         return f"{self.prefix}/{path}" if self.prefix else path
 
     def where(self, path: str) -> str:
-        return f"s3://{self.bucket}/{self.key(path)}"
+        return f"{self.scheme}{self.bucket}/{self.key(path)}"
 
     def store(self):
         global _used
         _used = True
         try:
-            from obstore.store import S3Store
+            from obstore.store import AzureStore, S3Store
         except ImportError:
-            raise ConfigError("s3:// datasets need obstore: pip install 'mmpack[remote]'") from None
+            raise ConfigError(f"{self.scheme} datasets need obstore: pip install 'mmpack[remote]'") from None
+        if not self.bucket:
+            raise ConfigError(f"{self.url}: no bucket ({self.scheme}BUCKET/PREFIX)")
+        # timeouts, resets and 5xx retried with exponential backoff and full jitter (the client's own)
+        retry = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=3),
+                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
+        if self.scheme == "az://":  # account, key or token, endpoint: the client's AZURE_* environment
+            return AzureStore(self.bucket, retry_config=retry)
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         extra = {"endpoint": endpoint, "allow_http": endpoint.startswith("http://"),
                  "virtual_hosted_style_request": False} if endpoint else {}
-        if not self.bucket:
-            raise ConfigError(f"{self.url}: no bucket (s3://BUCKET/PREFIX)")
-        # timeouts, resets and 5xx retried with exponential backoff and full jitter (the client's own)
-        retry = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=3),
-                 "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
         return S3Store(self.bucket, region=region, retry_config=retry, **extra)
 
 
@@ -119,8 +131,7 @@ def _errors(remote: Remote, what: str):
                 raise IntegrityError(f"{remote.url}: {what}: not found ({text})") from None
             if "PermissionDenied" in name or "Unauthenticated" in name or any(
                     s in text for s in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")):
-                raise ConfigError(f"{remote.url}: {what}: access denied; set AWS_ACCESS_KEY_ID and "
-                                  "AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS store)") from None
+                raise ConfigError(f"{remote.url}: {what}: access denied; {CREDENTIALS[remote.scheme]}") from None
             if isinstance(exc, OSError) or "Generic" in name or "Error" in name:
                 raise ConfigError(f"{remote.url}: {what}: {text}") from None
             return False

@@ -19,7 +19,7 @@ from packer.cli import main
 from packer.dataset import format as fmt
 from packer.errors import ConfigError, IntegrityError
 
-from bench.s3server import KEY, SECRET, s3_server
+from bench.stores import KEY, SECRET, s3_server
 from ..trees import tree
 
 pytest.importorskip("obstore")

