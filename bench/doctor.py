@@ -254,18 +254,27 @@ def _per_sample(loader) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
-def _more_workers(loader, share: float) -> dict | None:
-    """A data-bound DataLoader with fewer workers than cores: the same loader with one worker a
-    core, measured alone, so the fix it suggests comes with its measured gain."""
+def _workers_sweep(loader, share: float) -> list[dict] | None:
+    """A data-bound DataLoader: the same dataset alone with 1, 2, 4, ... workers up to the cores,
+    then the best count with prefetch_factor=4, so the fixes it suggests come with measured rates."""
     import torch
 
     cores = os.cpu_count() or 1
     if share <= DATA_BOUND or not isinstance(loader, torch.utils.data.DataLoader) or loader.num_workers >= cores \
             or loader.batch_size is None or isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return None
-    wider = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
-                                        num_workers=cores, collate_fn=loader.collate_fn, drop_last=loader.drop_last)
-    return {"num_workers": cores, **_ceiling(wider)}
+
+    def alone(workers: int, prefetch: int | None = None) -> dict:
+        clone = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
+                                            num_workers=workers, collate_fn=loader.collate_fn,
+                                            drop_last=loader.drop_last, prefetch_factor=prefetch)
+        return {"num_workers": workers, "prefetch_factor": prefetch, **_ceiling(clone)}
+    counts = sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)} | {cores})
+    runs = [alone(n) for n in counts if n > loader.num_workers]
+    best = max((r for r in runs if r.get("samples_per_s")), key=lambda r: r["samples_per_s"], default=None)
+    if best is not None:
+        runs.append(alone(best["num_workers"], 4))
+    return runs
 
 
 PACK_SAMPLE = 512  # files of an image folder packed to measure what packing gives
@@ -306,11 +315,17 @@ def _packed(loader) -> dict | None:
         return {"error": f"{type(exc).__name__}: {exc}"[:200]}
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _report(w: Watch, *, ceiling: bool) -> dict:
     main = w.main()
     wall = time.perf_counter() - w.started
     loop = sum(main["waits"]) + sum(main["steps"]) if main else wall  # the watched loop, before the measures below
-    out = {"batches": w.batches(), "wall_s": wall,
+    out = {"batches": w.batches(), "wall_s": wall, "cuda": _cuda(),
            "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count(),
            "processes": w.processes.report(loop) if w.processes else None}
     if main is None:
@@ -329,7 +344,9 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
                 "per_step": [{"wait_ms": 1e3 * a, "step_ms": 1e3 * b} for a, b in zip(main["waits"][1:], steps)],
                 "per_sample": _per_sample(loader)})
     out["loader_alone"] = _ceiling(loader) if ceiling else None
-    out["more_workers"] = _more_workers(loader, share) if ceiling else None
+    out["workers_sweep"] = _workers_sweep(loader, share) if ceiling else None
+    rated = [r for r in out["workers_sweep"] or [] if r.get("samples_per_s") and r["prefetch_factor"] is None]
+    out["more_workers"] = max(rated, key=lambda r: r["samples_per_s"], default=None)
     out["packed"] = _packed(loader) if ceiling and share > DATA_BOUND else None
     out["verdict"], out["fixes"] = _verdict(out)
     return out
@@ -354,7 +371,7 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
             fixes.append({"fix": f"num_workers={wider['num_workers']} (now {workers})",
                           "expected": f"{wider['samples_per_s'] / alone:.1f}x the data rate "
                                       f"({wider['samples_per_s']:,.0f} samples/s alone)",
-                          "how": "measured: the same loader with that many workers, alone",
+                          "how": "measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
                           "gain": wider["samples_per_s"] / alone})
         elif workers < cores:
             gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
@@ -370,8 +387,14 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
             fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
                           "expected": f"no decode per sample: {ps['getitem_ms']:.2f} ms of __getitem__ a sample gone",
                           "how": "estimated from the measured __getitem__; bench loaders measures it on sample data"})
-        if not ps.get("pin_memory"):
-            fixes.append({"fix": "pin_memory=True", "expected": "faster host-to-GPU copies on CUDA",
+        deeper = next((x for x in r.get("workers_sweep") or [] if x.get("prefetch_factor") and x.get("samples_per_s")),
+                      None)
+        if deeper and wider.get("samples_per_s") and deeper["samples_per_s"] > 1.1 * wider["samples_per_s"] and alone:
+            fixes.append({"fix": f"prefetch_factor=4 with num_workers={deeper['num_workers']}",
+                          "expected": f"{deeper['samples_per_s'] / alone:.1f}x the data rate",
+                          "how": "measured: the same loader so, alone", "gain": deeper["samples_per_s"] / alone})
+        if not ps.get("pin_memory") and r.get("cuda"):
+            fixes.append({"fix": "pin_memory=True", "expected": "faster host-to-GPU copies",
                           "how": "estimated"})
     why = (f"; __getitem__ takes {ps['getitem_ms']:.2f} ms a sample and the collate "
            f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""

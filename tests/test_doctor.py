@@ -5,6 +5,7 @@ in-process `watch` for loops that are not a script."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def test_a_data_bound_script_is_told_so_with_the_wait_its_sleeps_imply(tmp_path)
     assert report["loader_alone"]["samples_per_s"] > 0 and report["model_samples_per_s"] > 0
     more = next(f for f in report["fixes"] if "num_workers" in f["fix"])  # measured, with workers on every core
     assert more["how"].startswith("measured") and report["more_workers"]["samples_per_s"] > 1.3 * report["loader_alone"]["samples_per_s"]
+    cores = os.cpu_count() or 1  # the sweep: 1, 2, 4, ... workers up to the cores, then the best with prefetch_factor=4
+    sweep = report["workers_sweep"]
+    assert [x["num_workers"] for x in sweep[:-1]] == sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)})
+    assert sweep[-1]["prefetch_factor"] == 4 and all(x["samples_per_s"] > 0 for x in sweep)
+    if not torch.cuda.is_available():  # nothing to pin for
+        assert not any("pin_memory" in f["fix"] for f in report["fixes"])
 
 
 def test_a_compute_bound_script_is_told_so(tmp_path):
