@@ -271,10 +271,16 @@ def _workers_sweep(loader, share: float) -> list[dict] | None:
         return {"num_workers": workers, "prefetch_factor": prefetch, **_ceiling(clone)}
     counts = sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)} | {cores})
     runs = [alone(n) for n in counts if n > loader.num_workers]
-    best = max((r for r in runs if r.get("samples_per_s")), key=lambda r: r["samples_per_s"], default=None)
+    best = _best(runs)
     if best is not None:
         runs.append(alone(best["num_workers"], 4))
     return runs
+
+
+def _best(runs: list[dict] | None) -> dict | None:
+    """The fastest of the sweep's runs at the default prefetch_factor."""
+    rated = [r for r in runs or [] if r.get("samples_per_s") and r.get("prefetch_factor") is None]
+    return max(rated, key=lambda r: r["samples_per_s"], default=None)
 
 
 PACK_SAMPLE = 512  # files of an image folder packed to measure what packing gives
@@ -345,8 +351,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
                 "per_sample": _per_sample(loader)})
     out["loader_alone"] = _ceiling(loader) if ceiling else None
     out["workers_sweep"] = _workers_sweep(loader, share) if ceiling else None
-    rated = [r for r in out["workers_sweep"] or [] if r.get("samples_per_s") and r["prefetch_factor"] is None]
-    out["more_workers"] = max(rated, key=lambda r: r["samples_per_s"], default=None)
+    out["more_workers"] = _best(out["workers_sweep"])
     out["packed"] = _packed(loader) if ceiling and share > DATA_BOUND else None
     out["verdict"], out["fixes"] = _verdict(out)
     return out

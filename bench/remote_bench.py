@@ -12,6 +12,7 @@ and the fetch ahead cost, not what a real link gives.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -94,8 +95,8 @@ def bench_remote(args) -> dict:
         stack.callback(shutil.rmtree, caches, True)
         fresh = iter(range(10**6))
 
-        def opened(limit=None):
-            return MMapDataset(url, cache_dir=caches / str(next(fresh)), cache_limit=limit)
+        def opened(limit=None, where=url):  # a fresh cache each: what a node that never read it downloads
+            return MMapDataset(where, cache_dir=caches / str(next(fresh)), cache_limit=limit)
 
         raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
         _say(f"raw GET rate {raw_rate / 1e6:,.0f} MB/s")
@@ -129,9 +130,7 @@ def bench_remote(args) -> dict:
                 r, args.block_samples, seed=1, min_side=16, max_side=48), ["--image-size", "16", "--shard-size", "64KB"])
             small = MMapDataset(small_out)
             packer(["push", str(small_out), url + "-small"])
-
-            def opened_small(limit=None):
-                return MMapDataset(url + "-small", cache_dir=caches / str(next(fresh)), cache_limit=limit)
+            opened_small = functools.partial(opened, where=url + "-small")
             limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw))
             ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
     return {"command": "bench remote", "machine": machine(), "url": args.url or "a SeaweedFS server on loopback",

@@ -174,8 +174,8 @@ class Blend:
         def ids(positions) -> np.ndarray:
             source, j = self.at(epoch * self.num_samples + np.asarray(positions, dtype=np.int64))
             own_epoch, pos = np.divmod(j, sizes[source])
-            pairs = np.unique(source * (own_epoch.max(initial=0) + 1) + own_epoch) if len(source) else []
-            runs = [divmod(int(v), int(own_epoch.max(initial=0)) + 1) for v in pairs]  # (source, its epoch)
+            runs = [(k, e) for k in np.unique(source).tolist()  # (source, its own epoch) the positions hold
+                    for e in np.unique(own_epoch[source == k]).tolist()]
             if order == "random":  # one pass of the Feistel network, a key and a size per sample
                 key = np.empty(len(source), np.uint64)
                 for k, e in runs:

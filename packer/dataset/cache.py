@@ -23,8 +23,9 @@ files come and go per shard. The rules, each for a failure users of peers have m
   A fetch ahead evicts only shards used later than its own, and gives up when that frees too
   little. The bytes held and the shards present are kept in a ledger (`_Ledger`), so neither
   a download nor an eviction counts every shard's files, which on a dataset of many shards
-  took most of a limited cache's time. A reader whose own mapped shards leave no room is refused with the bytes it needs;
-  one that waits on other processes' pins gives up after WAIT_FOR_ROOM_S, saying so.
+  took most of a limited cache's time. A reader whose own mapped shards leave no room is
+  refused with the bytes it needs; one that waits on other processes' pins gives up after
+  WAIT_FOR_ROOM_S, saying so.
 - Only the files the manifest lists, under the entry's own dir, are ever removed: a local
   dataset is never a cache.
 """
