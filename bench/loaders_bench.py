@@ -202,7 +202,7 @@ def bench_loaders(args) -> dict:
     r = run(f"mmpack Loader over a Mixture of 3 datasets, default ({loader.num_threads} threads)", "mmpack",
             lambda: loader, lambda b: len(b["label"]), mmpack_conv, files, threads=loader.num_threads)
     if "samples_per_s" in r and "samples_per_s" in single:  # the share, from passes of the two alternated
-        from .ab_mixture import alternated
+        from .measure import alternated
 
         shares = alternated(Loader(ds, bs), loader, rounds=5)
         r.update(of_one_source_pct=100 * statistics.median(shares), of_one_source_range_pct=[100 * min(shares),

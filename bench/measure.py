@@ -244,6 +244,31 @@ def _one_pass(make_iter, count_of, limit) -> tuple[int, float, float]:
     return n, time.perf_counter() - start, first or 0.0
 
 
+# -- two loaders compared in one run -------------------------------------------------------
+def best_rate(loader, passes: int = 4) -> float:
+    """Images/s of the best of `passes` passes of `loader`."""
+    best = 0.0
+    for _ in range(passes):
+        start = time.perf_counter()
+        n = sum(len(b["label"]) for b in loader)
+        best = max(best, n / (time.perf_counter() - start))
+    return best
+
+
+def alternated(one, other, rounds: int, say=None) -> list[float]:
+    """`other`'s rate over `one`'s (Loaders), each the best of 4 passes, in `rounds` rounds that
+    alternate them: a shared machine's load moves both alike, where two rows timed minutes
+    apart differ by more than the gap measured."""
+    best_rate(one), best_rate(other)  # first maps, allocations
+    shares = []
+    for r in range(rounds):
+        a, b = best_rate(one), best_rate(other)
+        shares.append(b / a)
+        if say:
+            say(f"round {r}: {a:,.0f} images/s, then {b:,.0f} = {100 * b / a:.0f}%")
+    return shares
+
+
 # -- stall diagnosis -------------------------------------------------------------------------
 def _busy(seconds: float) -> None:
     end = time.perf_counter() + seconds
