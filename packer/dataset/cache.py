@@ -259,7 +259,11 @@ class ShardCache:
     def usage(self) -> int:
         """Bytes of the entry's data files and part files, its index files aside (a dead
         writer's part files removed)."""
-        total = 0
+        return self._count()[0]
+
+    def _count(self) -> tuple[int, np.ndarray]:
+        """`usage()` and whether each shard has any data file, from one listing of each shard dir."""
+        total, present = 0, np.zeros(len(self.bulk), dtype=bool)
         for k in range(len(self.bulk)):
             try:
                 entries = list(os.scandir(self.shard_dir(k)))
@@ -269,11 +273,12 @@ class ShardCache:
             for item in entries:
                 if item.name in names:
                     total += _size(item)
+                    present[k] = True
                 elif ".part-" in item.name:
                     if _abandoned(item.path):
                         continue
                     total += _size(item)
-        return total
+        return total, present
 
     def _evict(self, over: int, rank: float | None, ledger: _Ledger) -> bool:
         """Remove unpinned shards, then this process's soft pins, farthest next use first
@@ -371,9 +376,7 @@ class _Ledger:
         self._dirty = True
 
     def recount(self) -> None:
-        self._used = self.cache.usage()
-        self._present = np.array([any((self.cache.root / e.path).exists() for e in files)
-                                  for files in self.cache.bulk], dtype=bool).reshape(-1)
+        self._used, self._present = self.cache._count()
         self._dirty = True
 
 

@@ -260,8 +260,6 @@ def _get_ranges(obs, store, key: str, f, size: int, digest) -> None:
     """The object's bytes written at their offsets in `f`, RANGES ranged GETs at once, then
     hashed in order from the file (the page cache), `f` left at its end. A range that comes
     back short leaves bytes that fail the checksum, as a torn stream does."""
-    from concurrent.futures import ThreadPoolExecutor
-
     def one(start: int) -> None:
         data = obs.get_range(store, key, start=start, end=min(start + RANGE_BYTES, size))
         os.pwrite(f.fileno(), memoryview(data), start)
