@@ -1,7 +1,7 @@
 """`bench`: measured comparisons, one run each, as a table, `--json PATH` and `--plot PATH.png`.
 
     bench loaders  every loader on the same data vs the on-the-fly baseline, peers and memcpy
-    bench sweep    DataLoader workers / Loader threads x batch size: throughput and stall, a plot
+    bench sweep    DataLoader workers / Loader threads x batch size: throughput and the doctor's wait share, a plot
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
     bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
     bench sampler  opening an order over 1e6..1e10 samples: time and memory
@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                          "CUDA when there is one) instead of --step-ms")
     stall_args(lo, None)
 
-    sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput and stall fraction")
+    sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput, and the share of a loop with a stand-in step "
+                        "spent waiting (bench doctor's measure)")
     common(sw, 2000, 0)
     sw.add_argument("--workers-list", type=_ints, default=[0, 1, 2, 4])
     sw.add_argument("--threads-list", type=_ints, default=sorted({1, 2, cores}))

@@ -4,6 +4,7 @@
     with bench.doctor.watch(loader) as w:   # a loop that is not a script
         for batch in loader: ...
     print(w.report()["verdict"])
+    bench.stall(loader, step_ms=20)         # a loop with a stand-in step of 20 ms: the same figures
 
 The script runs unmodified in a child process (nothing of mmpack imported by it), with every
 `torch.utils.data.DataLoader` and mmpack `Loader` it iterates watched: how long each `next()`
@@ -11,6 +12,10 @@ blocks (waiting for data) and how long the script works between batches (the ste
 `--steps` batches, or when the script ends or fails, the loader it iterated most is measured
 alone for a few batches (its ceiling without the model), and for a map-style dataset the cost of
 one `__getitem__` and of the collate. A partial run still gives its report.
+
+`stall(loader, step_ms)` times the same way a loop with a stand-in step (a sleep, as while a GPU
+works; a spin, as a CPU-bound step; or a real step): what `bench loaders --step-ms` and `bench
+sweep` report for each loader on the sample data.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -106,12 +112,12 @@ def _descendants(pid: int) -> list[int]:
 class Watch:
     """The waits and steps of the loaders iterated while it is active."""
 
-    def __init__(self, steps: int | None = None):
+    def __init__(self, steps: int | None = None, *, processes: bool = True):
         self.steps, self.by_loader = steps, {}
         self.started = time.perf_counter()
         self.cpu_started = time.process_time()
         self.error: str | None = None
-        self.processes = Processes() if Path("/proc/self/stat").exists() else None
+        self.processes = Processes() if processes and Path("/proc/self/stat").exists() else None
 
     def iterate(self, loader, it):
         """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
@@ -206,6 +212,11 @@ def _stats(values: list[float]) -> dict:
     ordered = sorted(values)
     return {"n": len(values), "total_s": sum(values), "p50_ms": 1e3 * ordered[len(ordered) // 2],
             "p95_ms": 1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]}
+
+
+def _share(wait: float, work: float) -> float:
+    """The share of the loop spent waiting for the next batch."""
+    return wait / (wait + work) if wait + work > 0 else 0.0
 
 
 def _ceiling(loader, batches: int = CEILING_BATCHES) -> dict:
@@ -339,7 +350,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
         return out
     waits, steps = main["waits"][1:], main["steps"]  # the first wait is the loader's start-up
     wait, work = sum(waits), sum(steps)
-    share = wait / (wait + work) if wait + work > 0 else 0.0
+    share = _share(wait, work)
     batches = len(main["waits"])
     per_batch = main["samples"] / batches if batches else 0
     model_rate = per_batch * len(steps) / work if work > 0 else None
@@ -439,6 +450,50 @@ def plot(r: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+# -- a loop with a stand-in step ----------------------------------------------------------------
+def _busy(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _epochs(w: Watch, loader: Iterable, again: bool):
+    """`loader`'s batches, watched; `again`: epoch after epoch as training takes them (not an
+    iterator's, nor a loader's that gives none)."""
+    while True:
+        got = False
+        for batch in w.iterate(loader, iter(loader)):
+            got = True
+            yield batch
+        if not (again and got) or isinstance(loader, Iterator):
+            return
+
+
+def stall(loader: Iterable, step_ms: float, *, steps: int | None = None, mode: str = "sleep",
+          step: Callable[[object], None] | None = None, warmup: int = 2) -> dict:
+    """`loader` (any iterable: ours, a DataLoader, a peer's) run as a training loop, with a step
+    of `step_ms` per batch, timed as the doctor times a script: each `next()` a wait, each gap
+    between batches a step; `steps` of them after `warmup` batches (workers starting), else one
+    pass. Mode "sleep" frees the CPU during the step, as while a GPU works; "busy" spins a core,
+    a CPU-bound step; `step(batch)` runs a real one. `wait_share`: waiting over waiting and
+    working; `gpu_util_pct`: the utilisation nvidia-smi would show were the step the GPU's work."""
+    work = step or (lambda _: _busy(step_ms / 1000) if mode == "busy" else time.sleep(step_ms / 1000))
+    w = Watch(processes=False)
+    taken = 0
+    for batch in _epochs(w, loader, again=steps is not None):
+        if steps is not None and taken == warmup + steps:
+            break  # asking for this batch timed the last step
+        work(batch)
+        taken += 1
+    rec = w.main() or {"waits": [], "steps": []}
+    pairs = list(zip(rec["waits"], rec["steps"]))[warmup:]  # the last batch of a pass ended has its step too
+    wait, worked = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+    share = _share(wait, worked)
+    return {"steps": len(pairs), "step_ms": step_ms, "mode": "model" if step else mode, "wait_s": wait,
+            "step_s": worked, "wait_share": share, "wait": _stats([a for a, _ in pairs]),
+            "gpu_util_pct": 100 * (1 - share) if pairs else None}
 
 
 # -- running a script -------------------------------------------------------------------------

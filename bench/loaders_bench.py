@@ -19,7 +19,8 @@ import torch
 
 from . import data, peers
 from .peers import MP_CONTEXT
-from .measure import MachineLoad, MemcpyLimit, dir_bytes, files_under, first_pass_rate, measure, stall
+from .doctor import DATA_BOUND, stall
+from .measure import MachineLoad, MemcpyLimit, dir_bytes, files_under, first_pass_rate, measure
 
 PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
 
@@ -359,12 +360,14 @@ def bench_sweep(args) -> dict:
         for t in args.threads_list:
             make = lambda t=t, bs=bs: Loader(ds, bs, num_threads=t)  # noqa: E731
             points.append(_point("mmpack Loader", "threads", t, bs, make, args))
-    # the batch size is the training's choice: the best loader setting for each one
+    # the batch size is the training's choice: the best loader setting for each one, said as the doctor says it
     best = {bs: min((p for p in points if p["batch_size"] == bs),
-                    key=lambda p: (round(p["stall_fraction"], 2), -p["samples_per_s"])) for bs in args.batch_sizes}
+                    key=lambda p: (round(p["wait_share"], 2), -p["samples_per_s"])) for bs in args.batch_sizes}
     rec = "recommendation: " + "; ".join(
-        f"batch {bs}: {p['system']} with {p['axis']}={p['value']} ({p['samples_per_s']:,.0f} samples/s, waits "
-        f"{100 * p['stall_fraction']:.0f}% of a {args.step_ms:g} ms step)" for bs, p in best.items())
+        f"batch {bs}: {p['system']} with {p['axis']}={p['value']}, "
+        f"{'data-bound' if p['wait_share'] > DATA_BOUND else 'compute-bound'}: {100 * p['wait_share']:.0f}% of the "
+        f"loop waiting (p95 {p['wait_p95_ms']:.1f} ms) with a {args.step_ms:g} ms step; {p['samples_per_s']:,.0f} "
+        "samples/s alone" for bs, p in best.items())
     return {"command": "bench sweep", "machine": machine(), "load": load.report(), "step_ms": args.step_ms, "points": points,
             "recommendation": rec, "best": {str(bs): p for bs, p in best.items()}}
 
@@ -374,6 +377,6 @@ def _point(system, axis, value, bs, make, args) -> dict:
     steps = max(3, min(args.stall_steps or 20, 20))
     s = stall(make(), args.step_ms, steps=steps, mode=args.step_mode)
     p = {"system": system, "axis": axis, "value": value, "batch_size": bs, "samples_per_s": r["samples_per_s"],
-         "stall_fraction": s["stall_fraction"], "gpu_util_pct": s["gpu_util_pct"]}
+         "wait_share": s["wait_share"], "wait_p95_ms": s["wait"].get("p95_ms", 0.0), "gpu_util_pct": s["gpu_util_pct"]}
     _progress(p)
     return p

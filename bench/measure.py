@@ -1,6 +1,6 @@
 """How the bench measures: the memcpy limit, timed passes, memory of the whole process tree
-(RSS and PSS from /proc/PID/smaps_rollup), CPU seconds, page-cache eviction for cold runs, and
-the data-stall diagnosis `stall()` that works on any iterable loader."""
+(RSS and PSS from /proc/PID/smaps_rollup), CPU seconds, page-cache eviction for cold runs. How
+long a loop waits for data is the doctor's measure (`bench.doctor.stall`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -267,52 +267,3 @@ def alternated(one, other, rounds: int, say=None) -> list[float]:
         if say:
             say(f"round {r}: {a:,.0f} images/s, then {b:,.0f} = {100 * b / a:.0f}%")
     return shares
-
-
-# -- stall diagnosis -------------------------------------------------------------------------
-def _busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
-def stall(loader: Iterable, step_ms: float, *, steps: int | None = None, mode: str = "sleep",
-          step: Callable[[object], None] | None = None, warmup: int = 2) -> dict:
-    """Run `loader` as a training loop would, with a simulated step of `step_ms` per batch, and
-    report how long the consumer waited for data. Works on any iterable (ours, a DataLoader,
-    a peer's loader).
-
-    mode "sleep" frees the CPU during the step, like a step on the GPU; "busy" spins one core,
-    like a CPU-bound step. `step(batch)` runs a real step (a model on CUDA) instead.
-    Returns wait/step seconds, `stall_fraction` = wait / wall and `gpu_util_pct`, the
-    utilisation nvidia-smi would show if the step were the GPU's only work.
-    """
-    it = iter(loader)
-    for _ in range(warmup):  # worker start-up is not a stall of the steady state
-        if next(it, None) is None:
-            break
-    wait = work = 0.0
-    count = 0
-    start = time.perf_counter()
-    while steps is None or count < steps:
-        t0 = time.perf_counter()
-        batch = next(it, None)
-        if batch is None and steps is not None and not isinstance(loader, Iterator):
-            it = iter(loader)  # a re-iterable loader (DataLoader, Loader): next epoch, as training would
-            batch = next(it, None)  # (an empty one ends the loop here)
-        t1 = time.perf_counter()
-        if batch is None:
-            break
-        wait += t1 - t0
-        if step is not None:
-            step(batch)
-        elif mode == "busy":
-            _busy(step_ms / 1000)
-        else:
-            time.sleep(step_ms / 1000)
-        work += time.perf_counter() - t1
-        count += 1
-    wall = time.perf_counter() - start
-    return {"steps": count, "step_ms": step_ms, "mode": "model" if step else mode, "wait_s": wait, "step_s": work,
-            "wall_s": wall, "stall_fraction": wait / wall if wall else 0.0,
-            "gpu_util_pct": 100 * work / wall if count else None}

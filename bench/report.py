@@ -149,10 +149,10 @@ def packer_table(report: dict) -> str:
 
 
 def sweep_table(report: dict) -> str:
-    lines = [f"{'system':24} {'axis':>8} {'value':>5} {'batch':>6} {'samples/s':>11} {'stall':>6}"]
+    lines = [f"{'system':24} {'axis':>8} {'value':>5} {'batch':>6} {'samples/s':>11} {'waiting':>8} {'wait p95':>9}"]
     for p in report["points"]:
         lines.append(f"{p['system']:24} {p['axis']:>8} {p['value']:>5} {p['batch_size']:>6} "
-                     f"{p['samples_per_s']:>11,.0f} {100 * p['stall_fraction']:>5.0f}%")
+                     f"{p['samples_per_s']:>11,.0f} {100 * p['wait_share']:>7.0f}% {p['wait_p95_ms']:>6.1f} ms")
     lines.append(report["recommendation"])
     if load_line(report.get("load")):
         lines.append(load_line(report["load"]))
@@ -200,12 +200,12 @@ def plot_sweep(report: dict, path: Path) -> None:
         xs = [p["value"] for p in pts]
         label = f"{system}, batch {bs}"
         a.plot(xs, [p["samples_per_s"] for p in pts], marker="o", label=label)
-        b.plot(xs, [100 * p["stall_fraction"] for p in pts], marker="o", label=label)
+        b.plot(xs, [100 * p["wait_share"] for p in pts], marker="o", label=label)
     a.set_yscale("log")
     a.set_xlabel("worker processes (DataLoader) / threads (Loader)")
     a.set_ylabel("images/s")
     b.set_xlabel("worker processes (DataLoader) / threads (Loader)")
-    b.set_ylabel(f"% of wall time waiting for data ({report['step_ms']:g} ms step)")
+    b.set_ylabel(f"% of the loop waiting for data ({report['step_ms']:g} ms step)")
     from matplotlib.ticker import MaxNLocator
 
     for ax in (a, b):

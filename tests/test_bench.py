@@ -36,7 +36,7 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
         rate = r.get("samples_per_s", r.get("tokens_per_s"))
         assert rate > 0 and r["pct_memcpy"] > 0 and r["cold_samples_per_s"] > 0, name
         assert r["peak_rss_mb"] > 0 and r["peak_pss_mb"] > 0 and r["cpu_s_per_1000"] >= 0 and r["disk_bytes"] > 0
-        assert 0 <= r["stall"]["stall_fraction"] <= 1
+        assert 0 <= r["stall"]["wait_share"] <= 1
     assert rows["mmpack Loader, 1 thread(s)"]["x_on_the_fly"] > 0
     default = [r for name, r in rows.items() if name.startswith("mmpack Loader, default (")]
     assert len(default) == 1 and 1 <= default[0]["threads"] <= report["machine"]["cores"]
@@ -88,6 +88,8 @@ def test_bench_sweep_smallest_writes_a_plot_and_a_recommendation(work, tmp_path,
     report = json.loads(out.read_text())
     assert len(report["points"]) == 3 and all(p["samples_per_s"] > 0 for p in report["points"])
     assert report["recommendation"].startswith("recommendation:") and png.read_bytes()[:4] == b"\x89PNG"
+    assert all(0 <= p["wait_share"] <= 1 and p["wait_p95_ms"] >= 0 for p in report["points"])
+    assert "-bound: " in report["recommendation"]  # said as the doctor says it
     assert report["load"]["cores"] >= 1
     table = capsys.readouterr().out
     assert "recommendation:" in table and "machine load" in table
@@ -120,7 +122,7 @@ def test_bench_packer_smallest(work, tmp_path, capsys):
 def test_stall_on_any_iterable():
     slow = ({"x": torch.zeros(2)} for _ in range(6))
     r = bench.stall(slow, step_ms=1, warmup=1)
-    assert r["steps"] == 5 and 0 <= r["stall_fraction"] <= 1 and r["gpu_util_pct"] > 0
+    assert r["steps"] == 5 and 0 <= r["wait_share"] <= 1 and r["gpu_util_pct"] > 0
 
     class Starving:  # data takes 20 ms a batch, the step 1 ms: the consumer mostly waits
         def __iter__(self):
@@ -131,7 +133,32 @@ def test_stall_on_any_iterable():
                 yield 1
 
     r = bench.stall(Starving(), step_ms=1, warmup=0, steps=8)
-    assert r["steps"] == 8 and r["stall_fraction"] > 0.5  # re-iterated for a second epoch
+    assert r["steps"] == 8 and r["wait_share"] > 0.5  # re-iterated for a second epoch
+    assert r["wait"]["p50_ms"] >= 15
+
+
+def test_stall_is_the_doctors_measure_of_a_loop():
+    """A loader whose batches take 10 ms and a 30 ms step: both the doctor's watch over the loop
+    and stall() report about a quarter of it waiting."""
+    import time
+
+    from bench import doctor
+
+    class Paced:
+        def __iter__(self):
+            for _ in range(12):
+                time.sleep(0.01)
+                yield torch.zeros(4)
+
+    loader = Paced()
+    r = bench.stall(loader, step_ms=30, warmup=1, steps=10)
+    w = doctor.Watch(processes=False)
+    for _ in w.iterate(loader, iter(loader)):
+        time.sleep(0.03)
+    watched = w.main()
+    share = sum(watched["waits"][1:]) / (sum(watched["waits"][1:]) + sum(watched["steps"][1:]))
+    assert r["steps"] == 10 and 0.15 < r["wait_share"] < 0.4 and abs(r["wait_share"] - share) < 0.1
+    assert 100 * (1 - r["wait_share"]) == pytest.approx(r["gpu_util_pct"])
 
 
 def test_plot_is_checked_before_the_run_and_offered_only_where_there_is_one(tmp_path, monkeypatch, capsys):
