@@ -31,6 +31,7 @@ ORDERS = ("sequential", "block", "random")
 LIMITS = (1.0, 0.5, 0.1)
 BLOCK_LIMIT = 0.25  # the block order's row, on the dataset of small samples
 RANKS = 4
+ZSTD_LEVEL = 3  # the compressed push's row (packer push --zstd's default)
 
 
 def _say(text: str) -> None:
@@ -122,15 +123,10 @@ def bench_remote(args) -> dict:
             local_rates.append(n / s)
         local_rate = statistics.median(local_rates[1:])
         _say(f"local disk {local_rate:,.0f} images/s")
-        cold, warm, ds = [], [], None
-        for _ in range(args.passes):
-            if ds is not None:  # the last cold pass's files gone: no pass starts behind another's writes
-                shutil.rmtree(ds.root)
+        cold, warm = [], []
+        for p in range(args.passes):  # the last pass's cache kept for the warm ones
             ds = opened()
-            start = time.perf_counter()
-            n, s, first = _epoch(Loader(ds, **loader_kw))
-            cold.append({"samples_per_s": n / s, "bytes_per_s": ds.bytes_downloaded / s, "first_batch_s": first,
-                         "seconds_with_open": time.perf_counter() - start})
+            cold.append(_cold(ds, total, loader_kw, drop=p < args.passes - 1))
         for _ in range(args.passes):
             n, s, _ = _epoch(Loader(ds, **loader_kw))
             warm.append(n / s)
@@ -139,6 +135,10 @@ def bench_remote(args) -> dict:
         warm_shares = alternated(Loader(local, **loader_kw), Loader(ds, **loader_kw), rounds=args.passes + 2)
         _say(f"cold {cold_rate / 1e6:,.0f} MB/s, warm {statistics.median(warm):,.0f} images/s, "
              f"{100 * statistics.median(warm_shares):.0f}% of local disk alternated")
+        packer(["push", str(out), url + "-zstd", "--zstd", str(ZSTD_LEVEL)])
+        zstd = [_cold(opened(where=url + "-zstd"), total, loader_kw, drop=True) for _ in range(args.passes)]
+        _say(f"zstd -{ZSTD_LEVEL} cold {statistics.median(c['bytes_per_s'] for c in zstd) / 1e6:,.0f} MB/s restored, "
+             f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
         limits = [_limited(opened, url, caches, local, share, order, loader_kw) for order in ORDERS for share in LIMITS]
         ranks = [_rank(opened, local, rank, "sequential", loader_kw) for rank in range(RANKS)]
         # block order needs a dataset many times its window (8,192 samples): small samples, in
@@ -157,9 +157,23 @@ def bench_remote(args) -> dict:
             "batch_size": args.batch_size, "downloads_at_once": DOWNLOADS, "push_bytes_per_s": total / push_s,
             "raw_get_bytes_per_s": raw_rate, "raw_get_to_files_bytes_per_s": to_disk, "local_samples_per_s": local_rate,
             "cold": cold, "cold_of_raw_get": cold_rate / raw_rate, "cold_of_raw_get_to_files": cold_rate / to_disk,
+            "zstd_level": ZSTD_LEVEL, "zstd_cold": zstd,
             "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm_shares),
             "warm_of_local_range": [min(warm_shares), max(warm_shares)],
             "limits": limits, "ranks": ranks}
+
+
+def _cold(ds, total: int, loader_kw: dict, drop: bool) -> dict:
+    """One epoch of `ds` from an empty cache: images/s, dataset bytes/s, bytes over the link per
+    second and over the dataset's; `drop`: its files removed after, so that no pass starts
+    behind another's writes."""
+    from loaders import Loader
+
+    n, s, first = _epoch(Loader(ds, **loader_kw))
+    if drop:
+        shutil.rmtree(ds.root)
+    return {"samples_per_s": n / s, "bytes_per_s": total / s, "link_bytes_per_s": ds.bytes_downloaded / s,
+            "link_share": ds.bytes_downloaded / total, "first_batch_s": first}
 
 
 def _limited(opened, url: str, caches: Path, local, share: float, order: str, loader_kw: dict) -> dict:
@@ -211,7 +225,7 @@ def _dir_bytes(root: Path) -> int:
 
 
 def remote_table(r: dict) -> str:
-    cold = r["cold"]
+    cold, zc = r["cold"], r["zstd_cold"]
     lines = [f"{r['images']:,} images in {r['shards']} shards, {r['dataset_bytes'] / 1e6:,.0f} MB, batch {r['batch_size']}, "
              f"from {r['url']} ({r['downloads_at_once']} downloads at once)",
              f"{'':34} {'images/s':>10} {'MB/s':>8} {'first batch s':>13} {'of the limit':>12}",
@@ -224,6 +238,12 @@ def remote_table(r: dict) -> str:
              f"{statistics.median(c['bytes_per_s'] for c in cold) / 1e6:>8,.0f} "
              f"{statistics.median(c['first_batch_s'] for c in cold):>13.3f} {100 * r['cold_of_raw_get']:>11.0f}%  "
              f"({100 * r['cold_of_raw_get_to_files']:.0f}% of the GETs into files)",
+             f"{'remote, zstd -' + str(r['zstd_level']) + ', cold (empty cache)':34} "
+             f"{statistics.median(c['samples_per_s'] for c in zc):>10,.0f} "
+             f"{statistics.median(c['bytes_per_s'] for c in zc) / 1e6:>8,.0f} "
+             f"{statistics.median(c['first_batch_s'] for c in zc):>13.3f} "
+             f"{100 * statistics.median(c['bytes_per_s'] for c in zc) / r['raw_get_bytes_per_s']:>11.0f}%  "
+             f"({statistics.median(c['link_share'] for c in zc):.2f}x the dataset's bytes over the link)",
              f"{'remote, warm (cache full)':34} {r['warm_samples_per_s']:>10,.0f} {'':>8} {'':>13} "
              f"{100 * r['warm_of_local']:>11.0f}%  (alternated with local disk, best of 4 passes a round)",
              "", "cache limit (share of the dataset): bytes downloaded per epoch / the dataset's, epochs 1 and 2",
@@ -254,9 +274,10 @@ def plot_remote(r: dict, path: Path) -> None:
 
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["local disk", "remote cold", "remote warm"]
-    rates = [r["local_samples_per_s"], statistics.median(c["samples_per_s"] for c in r["cold"]), r["warm_samples_per_s"]]
-    a.bar(names, rates, color=["#888", "#c66", "#4a8"])
+    names = ["local disk", "remote cold", f"cold, zstd -{r['zstd_level']}", "remote warm"]
+    rates = [r["local_samples_per_s"], statistics.median(c["samples_per_s"] for c in r["cold"]),
+             statistics.median(c["samples_per_s"] for c in r["zstd_cold"]), r["warm_samples_per_s"]]
+    a.bar(names, rates, color=["#888", "#c66", "#c96", "#4a8"])
     a.set_ylabel("images/s")
     a.set_title(f"Loader, batch {r['batch_size']}")
     rows = [x for x in r["limits"] if "refused" not in x]

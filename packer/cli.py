@@ -151,8 +151,11 @@ def _parser() -> argparse.ArgumentParser:
     sz.add_argument("--json", action="store_true", help="print the figures as JSON")
 
     ps = sub.add_parser("push", help="upload a dataset dir to object storage (s3://BUCKET/PREFIX), the manifest last")
-    ps.add_argument("out", type=Path)
+    ps.add_argument("out", type=Path, help="a dataset dir, or an archive dir (packer pack's): its zstd files pushed")
     ps.add_argument("url")
+    ps.add_argument("--zstd", type=int, nargs="?", const=3, default=None, metavar="LEVEL",
+                    help="push it zstd-compressed (level 3 unless given): fewer bytes over the link, decompressed "
+                         "into each reader's cache")
 
     pl = sub.add_parser("pull", help="download a dataset from object storage, every file verified")
     pl.add_argument("url")
@@ -446,24 +449,28 @@ def _local_or_url(text: str):
 def _cmd_push(args) -> int:
     from packer.dataset.remote import push
 
-    m = push(args.out, args.url)
+    if args.zstd is not None and not 1 <= args.zstd <= 22:
+        raise ConfigError(f"--zstd: {args.zstd} is outside zstd's levels 1..22")
+    m = push(args.out, args.url, zstd=args.zstd)
     samples, size = sum(s.num_samples for s in m.shards), sum(s.size_bytes for s in m.shards)
-    print(f"pushed {args.out} -> {args.url}: {samples:,} samples, {_human_bytes(size)}, the manifest last")
+    packed = " zstd-compressed," if args.zstd is not None or (args.out / "archive.json").is_file() else ""
+    print(f"pushed {args.out} -> {args.url}: {samples:,} samples, {_human_bytes(size)},{packed} the manifest last")
     return 0
 
 
 def _cmd_pull(args) -> int:
     from packer.dataset import format as fmt
     from packer.dataset.outdir import check_out
-    from packer.dataset.remote import pull, read_manifest
+    from packer.dataset.remote import pull, read_published
 
-    m = read_manifest(args.url)
+    published = read_published(args.url)
+    m = published[0]
     mine = Path(args.out) / fmt.MANIFEST_NAME
     if mine.is_file() and fmt.Manifest.from_json(mine.read_text(encoding="utf-8"), where=str(mine)) == m:
         print(f"{args.out} holds {args.url} already (run 'packer verify {args.out}' to re-hash it)")
         return 0
     check_out(args.out, append=False, overwrite=False)
-    m = pull(args.url, args.out, manifest=m)
+    m = pull(args.url, args.out, published=published)
     print(f"pulled {args.url} -> {args.out}: {sum(s.num_samples for s in m.shards):,} samples, every file verified")
     return 0
 

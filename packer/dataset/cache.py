@@ -32,6 +32,7 @@ files come and go per shard. The rules, each for a failure users of peers have m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import threading
@@ -73,8 +74,10 @@ class ShardCache:
     `next_use(k)`, when set, orders eviction. Pickles as (url, dir, limit, manifest): each
     process (a forked or spawned DataLoader worker) makes its own client and pins."""
 
-    def __init__(self, url: str, root: Path, manifest: fmt.Manifest, limit: int | None = None):
+    def __init__(self, url: str, root: Path, manifest: fmt.Manifest, limit: int | None = None,
+                 packed: dict | None = None):
         self.url, self.root, self.manifest, self.limit = url, Path(root), manifest, limit
+        self.packed = packed  # the archive form: each file's compressed object by path
         index = index_names(manifest)
         self.bulk = [[f for f in s.files if f.path.rsplit("/", 1)[-1] not in index] for s in manifest.shards]
         self.index = [f for s in manifest.shards for f in s.files if f.path.rsplit("/", 1)[-1] in index]
@@ -86,11 +89,13 @@ class ShardCache:
         self._pid = None
 
     def __getstate__(self) -> dict:
-        return {"url": self.url, "root": str(self.root), "limit": self.limit, "manifest": self.manifest.to_json()}
+        return {"url": self.url, "root": str(self.root), "limit": self.limit, "manifest": self.manifest.to_json(),
+                "packed": [dataclasses.asdict(f) for f in self.packed.values()] if self.packed else None}
 
     def __setstate__(self, state: dict) -> None:
         manifest = fmt.Manifest.from_json(state["manifest"], where=f"{state['root']}/{fmt.MANIFEST_NAME}")
-        self.__init__(state["url"], Path(state["root"]), manifest, state["limit"])
+        packed = {f["of"]: fmt.ArchiveFile(**f) for f in state["packed"]} if state.get("packed") else None
+        self.__init__(state["url"], Path(state["root"]), manifest, state["limit"], packed)
 
     def _here(self) -> ShardCache:
         """This process's state: a forked child drops its parent's (its pins stay the parent's:
@@ -194,9 +199,10 @@ class ShardCache:
         renamed = False
         try:
             for entry, part in zip(missing, parts):
-                rem.fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part)
-                with self._guard:
-                    self.downloaded += entry.size_bytes
+                packed = self.packed.get(entry.path) if self.packed else None
+                rem.fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
+                with self._guard:  # the bytes that came over the link
+                    self.downloaded += (packed or entry).size_bytes
             with self._accounting() as ledger:  # not while another process counts: it would see neither name, or both
                 for entry, part in zip(missing, parts):
                     os.replace(part.name, self.root / entry.path)

@@ -9,6 +9,13 @@ by its size, after a download by the manifest's checksum (fetched once more on a
 an IntegrityError naming the URL), and it lands by rename, so a kill leaves nothing partial that
 a later reader would use. A reader pins the generation of the manifest it read.
 
+`push(..., zstd=LEVEL)` (or the push of an archive dir, `packer pack`'s) publishes the archive
+form instead: each file as one zstd frame `F.zst` and `archive.json` last (the manifest and each
+compressed file's size and checksum), for fewer bytes over the link. A reader reads
+`manifest.json`, else `archive.json`, and decompresses into its cache, checking the compressed
+bytes and the restored ones; a frame that expands past the manifest's size is refused there.
+A push of one form removes the other's pointer after it put its own.
+
 Credentials and endpoint are the standard environment: for s3://, AWS_ENDPOINT_URL (or
 AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
 AWS_REGION / AWS_DEFAULT_REGION; for az://, the client's AZURE_* variables (AZURE_STORAGE_ACCOUNT_NAME
@@ -19,6 +26,7 @@ object_store) is made lazily in the process that uses it, never inherited by a f
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -144,21 +152,50 @@ def _files(manifest: fmt.Manifest) -> list[fmt.FileEntry]:
     return files + ([manifest.inputs] if manifest.inputs is not None else [])
 
 
-def push(out: str | Path, url: str) -> fmt.Manifest:
+def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
     """Upload the dataset dir `out` to `url`: its files (those of the same size there already
-    kept: a killed push run again goes on), each checked after upload, then the manifest last."""
-    import obstore as obs
+    kept: a killed push run again goes on), each checked after upload, then the manifest last.
+    `zstd` (a level), or `out` an archive dir: the archive form (see the module)."""
+    from packer.dataset import archive
 
+    if (Path(out) / fmt.ARCHIVE_NAME).is_file():
+        return _push_archive(Path(out), url)
+    if zstd is not None:  # packed where a killed push run again packs it anew, then removed
+        staging = DEFAULT_CACHE.parent / "push" / hashlib.sha256(url.encode()).hexdigest()[:16]
+        staging.mkdir(parents=True, exist_ok=True)
+        with open(staging / ".push.lock", "a") as lock:
+            flock(lock)  # one push of this URL at a time packs here
+            archive.pack(out, staging / "archive", level=zstd, overwrite=True)
+            pushed = _push_archive(staging / "archive", url)
+            shutil.rmtree(staging / "archive")
+        return pushed
     from packer.dataset.reader import DatasetReader
 
-    remote = Remote(url)
     reader = DatasetReader(out)
     manifest, root = reader.manifest, reader.root
-    store = remote.store()
     generations = sorted({f.path.split("/", 1)[0] for f in _files(manifest) if "/" in f.path})
     uploads = [(f.path, f.size_bytes) for f in _files(manifest)]
     uploads += [(f"{g}/{fmt.MANIFEST_NAME}", (root / g / fmt.MANIFEST_NAME).stat().st_size) for g in generations
                 if (root / g / fmt.MANIFEST_NAME).is_file()]
+    _publish(Remote(url), root, uploads, fmt.MANIFEST_NAME, manifest.to_json())
+    return manifest
+
+
+def _push_archive(root: Path, url: str) -> fmt.Manifest:
+    from packer.dataset import archive
+
+    manifest, files = archive.read_archive(root)
+    doc = (root / fmt.ARCHIVE_NAME).read_text(encoding="utf-8")
+    _publish(Remote(url), root, [(f.path, f.size_bytes) for f in files], fmt.ARCHIVE_NAME, doc)
+    return manifest
+
+
+def _publish(remote: Remote, root: Path, uploads: list[tuple[str, int]], pointer: str, doc: str) -> None:
+    """`uploads` (path, size) from `root`, each checked after upload, then `doc` as `pointer`,
+    then the other form's pointer removed: a reader sees the old dataset or the new one."""
+    import obstore as obs
+
+    store = remote.store()
     for path, size in uploads:
         with _errors(remote, f"upload {path}"):
             if _size(obs, store, remote.key(path)) == size:
@@ -167,9 +204,12 @@ def push(out: str | Path, url: str) -> fmt.Manifest:
                 obs.put(store, remote.key(path), f)
             if _size(obs, store, remote.key(path)) != size:
                 raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another size; push again")
-    with _errors(remote, "upload the manifest"):
-        obs.put(store, remote.key(fmt.MANIFEST_NAME), manifest.to_json().encode())
-    return manifest
+    with _errors(remote, f"upload {pointer}"):
+        obs.put(store, remote.key(pointer), doc.encode())
+    other = fmt.ARCHIVE_NAME if pointer == fmt.MANIFEST_NAME else fmt.MANIFEST_NAME
+    with _errors(remote, f"remove the earlier {other}"):
+        if _size(obs, store, remote.key(other)) is not None:
+            obs.delete(store, remote.key(other))
 
 
 def _size(obs, store, key: str) -> int | None:
@@ -186,27 +226,53 @@ def _not_found(exc: BaseException) -> bool:
 
 
 def read_manifest(url: str) -> fmt.Manifest:
+    return read_published(url)[0]
+
+
+def read_published(url: str) -> tuple[fmt.Manifest, dict | None]:
+    """The dataset at `url`: its manifest, and for the archive form the compressed file
+    (`fmt.ArchiveFile`) of each of its files by path, else None."""
     remote = Remote(url)
     if not fork_safe():
-        text = Helper.get().call({"op": "manifest", "url": url})["text"]
+        reply = Helper.get().call({"op": "manifest", "url": url})
+        name, text = reply["name"], reply["text"]
     else:
-        import obstore as obs
+        name, text = _pointer(remote)
+    if name == fmt.MANIFEST_NAME:
+        return fmt.Manifest.from_json(text, where=remote.where(name)), None
+    manifest, files = fmt.archive_from_json(text, where=remote.where(name))
+    return manifest, {f.of: f for f in files}
 
-        with _errors(remote, "read the manifest"):
-            text = bytes(obs.get(remote.store(), remote.key(fmt.MANIFEST_NAME)).bytes()).decode("utf-8")
-    return fmt.Manifest.from_json(text, where=remote.where(fmt.MANIFEST_NAME))
+
+def _pointer(remote: Remote) -> tuple[str, str]:
+    """(name, text) of `manifest.json`, else of `archive.json`."""
+    import obstore as obs
+
+    store = remote.store()
+    with _errors(remote, "read the manifest"):
+        try:
+            return fmt.MANIFEST_NAME, bytes(obs.get(store, remote.key(fmt.MANIFEST_NAME)).bytes()).decode("utf-8")
+        except Exception as exc:  # noqa: BLE001 - the archive form's pointer, else this error
+            if not _not_found(exc):
+                raise
+            try:
+                return fmt.ARCHIVE_NAME, bytes(obs.get(store, remote.key(fmt.ARCHIVE_NAME)).bytes()).decode("utf-8")
+            except Exception as other:  # noqa: BLE001
+                if _not_found(other):
+                    raise exc from None
+                raise
 
 
-def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None,
+def pull(url: str, out: str | Path, *, published: tuple[fmt.Manifest, dict | None] | None = None,
          files: list[fmt.FileEntry] | None = None) -> fmt.Manifest:
-    """Download the dataset at `url` into the dir `out` (made complete, or left without its
-    manifest): every file (or those of `files`) verified by the manifest's checksum, the
-    manifest written last."""
-    manifest = manifest or read_manifest(url)
+    """Download the dataset at `url` (`published`: as `read_published` gave it) into the dir
+    `out` (made complete, or left without its manifest): every file (or those of `files`)
+    verified by the manifest's checksum, the manifest written last."""
+    manifest, packed = published or read_published(url)
     out = Path(out)
     store = functools.cache(Remote(url).store)  # one client, made where it is used (not in a forked child)
     with ThreadPoolExecutor(DOWNLOADS) as pool:  # obstore's GETs release the GIL while they wait
-        for done in [pool.submit(fetch_file, store, url, entry, out / entry.path)
+        for done in [pool.submit(fetch_file, store, url, entry, out / entry.path, packed=(packed or {}).get(entry.path))
                      for entry in (_files(manifest) if files is None else files)]:
             done.result()
     for g in sorted({e.path.split("/", 1)[0] for e in _files(manifest) if "/" in e.path}):
@@ -217,11 +283,13 @@ def pull(url: str, out: str | Path, *, manifest: fmt.Manifest | None = None,
     return manifest
 
 
-def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path, temp=None) -> None:
+def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path, temp=None,
+                   packed: fmt.ArchiveFile | None = None) -> None:
     """One file into `target`, verified by the manifest's checksum (kept when it is there and
     whole already); a mismatch is fetched once more, then refused naming the object. `temp`: an
     open part file to write it in (the cache's, reserved at its size), left there verified for
-    the caller to rename; else one made here, renamed to `target`."""
+    the caller to rename; else one made here, renamed to `target`. `packed`: the file comes as
+    that compressed object (the archive form), decompressed as it arrives."""
     if temp is None and target.is_file() and target.stat().st_size == entry.size_bytes and \
             checksum_file(target, entry.algo) == entry.checksum:
         return
@@ -235,8 +303,11 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
             if digest is None:
                 raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to "
                                      "this mmpack; use the release that wrote it, or a newer one")
-            with _errors(remote, f"download {entry.path}"):
-                if entry.size_bytes > RANGE_BYTES:
+            whole = True
+            with _errors(remote, f"download {(packed or entry).path}"):
+                if packed is not None:
+                    whole = _get_zstd(obs, store, remote, packed, f, digest, entry.size_bytes)
+                elif entry.size_bytes > RANGE_BYTES:
                     _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
                 else:
                     for chunk in obs.get(store, remote.key(entry.path)):
@@ -244,7 +315,7 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
                         digest.update(chunk)
             f.truncate()
             f.flush()
-            if f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
+            if whole and f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
                 if own:
                     os.replace(f.name, target)
                 return
@@ -252,8 +323,30 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
         if own:
             f.close()
             Path(f.name).unlink(missing_ok=True)
-    raise IntegrityError(f"{remote.where(entry.path)}: its bytes do not match the manifest's checksum "
-                         "(fetched twice); the remote dataset is damaged: push it again")
+    raise IntegrityError(f"{remote.where((packed or entry).path)}: its bytes do not match the checksum "
+                         f"{'archive.json and ' if packed else ''}the manifest records (fetched twice); the remote "
+                         "dataset is damaged: push it again")
+
+
+def _get_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, size: int) -> bool:
+    """The compressed object `packed` decompressed into `f` and hashed by `digest` as it
+    arrives; whether its compressed bytes are the ones archive.json records. Past `size`
+    restored bytes (the manifest's) it stops: a frame that expands without end fills no disk."""
+    import zstandard
+
+    from packer.dataset.archive import _Hashing
+
+    wire, got = fmt.new_checksum(), 0
+    restored = _Hashing(f, lambda: digest, limit=size, where=remote.where(packed.path))
+    try:
+        with zstandard.ZstdDecompressor().stream_writer(restored, closefd=False) as sink:
+            for chunk in obs.get(store, remote.key(packed.path)):
+                wire.update(chunk)
+                got += len(chunk)
+                sink.write(chunk)
+    except (zstandard.ZstdError, IntegrityError):  # damaged on the way or at rest: fetched again, then refused
+        return False
+    return got == packed.size_bytes and wire.hexdigest() == packed.xxh3_128
 
 
 def _get_ranges(obs, store, key: str, f, size: int, digest) -> None:
@@ -282,9 +375,9 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
     read now: a push after this open is another entry."""
     from packer.dataset.cache import ShardCache, entry_dir
 
-    manifest = read_manifest(url)
+    manifest, packed = read_published(url)
     root = entry_dir(url, manifest, cache_dir)
-    cache = ShardCache(url, root, manifest, limit)
+    cache = ShardCache(url, root, manifest, limit, packed)
     if limit is not None:
         least = cache.index_bytes + max(cache.sizes, default=0)
         if limit < least:
@@ -297,7 +390,7 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
         flock(lock)
         if not (root / fmt.MANIFEST_NAME).is_file():
             try:
-                pull(url, root, manifest=manifest, files=cache.index)
+                pull(url, root, published=(manifest, packed), files=cache.index)
             except BaseException:
                 if not (root / fmt.MANIFEST_NAME).is_file():
                     shutil.rmtree(root, ignore_errors=True)
@@ -310,21 +403,23 @@ def materialize(url: str, cache_dir: str | Path | None = None) -> Path:
     cache = open_cached(url, cache_dir)
     cache.fetch(range(len(cache.bulk)))
     inputs = cache.manifest.inputs  # the build's record of its inputs: `packer verify` checks it, readers never read it
-    if inputs is not None:
+    if inputs is not None:  # (the archive form has none)
         fetch_file(cache.store, url, inputs, cache.root / inputs.path)
     return cache.root
 
 
-def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None) -> None:
+def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None,
+               packed: fmt.ArchiveFile | None = None) -> None:
     """`fetch_verified` here (`store_of()`: this process's client), or, in a process forked after
     a request, by the helper."""
     if fork_safe():
         import obstore as obs
 
-        fetch_verified(obs, store_of(), Remote(url), entry, target, temp=temp)
+        fetch_verified(obs, store_of(), Remote(url), entry, target, temp=temp, packed=packed)
     else:
         Helper.get().call({"op": "fetch", "url": url, "entry": entry.to_json(), "target": str(target),
-                           "temp": temp.name if temp is not None else None})
+                           "temp": temp.name if temp is not None else None,
+                           "packed": dataclasses.asdict(packed) if packed is not None else None})
 
 
 class Helper:
@@ -375,7 +470,8 @@ def _serve() -> None:
         request = json.loads(line)
         try:
             if request["op"] == "manifest":
-                reply = {"text": read_manifest(request["url"]).to_json()}
+                name, text = _pointer(Remote(request["url"]))
+                reply = {"name": name, "text": text}
             else:
                 doc = request["entry"]
                 entry = fmt.FileEntry(doc["path"], doc["size_bytes"], doc["checksum"]["hex"], doc["checksum"]["algo"])
@@ -384,7 +480,8 @@ def _serve() -> None:
                 if url not in stores:
                     stores[url] = Remote(url).store()
                 try:
-                    fetch_file(lambda: stores[url], url, entry, Path(request["target"]), temp)  # noqa: B023
+                    packed = fmt.ArchiveFile(**request["packed"]) if request.get("packed") else None
+                    fetch_file(lambda: stores[url], url, entry, Path(request["target"]), temp, packed)  # noqa: B023
                 finally:
                     if temp is not None:
                         temp.close()

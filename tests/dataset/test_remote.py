@@ -115,6 +115,103 @@ def test_a_damaged_object_is_fetched_again_then_refused_naming_it(s3, built, tmp
     assert not any(p.name.startswith(".") and ".part-" in p.name for p in (tmp_path / "cache").rglob("*"))
 
 
+def _objects(url: str) -> set[str]:
+    import obstore as obs
+
+    from packer.dataset.remote import Remote
+
+    remote = Remote(url)
+    return {o["path"][len(remote.prefix) + 1:] for batch in obs.list(remote.store(), prefix=remote.prefix)
+            for o in batch}
+
+
+def test_a_dataset_pushed_zstd_compressed_reads_as_the_local_one_over_fewer_bytes(s3, built, tmp_path, capsys):
+    images, text = _url(tmp_path, "images"), _url(tmp_path, "text")
+    assert main(["push", str(built["images"]), images, "--zstd"]) == 0 and "zstd-compressed" in capsys.readouterr().out
+    assert main(["pack", str(built["text"]), str(tmp_path / "text.archive"), "--level", "5"]) == 0
+    assert main(["push", str(tmp_path / "text.archive"), text]) == 0  # an archive dir pushes as it is
+    names = _objects(images)
+    assert fmt.ARCHIVE_NAME in names and fmt.MANIFEST_NAME not in names
+    assert all(n.endswith(".zst") for n in names - {fmt.ARCHIVE_NAME})
+    remote, local = MMapDataset(images), MMapDataset(built["images"])
+    for a, b in zip(Loader(remote, 8, seed=3), Loader(local, 8, seed=3), strict=True):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+    compressed = sum(n for n in _sizes(images).values())
+    assert remote.bytes_downloaded <= compressed < 0.9 * _shard_bytes(built["images"])  # what came over the link
+    x, _ = next(iter(Loader(TokenWindows(text, 32), 4, seed=1)))
+    y, _ = next(iter(Loader(TokenWindows(built["text"], 32), 4, seed=1)))
+    assert torch.equal(x, y)
+    assert main(["pull", images, str(tmp_path / "copy")]) == 0 and main(["verify", str(tmp_path / "copy")]) == 0
+    assert [r["key"] for r in MMapDataset(tmp_path / "copy")] == [r["key"] for r in local]
+    assert main(["verify", images]) == 0 and main(["info", text]) == 0
+
+
+def _sizes(url: str) -> dict:
+    import obstore as obs
+
+    from packer.dataset.remote import Remote
+
+    remote = Remote(url)
+    return {o["path"]: o["size"] for batch in obs.list(remote.store(), prefix=remote.prefix) for o in batch
+            if o["path"].endswith(".zst")}
+
+
+def test_a_push_of_one_form_over_the_other_publishes_it_and_readers_keep_what_they_opened(s3, built, tmp_path):
+    url = _url(tmp_path, "ds")
+    assert main(["push", str(built["images"]), url]) == 0
+    plain = MMapDataset(url)
+    first = np.asarray(plain[0]["image"]).copy()
+    assert main(["push", str(built["pairs"]), url, "--zstd", "1"]) == 0
+    assert fmt.MANIFEST_NAME not in _objects(url) and "tokens" in MMapDataset(url).columns
+    assert np.array_equal(np.asarray(plain[0]["image"]), first)
+    assert main(["push", str(built["images"]), url]) == 0
+    assert fmt.ARCHIVE_NAME not in _objects(url) and "tokens" not in MMapDataset(url).columns
+
+
+# a reader whose files may not grow past FSIZE bytes (RLIMIT_FSIZE): writing more is an error, not a full disk
+CAPPED_READER = """
+import resource, signal, sys
+from loaders import MMapDataset
+from packer.errors import MmpackError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the cap a write fails (EFBIG) instead of killing
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), int(sys.argv[3])))
+try:
+    MMapDataset(sys.argv[1], cache_dir=sys.argv[2])[0]
+except MmpackError as exc:
+    print(type(exc).__name__, exc)
+"""
+
+
+def test_a_damaged_or_expanding_compressed_object_is_refused_naming_it(s3, built, tmp_path):
+    import subprocess
+    import sys
+
+    import obstore as obs
+    import zstandard
+
+    from packer.dataset.remote import Remote
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url, "--zstd"]) == 0
+    manifest = json.loads((built["images"] / fmt.MANIFEST_NAME).read_text())
+    path = manifest["shards"][0]["files"][0]["path"] + ".zst"
+    remote = Remote(url)
+    good = bytes(obs.get(remote.store(), remote.key(path)).bytes())
+    size = manifest["shards"][0]["files"][0]["size_bytes"]
+    flipped = bytearray(good)
+    flipped[len(flipped) // 2] ^= 0xFF
+    obs.put(remote.store(), remote.key(path), bytes(flipped))
+    ds = MMapDataset(url, cache_dir=tmp_path / "cache")
+    with pytest.raises(IntegrityError, match=path.split("/")[-1]):
+        ds[0]
+    assert not any(".part-" in p.name for p in (tmp_path / "cache").rglob("*"))
+    # a frame that restores 200 times the file's bytes: stopped at its size, in a reader that may write 4 times it
+    obs.put(remote.store(), remote.key(path), zstandard.ZstdCompressor(level=1).compress(bytes(200 * size)))
+    out = subprocess.run([sys.executable, "-c", CAPPED_READER, url, str(tmp_path / "capped"), str(4 * size)],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("IntegrityError") and path.split("/")[-1] in out
+
+
 def test_wrong_credentials_and_a_missing_dataset_are_one_line_errors(s3, built, tmp_path, monkeypatch, capsys):
     url = _url(tmp_path, "nothing-here")
     with pytest.raises(IntegrityError, match="not found"):
@@ -260,10 +357,11 @@ def test_forked_dataloader_workers_read_a_url_the_parent_read_first(s3, built, t
     """obstore's client hangs in a forked child after the parent used it: each process makes its own."""
     from loaders import StatefulDataLoader
 
-    url = _url(tmp_path, "images")
-    assert main(["push", str(built["images"]), url]) == 0
-    for limit in (None, _shard_bytes(built["images"]) * 4 // 5):  # each worker maps its batch's shards: room for both
-        ds = MMapDataset(url, cache_dir=tmp_path / f"cache-{limit}", cache_limit=limit)
+    url, packed = _url(tmp_path, "images"), _url(tmp_path, "packed")
+    assert main(["push", str(built["images"]), url]) == 0 and main(["push", str(built["images"]), packed, "--zstd"]) == 0
+    for limit, where in [(None, url), (_shard_bytes(built["images"]) * 4 // 5, url), (None, packed)]:
+        # each worker maps its batch's shards: room for both; a compressed push goes through the helper too
+        ds = MMapDataset(where, cache_dir=tmp_path / f"cache-{limit}-{where == packed}", cache_limit=limit)
         assert ds[0]["key"] == MMapDataset(built["images"])[0]["key"]  # the parent reads first
         got = StatefulDataLoader(ds.batched(8, shuffle=False), num_workers=2, multiprocessing_context="fork",
                                  timeout=120)  # a hung worker fails the test instead of hanging it
@@ -406,6 +504,17 @@ def test_push_and_pull_killed_at_any_instant_finish_when_run_again(s3, built, tm
                         raise RuntimeError("finished before the kill")
             assert main(args) == 0
         assert tree(copy) == tree(built["images"])
+    local = [r["key"] for r in MMapDataset(built["images"])]
+    for i, delay in enumerate((0.5, 1.5)):  # a compressed push: packed in the cache, then pushed
+        url = _url(tmp_path, f"killed-zstd-{i}")
+        proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "push", str(built["images"]), url, "--zstd"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        assert main(["push", str(built["images"]), url, "--zstd"]) == 0
+        assert [r["key"] for r in MMapDataset(url)] == local
+        assert not list((tmp_path / "cache" / "mmpack" / "push").glob("*/archive"))  # the packed copy gone
 
 
 # -- Azure Blob Storage (az://): the same client with another store; what differs by store ----
@@ -436,6 +545,10 @@ def test_az_push_then_pull_gives_the_same_dataset(az, built, tmp_path, capsys):
     assert main(["pull", url, str(tmp_path / "copy")]) == 0
     assert tree(tmp_path / "copy") == tree(built["images"])
     assert main(["verify", url]) == 0 and "verified" in capsys.readouterr().out
+    assert main(["push", str(built["images"]), url, "--zstd"]) == 0  # the archive form over it
+    assert fmt.MANIFEST_NAME not in _objects(url) and fmt.ARCHIVE_NAME in _objects(url)
+    local = MMapDataset(built["images"])
+    assert [r["key"] for r in MMapDataset(url, cache_dir=tmp_path / "zstd")] == [r["key"] for r in local]
 
 
 def test_az_a_loader_through_a_limited_cache_in_ranges_gives_the_local_batches(az, built, tmp_path, monkeypatch):
