@@ -237,6 +237,7 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     assert all(0 < c["link_share"] < 0.9 and c["bytes_per_s"] > c["link_bytes_per_s"] for c in r["zstd_cold"])
     link = r["link"]  # the same two through a link of 50 MB/s
     assert link["link_mb_per_s"] == 50 and link["plain"]["link_share"] == pytest.approx(1, rel=0.01)
+    assert link["raw_get_bytes_per_s"] > 0 and link["cold_of_raw_get"] > 0
     assert link["zstd"]["link_share"] == pytest.approx(statistics.median(c["link_share"] for c in r["zstd_cold"]))
     assert {(x["order"], x["limit_share"]) for x in r["limits"]} == {(o, s) for o in ("sequential", "block", "random")
                                                                     for s in (1.0, 0.5, 0.1)} | {("block", 0.25)}
