@@ -316,11 +316,19 @@ def plot_remote(r: dict, path: Path) -> None:
 
     plt = _plt()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    names = ["local disk", "remote cold", f"cold, zstd -{r['zstd_level']}", "remote warm"]
+    names = ["local disk", "cold", f"cold,\nzstd -{r['zstd_level']}", "warm"]
     rates = [r["local_samples_per_s"], statistics.median(c["samples_per_s"] for c in r["cold"]),
              statistics.median(c["samples_per_s"] for c in r["zstd_cold"]), r["warm_samples_per_s"]]
-    a.bar(names, rates, color=["#888", "#c66", "#c96", "#4a8"])
-    a.set_ylabel("images/s")
+    colors = ["#888", "#c66", "#c96", "#4a8"]
+    if r.get("link"):
+        mb = format(r["link"]["link_mb_per_s"], "g")
+        names[3:3] = [f"cold,\n{mb} MB/s link", f"cold, zstd,\n{mb} MB/s link"]
+        rates[3:3] = [r["link"]["plain"]["samples_per_s"], r["link"]["zstd"]["samples_per_s"]]
+        colors[3:3] = ["#a44", "#a74"]
+    a.bar(names, rates, color=colors)
+    a.set_yscale("log")
+    a.tick_params(axis="x", labelsize=7)
+    a.set_ylabel("images/s (log scale)")
     a.set_title(f"Loader, batch {r['batch_size']}")
     rows = [x for x in r["limits"] if "refused" not in x]
     b.bar([f"{x['order']}\n{100 * x['limit_share']:.0f}%" for x in rows], [x["epochs"][-1]["downloaded_share"] for x in rows])
