@@ -91,7 +91,7 @@ def bench_remote(args) -> dict:
     _, out, _ = _prepared(work, f"images-{args.shard_size}", args.images, lambda r: shutil.copytree(raw, r),
                           ["--shard-size", args.shard_size])
     local = MMapDataset(out)
-    total = sum(s.size_bytes for s in local.manifest.shards)
+    total = local.manifest.size_bytes
     with ExitStack() as stack:
         url = args.url
         if url is None:
@@ -188,7 +188,7 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
 
     if not mb_per_s:
         return None
-    total = sum(s.size_bytes for s in manifest.shards)
+    total = manifest.size_bytes
     with link(endpoint, mb_per_s * 1e6) as proxy:
         os.environ["AWS_ENDPOINT_URL"] = proxy  # read by the clients made from here on
         try:
@@ -209,7 +209,7 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
     from loaders import Loader
     from packer.dataset.cache import ShardCache
 
-    total = sum(s.size_bytes for s in local.manifest.shards)
+    total = local.manifest.size_bytes
     limit = int(share * total) + ShardCache(url, caches, local.manifest).index_bytes
     row = {"order": order, "limit_share": share, "limit_bytes": limit, "images": len(local)}
     try:
@@ -235,7 +235,7 @@ def _rank(opened, local, rank: int, order: str, loader_kw: dict) -> dict:
     import numpy as np
 
     shards = local.manifest.shards
-    total = sum(s.size_bytes for s in shards)
+    total = local.manifest.size_bytes
     ds = opened()
     loader = Loader(ds, **loader_kw, order=order, rank=rank, world_size=RANKS)
     epochs = loader._epochs.twin()
