@@ -91,6 +91,46 @@ class Processes:
                 "read_bytes": own[1] - base_read + sum(v[1] for v in workers.values())}
 
 
+class Nvml:
+    """The GPU's utilisation as NVML gives it (what nvidia-smi shows: the share of time a kernel
+    ran), sampled while the loop runs, of the first device CUDA_VISIBLE_DEVICES names (else
+    device 0). NVML only, never CUDA: a CUDA call here, before the script forks its workers,
+    could keep them from using CUDA. `None` from `start()` where there is no NVML (no NVIDIA
+    driver, or no `pip install nvidia-ml-py`)."""
+
+    def __init__(self, nvml, handle, every_s: float):
+        self.nvml, self.handle, self.every_s, self.samples = nvml, handle, every_s, []
+        self.stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="mmpack-doctor-nvml").start()
+
+    @classmethod
+    def start(cls, every_s: float = 0.2) -> Nvml | None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first)) if first.isdigit() else \
+                pynvml.nvmlDeviceGetHandleByUUID(first)
+            pynvml.nvmlDeviceGetUtilizationRates(handle)
+            return cls(pynvml, handle, every_s)
+        except Exception:  # noqa: BLE001 - no NVML here: the report says so
+            return None
+
+    def _run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+            except Exception:  # noqa: BLE001 - a sample missed is not the script's failure
+                pass
+
+    def report(self) -> dict:
+        self.stop.set()
+        ordered = sorted(self.samples)
+        return {"samples": len(ordered), "util_mean_pct": sum(ordered) / len(ordered) if ordered else None,
+                "util_p50_pct": ordered[len(ordered) // 2] if ordered else None}
+
+
 def _descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -118,6 +158,7 @@ class Watch:
         self.cpu_started = time.process_time()
         self.error: str | None = None
         self.processes = Processes() if processes and Path("/proc/self/stat").exists() else None
+        self.nvml = Nvml.start() if processes else None
 
     def iterate(self, loader, it):
         """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
@@ -344,7 +385,8 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     loop = sum(main["waits"]) + sum(main["steps"]) if main else wall  # the watched loop, before the measures below
     out = {"batches": w.batches(), "wall_s": wall, "cuda": _cuda(),
            "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count(),
-           "processes": w.processes.report(loop) if w.processes else None}
+           "processes": w.processes.report(loop) if w.processes else None,
+           "gpu": w.nvml.report() if w.nvml else None}
     if main is None:
         out["verdict"] = "no DataLoader or Loader was iterated" + (f" (the script failed: {w.error})" if w.error else "")
         return out
@@ -373,8 +415,10 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
     rates = (f"; the loader alone makes {alone:,.0f} samples/s" if alone else "") + (
         f", the model takes {r['model_samples_per_s']:,.0f}/s" if r.get("model_samples_per_s") else "")
     wait = r["wait"]
+    gpu = (r.get("gpu") or {}).get("util_mean_pct")
     waited = (f"{100 * r['wait_share']:.0f}% of the loop waiting for the next batch"
-              + (f" (p50 {wait['p50_ms']:.1f} ms, p95 {wait['p95_ms']:.1f} ms)" if wait.get("n") else ""))
+              + (f" (p50 {wait['p50_ms']:.1f} ms, p95 {wait['p95_ms']:.1f} ms)" if wait.get("n") else "")
+              + (f", the GPU busy {gpu:.0f}% of the time (NVML)" if gpu is not None else ""))
     fixes = []
     if r["wait_share"] <= DATA_BOUND:
         return f"compute-bound: {waited}{rates}: the data is not what the step waits for", fixes

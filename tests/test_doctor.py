@@ -66,6 +66,12 @@ def test_watch_reports_a_loop_in_this_process(built):
     report = w.report()
     assert report["batches"] == 5 and report["loader"] == "Loader" and report["loader_alone"]["samples_per_s"] > 0
     assert report["verdict"].split(":")[0] in ("data-bound", "compute-bound")
+    probe = doctor.Nvml.start()  # the GPU's utilisation where NVML is (an NVIDIA driver and nvidia-ml-py)
+    if probe is None:
+        assert report["gpu"] is None and "NVML" not in report["verdict"]
+    else:
+        probe.report()
+        assert report["gpu"]["samples"] >= 0 and all(0 <= v <= 100 for v in probe.samples)
     with doctor.watch() as nothing:
         pass
     assert nothing.report()["verdict"] == "no DataLoader or Loader was iterated"
