@@ -529,7 +529,8 @@ def stall(loader: Iterable, step_ms: float, *, steps: int | None = None, mode: s
     for batch in _epochs(w, loader, again=steps is not None):
         if steps is not None and taken == warmup + steps:
             break  # asking for this batch timed the last step
-        work(batch)
+        if taken >= warmup:  # the warm-up batches are taken as they come: worker start-up is not a stall
+            work(batch)
         taken += 1
     rec = w.main() or {"waits": [], "steps": []}
     pairs = list(zip(rec["waits"], rec["steps"]))[warmup:]  # the last batch of a pass ended has its step too

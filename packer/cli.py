@@ -449,12 +449,11 @@ def _local_or_url(text: str):
 def _cmd_push(args) -> int:
     from packer.dataset.remote import push
 
-    if args.zstd is not None and not 1 <= args.zstd <= 22:
-        raise ConfigError(f"--zstd: {args.zstd} is outside zstd's levels 1..22")
     m = push(args.out, args.url, zstd=args.zstd)
     samples, size = sum(s.num_samples for s in m.shards), sum(s.size_bytes for s in m.shards)
-    packed = " zstd-compressed," if args.zstd is not None or (args.out / "archive.json").is_file() else ""
-    print(f"pushed {args.out} -> {args.url}: {samples:,} samples, {_human_bytes(size)},{packed} the manifest last")
+    last = "zstd-compressed, archive.json last" if args.zstd is not None or (args.out / "archive.json").is_file() \
+        else "the manifest last"
+    print(f"pushed {args.out} -> {args.url}: {samples:,} samples, {_human_bytes(size)}, {last}")
     return 0
 
 

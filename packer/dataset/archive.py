@@ -110,7 +110,7 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
     opened = DatasetReader(root)  # open until the copy is done: its generation stays
     manifest = dataclasses.replace(opened.manifest, inputs=None)  # RAW's file table stays with RAW's dataset
     if not 1 <= level <= 22:
-        raise ConfigError(f"--level: {level} is outside zstd's 1..22")
+        raise ConfigError(f"zstd level {level} is outside zstd's 1..22")
     with outdir.locked(archive):
         _fresh_archive(archive, overwrite)
         staging = archive / fmt.STAGING_DIR

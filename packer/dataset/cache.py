@@ -71,7 +71,7 @@ class ShardCache:
 
     `acquire(k)` makes shard k's files present and pins them for this process, `prefetch(k,
     rank)` softly (see the module); `soften(k)` turns a pin soft, `release(k)` drops it.
-    `next_use(k)`, when set, orders eviction. Pickles as (url, dir, limit, manifest): each
+    `next_use(k)`, when set, orders eviction. Pickles as (url, dir, limit, manifest, packed): each
     process (a forked or spawned DataLoader worker) makes its own client and pins."""
 
     def __init__(self, url: str, root: Path, manifest: fmt.Manifest, limit: int | None = None,

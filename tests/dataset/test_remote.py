@@ -127,7 +127,10 @@ def _objects(url: str) -> set[str]:
 
 def test_a_dataset_pushed_zstd_compressed_reads_as_the_local_one_over_fewer_bytes(s3, built, tmp_path, capsys):
     images, text = _url(tmp_path, "images"), _url(tmp_path, "text")
-    assert main(["push", str(built["images"]), images, "--zstd"]) == 0 and "zstd-compressed" in capsys.readouterr().out
+    assert main(["push", str(built["images"]), images, "--zstd", "30"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "zstd level 30" in err
+    assert main(["push", str(built["images"]), images, "--zstd"]) == 0 and "archive.json last" in capsys.readouterr().out
     assert main(["pack", str(built["text"]), str(tmp_path / "text.archive"), "--level", "5"]) == 0
     assert main(["push", str(tmp_path / "text.archive"), text]) == 0  # an archive dir pushes as it is
     names = _objects(images)
