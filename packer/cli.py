@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("build", help="build a dataset dir from RAW")
     b.add_argument("raw", type=Path, help="input folder")
     b.add_argument("out", help="dataset dir to create, or s3://BUCKET/PREFIX (built in a local cache, then pushed)")
+    b.add_argument("--zstd", type=int, nargs="?", const=3, default=None, metavar="LEVEL",
+                   help="with a URL for OUT: push it zstd-compressed, as packer push --zstd")
     b.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
     b.add_argument("--image-size", default="224", help="shorter side resized to S, centre-cropped SxS; 'keep' for own sizes")
     b.add_argument("--keep-aspect", action="store_true",
@@ -206,6 +208,9 @@ def _build_dir(args) -> Path:
 
 def _cmd_build(args) -> int:
     config = _config(args)
+    if args.zstd is not None and str(args.out) == str(config.out):
+        raise ConfigError(f"{args.out}: --zstd compresses what a build pushes to a URL; for a local dataset, "
+                          "packer pack it")
     bar = ProgressBar("packing", enabled=not args.quiet, unit="records")
     started = time.perf_counter()
     try:
@@ -226,8 +231,8 @@ def _cmd_build(args) -> int:
     if str(args.out) != str(config.out):  # a URL: the built dataset goes there
         from packer.dataset.remote import push
 
-        push(config.out, args.out)
-        print(f"pushed -> {args.out} (built in {config.out})")
+        push(config.out, args.out, zstd=args.zstd)
+        print(f"pushed -> {args.out}{' zstd-compressed' if args.zstd is not None else ''} (built in {config.out})")
     return 0
 
 

@@ -13,7 +13,7 @@ from packer.cli import _parser
 from packer.errors import ConfigError
 
 CONVERTED = {"shard_size": ("shard_rows", "shard_bytes")}  # one option, two fields
-NOT_FLAGS = {"quiet", "cmd", "func"}  # how the command prints, and argparse's own
+NOT_FLAGS = {"quiet", "cmd", "func", "zstd"}  # how the command prints, argparse's own, how a URL OUT is pushed
 
 
 def _build_options() -> set[str]:

@@ -236,6 +236,10 @@ def test_a_build_into_a_url_builds_locally_then_pushes(s3, image_raw, tmp_path, 
     assert len(MMapDataset(url)) == len(MMapDataset(str(_local_build(url))))
     assert main(["build", str(image_raw), url, "--append", "-q"]) == 2
     assert "pull the dataset" in capsys.readouterr().err
+    assert main([*args, "--zstd"]) == 0 and "zstd-compressed" in capsys.readouterr().out  # the same build, compressed
+    assert fmt.ARCHIVE_NAME in _objects(url) and len(MMapDataset(url)) == len(MMapDataset(str(_local_build(url))))
+    assert main(["build", str(image_raw), str(tmp_path / "local"), "--zstd", "-q"]) == 2  # nothing is pushed
+    assert "packer pack" in capsys.readouterr().err and not (tmp_path / "local").exists()
 
 
 def _local_build(url: str):
