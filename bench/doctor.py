@@ -407,7 +407,19 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     out["more_workers"] = _best(out["workers_sweep"])
     out["packed"] = _packed(loader) if ceiling and share > DATA_BOUND else None
     out["verdict"], out["fixes"] = _verdict(out)
+    out["rates"] = _rates(out)
     return out
+
+
+def _rates(r: dict) -> list[dict]:
+    """Samples/s of the model (its steps alone) against the loader's ceiling and what each
+    measured fix made alone: the plot's second panel."""
+    wider, packed = r.get("more_workers") or {}, r.get("packed") or {}
+    named = [("the model (its steps)", r.get("model_samples_per_s")),
+             ("the loader alone", (r.get("loader_alone") or {}).get("samples_per_s")),
+             (f"num_workers={wider.get('num_workers')} alone", wider.get("samples_per_s")),
+             ("packed, Loader alone", packed.get("samples_per_s"))]
+    return [{"what": what, "samples_per_s": rate} for what, rate in named if rate]
 
 
 def _verdict(r: dict) -> tuple[str, list[dict]]:
@@ -482,15 +494,22 @@ def plot(r: dict, path: Path) -> None:
 
     plt = _plt()
     steps = r.get("per_step") or []
-    fig, ax = plt.subplots(figsize=(10, 4))
+    rates = r.get("rates") or []
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2, 1]})
+    ax, side = axes
     x = range(1, len(steps) + 1)
     work = [s["step_ms"] for s in steps]
     ax.bar(x, work, color="#4c72b0", label="working (the step)")
     ax.bar(x, [s["wait_ms"] for s in steps], bottom=work, color="#dd8452", label="waiting for the batch")
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
-    ax.set_title(r["verdict"][:110], fontsize=9)
+    ax.set_title("each step: working and waiting", fontsize=10)
     ax.legend()
+    side.barh([x["what"] for x in rates][::-1], [x["samples_per_s"] for x in rates][::-1],
+              color=["#888" if x["what"].startswith("the model") else "#4c72b0" for x in rates][::-1])
+    side.set_xlabel("samples/s")
+    side.set_title("the model against the loader's ceiling", fontsize=10)
+    fig.suptitle(r["verdict"].split(";")[0][:160], fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

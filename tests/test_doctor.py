@@ -79,10 +79,13 @@ def test_watch_reports_a_loop_in_this_process(built):
 
 def test_the_plot_shows_each_step(tmp_path):
     pytest.importorskip("matplotlib")
-    png = tmp_path / "r.png"
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--plot", str(png), "--",
-                           "python", str(SCRIPT), "0.002", "0.002"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    png, out = tmp_path / "r.png", tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--plot", str(png), "--json",
+                           str(out), "--", "python", str(SCRIPT), "0.002", "0.002"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0 and png.stat().st_size > 0, proc.stderr[-2000:]
+    rates = {x["what"]: x["samples_per_s"] for x in json.loads(out.read_text())["rates"]}  # the second panel
+    assert rates["the model (its steps)"] > 0 and rates["the loader alone"] > 0
 
 
 def test_a_closed_pipe_ends_bench_quietly(tmp_path):
