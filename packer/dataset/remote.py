@@ -248,15 +248,23 @@ def _pointer(remote: Remote) -> tuple[str, str]:
     """(name, text) of `manifest.json`, else of `archive.json`."""
     import obstore as obs
 
+    from packer.dataset import archive
+
     store = remote.store()
+
+    def text(name: str) -> str:
+        got = obs.get(store, remote.key(name))
+        if got.meta["size"] > archive.ARCHIVE_JSON_BYTES:  # not one of ours: not read into memory
+            raise IntegrityError(f"{remote.where(name)}: over {archive.ARCHIVE_JSON_BYTES:,} bytes; not an mmpack {name}")
+        return bytes(got.bytes()).decode("utf-8")
     with _errors(remote, "read the manifest"):
         try:
-            return fmt.MANIFEST_NAME, bytes(obs.get(store, remote.key(fmt.MANIFEST_NAME)).bytes()).decode("utf-8")
+            return fmt.MANIFEST_NAME, text(fmt.MANIFEST_NAME)
         except Exception as exc:  # noqa: BLE001 - the archive form's pointer, else this error
             if not _not_found(exc):
                 raise
             try:
-                return fmt.ARCHIVE_NAME, bytes(obs.get(store, remote.key(fmt.ARCHIVE_NAME)).bytes()).decode("utf-8")
+                return fmt.ARCHIVE_NAME, text(fmt.ARCHIVE_NAME)
             except Exception as other:  # noqa: BLE001
                 if _not_found(other):
                     raise exc from None

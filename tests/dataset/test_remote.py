@@ -176,6 +176,16 @@ except MmpackError as exc:
 """
 
 
+def test_a_pointer_past_its_bound_is_refused_unread(s3, built, tmp_path, monkeypatch):
+    from packer.dataset import archive
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    monkeypatch.setattr(archive, "ARCHIVE_JSON_BYTES", 100)  # a manifest.json (or archive.json) over it
+    with pytest.raises(IntegrityError, match="not an mmpack manifest.json"):
+        MMapDataset(url)
+
+
 def test_a_damaged_or_expanding_compressed_object_is_refused_naming_it(s3, built, tmp_path):
     import subprocess
     import sys
