@@ -184,9 +184,9 @@ def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
 def _push_archive(root: Path, url: str) -> fmt.Manifest:
     from packer.dataset import archive
 
-    manifest, files = archive.read_archive(root)
-    doc = (root / fmt.ARCHIVE_NAME).read_text(encoding="utf-8")
-    _publish(Remote(url), root, [(f.path, f.size_bytes) for f in files], fmt.ARCHIVE_NAME, doc)
+    raw = archive._description(root)  # read once: parsed here, pushed as it is
+    manifest, files = archive._parse(root, raw)
+    _publish(Remote(url), root, [(f.path, f.size_bytes) for f in files], fmt.ARCHIVE_NAME, raw.decode("utf-8"))
     return manifest
 
 
