@@ -53,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--passes", type=int, default=3, help="timed passes after a warm-up (median)")
     lo.add_argument("--workers", type=int, default=2, help="DataLoader worker processes for every DataLoader row")
     lo.add_argument("--cold", action="store_true", help="also one pass after evicting the files from the page cache")
+    lo.add_argument("--threads-list", type=_ints, default=sorted({1, cores}),
+                    help="a Loader row for each thread count, each against memcpy on as many threads")
     lo.add_argument("--model", action="store_true",
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")

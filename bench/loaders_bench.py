@@ -158,6 +158,7 @@ def bench_loaders(args) -> dict:
         from packer.builder.text import load_tokenizer
 
         model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024)
+        resident = _resident_rate(Loader(ds, bs, device=model[0]), model[1], args.stall_steps)
 
     def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes,
             threads=min(workers, cores) or 1):
@@ -170,6 +171,9 @@ def bench_loaders(args) -> dict:
                 step = (model[1] if kind == "images" else model[2]) if args.model else None
                 r["stall"] = stall(make_iter(), args.step_ms or 0, steps=args.stall_steps, mode=args.step_mode,
                                    step=step)
+                if args.model and kind == "images" and r["stall"]["steps"]:
+                    loop = r["stall"]["steps"] * bs / (r["stall"]["wait_s"] + r["stall"]["step_s"])
+                    r["stall"].update(samples_per_s=loop, pct_resident=100 * loop / resident)
         except Exception as exc:  # noqa: BLE001 - a system that breaks is a row with its error
             r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         if "samples_per_s" in r and kind == "images":
@@ -180,7 +184,7 @@ def bench_loaders(args) -> dict:
 
     # each Loader row: steady passes of one Loader, and the first pass of fresh ones (a job that
     # makes a Loader per epoch, or runs one short epoch, gets that)
-    for threads in sorted({1, cores}):
+    for threads in sorted(set(getattr(args, "threads_list", None) or {1, cores})):
         loader = Loader(ds, bs, num_threads=threads)
         r = run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
                 lambda b: len(b["label"]), mmpack_conv, files, threads=threads)
@@ -196,6 +200,10 @@ def bench_loaders(args) -> dict:
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     single = r
+    if args.model:  # the batch put on the model's device by the Loader (pinned, copied as it is made)
+        run(f"mmpack Loader(device={model[0].type}), default threads", "mmpack",
+            lambda: Loader(ds, bs, device=model[0]), lambda b: len(b["label"]), mmpack_conv, files,
+            threads=loader.num_threads)
     # as many samples from a mixture of the same crops cut in 3 datasets, 5:3:2
     parts = [MMapDataset(out, columns=["image", "label"]) for out in prepare_image_thirds(work, args.images)]
     mixture = Mixture(parts, [5, 3, 2], num_samples=len(ds))
@@ -296,6 +304,7 @@ def bench_loaders(args) -> dict:
         "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
         "peers": peer_state, "step_ms": args.step_ms, "step_mode": "model" if args.model else args.step_mode,
         "model": (f"ResNet-18 (images), a 4-layer transformer (tokens) on {model[0]}") if args.model else None,
+        "resident_samples_per_s": resident if args.model else None,
         "cache": ("warm for every rate; cold = one pass right after evicting the system's files from the page "
                   "cache with posix_fadvise(DONTNEED)") if args.cold else "warm (run with --cold for cold passes)",
         "notes": ["conversion for mmpack = packer build from the raw files (decode included); for a peer's "
@@ -334,6 +343,19 @@ def _ratios(results: list[dict]) -> None:
                 r["x_dataloader_collate"] = r["samples_per_s"] / collate
         if r.get("kind") == "tokens" and "tokens_per_s" in r and tbase:
             r["x_on_the_fly"] = r["tokens_per_s"] / tbase
+
+
+def _resident_rate(loader, step, steps: int) -> float:
+    """Images/s of the model step alone: one batch, already on the model's device, trained on
+    again and again (the ceiling of any loader feeding that model)."""
+    batch = next(iter(loader))
+    for _ in range(2):  # warm-up: kernels chosen, memory allocated
+        step(batch)
+    steps = max(steps or 10, 3)
+    started = time.perf_counter()
+    for _ in range(steps):
+        step(batch)  # each step synchronises
+    return steps * len(batch["label"]) / (time.perf_counter() - started)
 
 
 def _progress(r: dict) -> None:

@@ -24,7 +24,7 @@ def loaders_table(report: dict) -> str:
             f"{'1st s':>6} {'cold/s':>9} {'RSS MB':>7} {'PSS MB':>7} {'CPUs/1k':>7} {'conv s':>7} {'disk MB':>8}")
     stall = report.get("step_ms") is not None or report.get("step_mode") == "model"
     if stall:
-        head += f" {'GPU util':>8}"
+        head += f" {'GPU util':>8}" + (f" {'%resid':>7}" if report.get("resident_samples_per_s") else "")
     lines.append(head)
     for r in report["results"]:
         name = r["system"][:58]
@@ -40,6 +40,8 @@ def loaders_table(report: dict) -> str:
                 f"{r['disk_bytes'] / 1e6:>8,.1f}")
         if stall and "stall" in r:
             line += f" {_f(r['stall']['gpu_util_pct'], '>7.0f')}%"
+            if report.get("resident_samples_per_s"):
+                line += f" {_f(r['stall'].get('pct_resident'), '>6.0f')}%"
         lines.append(line + unit)
     d = report.get("default_vs_explicit")
     if d:
@@ -61,6 +63,9 @@ def loaders_table(report: dict) -> str:
     if stall and report.get("model"):
         lines.append(f"GPU util: share of wall time spent in a training step of {report['model']}, i.e. not "
                      "waiting for data")
+        if report.get("resident_samples_per_s"):
+            lines.append(f"%resid: the loop's images/s against the step alone on a batch already on the device "
+                         f"({report['resident_samples_per_s']:,.0f} images/s)")
     elif stall:
         lines.append(f"GPU util: share of wall time spent in the {report['step_ms']} ms step "
                      f"({report['step_mode']}), i.e. not waiting for data")

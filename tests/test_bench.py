@@ -195,6 +195,11 @@ def test_bench_loaders_model_runs_a_real_step_for_every_row_on_cpu(work, tmp_pat
     assert rows and all("error" not in r for r in rows), [r.get("error") for r in rows]
     assert all(r["stall"]["mode"] == "model" and r["stall"]["steps"] == 2 for r in rows)
     assert "ResNet-18" in report["model"] and report["step_mode"] == "model"
+    # the step alone on a resident batch is the ceiling each image row's loop is set against
+    assert report["resident_samples_per_s"] > 0
+    images = [r for r in rows if r["kind"] == "images"]
+    assert all(0 < r["stall"]["pct_resident"] for r in images)
+    assert any(r["system"].startswith("mmpack Loader(device=") for r in images)
 
 
 def test_bench_augment_smallest(work, tmp_path, capsys):

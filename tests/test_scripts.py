@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,6 +68,17 @@ def test_the_imagenet_example_trains_from_keep_aspect_datasets(tmp_path):
 
     train = MMapDataset(tmp_path / "data" / "train.mmpack")
     assert train.columns["image"].ragged and train.manifest.build["max_side"] == 512
+
+
+def test_the_imagenet_example_on_the_fly_trains_from_the_folders(tmp_path):
+    """--on-the-fly: the example's own pipeline (torchvision's ImageFolder in DataLoader workers),
+    the comparison bench doctor runs on a GPU; nothing is packed."""
+    pytest.importorskip("torchvision")
+    out = run("scripts/train_imagenet.py", tmp_path / "data", "--sample", "40", "--arch", "small", "--epochs", "1",
+              "-b", "16", "--on-the-fly", "-j", "1", timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "40 train images" in out.stdout and "on the fly, 1 workers" in out.stdout, out.stdout
+    assert not (tmp_path / "data" / "train.mmpack").exists()
 
 
 def test_the_mixture_example_trains_on_code_and_prose_70_30(tmp_path):

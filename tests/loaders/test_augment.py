@@ -202,6 +202,23 @@ def test_eval_transform_matches_resize_then_centre_crop(path):
         assert psnr(out[b], ref) >= 50, (path, b, psnr(out[b], ref))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_transforms_on_cuda_match_the_references():
+    """The batched float16 products on the GPU itself (the tests above run their arithmetic on
+    the CPU): the same crops and flips, within the same bound of the references."""
+    canvas, sizes = photo_canvas(12, seed=7)
+    boxes = rrc_boxes(sizes, generator=torch.Generator().manual_seed(8))
+    flips = torch.arange(12) % 3 == 0
+    out = train_transform(canvas.cuda(), sizes, boxes=boxes, flips=flips, channels_last=True)
+    assert out.is_cuda and out.is_contiguous(memory_format=torch.channels_last)
+    for b, ref in enumerate(reference_train(canvas, boxes, flips)):
+        assert psnr(out[b].cpu(), ref) >= 50, (b, psnr(out[b].cpu(), ref))
+    evals = eval_transform(canvas.cuda(), sizes)
+    for b, ref in enumerate(reference_eval(canvas, sizes)):
+        assert psnr(evals[b].cpu(), ref) >= 50, (b, psnr(evals[b].cpu(), ref))
+
+
 def test_pixels_match_torchvision_itself_where_installed():
     F_tv = pytest.importorskip("torchvision.transforms.v2.functional")
     canvas, sizes = photo_canvas(6, seed=5)

@@ -260,6 +260,7 @@ def test_to_device_without_cuda_yields_the_same_batches(built):
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_to_device_on_cuda(built):
     ds = MMapDataset(built["images"], columns=["image", "label"])
@@ -268,6 +269,13 @@ def test_to_device_on_cuda(built):
     ref = [b["image"].clone() for b in Loader(ds, 8, seed=1, pin_memory=False)]
     for got, want in zip(loader, ref):
         assert got["image"].is_cuda and torch.equal(got["image"].cpu(), want)
+    # every batch held on the device, read only after the epoch: no copy from a pinned buffer
+    # that the producer had already filled with a later batch (an asynchronous copy's race)
+    for threads in (1, 4):
+        held = list(Loader(ds, 8, seed=1, device="cuda", num_threads=threads))
+        torch.cuda.synchronize()
+        assert len(held) == len(ref)
+        assert all(torch.equal(got["image"].cpu(), want) for got, want in zip(held, ref)), threads
 
 
 DIST_SCRIPT = r"""

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# shared/GPU.md's list on a lent GPU machine, in one call of the device tool: each step boxed in
+# time against one deadline (the lease is short and a step that hangs must not eat the others),
+# its log and JSON under $OUT/lent/, packed into $OUT/lent.tgz after every step (a killed call
+# still brings back what was done). Highest value first: what no other machine can show.
+#
+#   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540]
+#
+# .whl: wheels the machine's image lacks (zstandard, obstore; the device README says how to fetch
+# them); .gpucache: a copy of ~/.cache/mmpack/data (the pinned sample files; no network there).
+set -u
+cd "$(dirname "$0")/.."
+deadline=$((SECONDS + ${1:-540}))
+OUT=${OUT:-/tmp/lent-gpu}
+L=$OUT/lent
+mkdir -p "$L"
+export PYTHONUNBUFFERED=1 MMPACK_CACHE=$PWD/.gpucache TOKENIZERS_PARALLELISM=false
+
+step() {  # [DMON=1] step NAME CAP_SECONDS COMMAND...: run it within min(CAP, time left)
+    local name=$1 cap=$2 t0=$SECONDS dmon=
+    shift 2
+    local left=$((deadline - SECONDS))
+    ((cap > left)) && cap=$left
+    if ((cap < 10)); then echo "=== $name: skipped, no time left"; return; fi
+    echo "=== $name (up to ${cap} s) at $(date +%T)"
+    if [[ -n ${DMON:-} ]]; then  # nvidia-smi's own utilisation beside it, once a second
+        nvidia-smi dmon -s u -d 1 >"$L/$name.dmon" 2>&1 &
+        dmon=$!
+    fi
+    timeout -k 5 "$cap" "$@" >"$L/$name.log" 2>&1
+    echo "=== $name: rc=$? in $((SECONDS - t0)) s"
+    [[ -n $dmon ]] && kill "$dmon" 2>/dev/null
+    tail -n "${TAIL:-12}" "$L/$name.log"
+    tar -czf "$OUT/lent.tgz" -C "$OUT" lent
+}
+
+export PYTHONPATH=/tmp/site PATH="$(dirname "$(python3 -c 'import sys; print(sys.executable)')"):$PATH"
+step setup 90 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . &&
+    nvidia-smi && nproc && free -g && df -h /tmp && python3 -c "import torch, torchvision, pynvml
+print(torch.__version__, torchvision.__version__, torch.cuda.get_device_name(0))
+from loaders.batch import native; print(native.__file__)"'
+
+# 1. the CUDA tests, and the ImageNet example on the fly (torchvision is there)
+step cuda_tests 90 bash -c 'python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/ &&
+    python3 -m pytest -q -p no:cacheprovider tests/test_scripts.py -k imagenet -rs'
+
+# 3 + 4. Loader(device="cuda") against ResNet-18's step on a resident batch; 1-16 threads against memcpy
+DMON=1 step loaders_model 150 bench loaders --images 3000 --workers 16 --threads-list 1,2,4,8,16 \
+    --model --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-model.json" --plot "$L/loaders-model.png"
+
+# 6. bench doctor on the PyTorch ImageNet example: on the fly with 16 workers, then through Loader
+step imagenet_data 60 python3 scripts/train_imagenet.py /tmp/inet --sample 2000 --arch small --epochs 0
+DMON=1 step doctor_otf 90 bench doctor --steps 40 --json "$L/doctor-otf.json" --plot "$L/doctor-otf.png" \
+    -- python3 scripts/train_imagenet.py /tmp/inet --on-the-fly -j 16
+DMON=1 step doctor_loader 90 bench doctor --steps 40 --json "$L/doctor-loader.json" \
+    --plot "$L/doctor-loader.png" -- python3 scripts/train_imagenet.py /tmp/inet
+
+# 2. the training and evaluation transforms against ResNet-50 and ResNet-18 steps
+step augment 90 bench augment --work /tmp/aw --json "$L/augment.json" --plot "$L/augment.png"
+
+# 5. the build at 1-16 workers against the raw rates
+step packer 100 bench packer --workers-list 1,2,4,8,16 --rounds 1 --work /tmp/pw --json "$L/packer.json"
+
+# 1. the whole suite, in the time left (no S3 server binary travels: those tests skip)
+TAIL=25 step suite 600 python3 -m pytest -q -p no:cacheprovider -n 12 --maxfail 20
