@@ -38,6 +38,7 @@ DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what 
 REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 CEILING_BATCHES = 20
+CEILING_S = 30.0
 
 
 class _Stop(BaseException):
@@ -52,6 +53,7 @@ class Processes:
 
     def __init__(self, every_s: float = 0.2):
         self.every_s, self.seen = every_s, {}  # pid -> (cpu_s, read_bytes)
+        self.at_once = 0  # the most worker processes alive in one sample: a DataLoader's per epoch
         self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="mmpack-doctor")
@@ -63,7 +65,9 @@ class Processes:
             self.sample()
 
     def sample(self) -> None:
-        for pid in [os.getpid(), *_descendants(os.getpid())]:
+        children = _descendants(os.getpid())
+        self.at_once = max(self.at_once, len(children))
+        for pid in [os.getpid(), *children]:
             got = self._sample_one(pid)
             if got is not None:
                 self.seen[pid] = got
@@ -85,8 +89,11 @@ class Processes:
         workers = {pid: v for pid, v in self.seen.items() if pid != me}
         cpu = sum(v[0] for v in workers.values())
         own = self.seen.get(me, (base_cpu, base_read))
-        return {"worker_processes": len(workers), "cpu_s_workers": cpu,
-                "worker_cpu_busy": cpu / (wall_s * len(workers)) if workers and wall_s > 0 else None,
+        # busy over the workers alive together, not every pid seen: a DataLoader without
+        # persistent_workers starts a new set each epoch
+        at_once = min(len(workers), max(self.at_once, 1))
+        return {"worker_processes": len(workers), "workers_at_once": at_once, "cpu_s_workers": cpu,
+                "worker_cpu_busy": cpu / (wall_s * at_once) if workers and wall_s > 0 else None,
                 "cpu_s_main_total": own[0] - base_cpu,
                 "read_bytes": own[1] - base_read + sum(v[1] for v in workers.values())}
 
@@ -120,15 +127,20 @@ class Nvml:
     def _run(self) -> None:
         while not self.stop.wait(self.every_s):
             try:
-                self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu)
+                self.samples.append((time.perf_counter(), self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu))
             except Exception:  # noqa: BLE001 - a sample missed is not the script's failure
                 pass
 
-    def report(self) -> dict:
+    def report(self, start: float | None = None, end: float | None = None) -> dict:
+        """Over the watched loop, from `start` to `end` (perf_counter), not the script's start-up
+        (imports, data set-up, the model's first kernels), which would dilute the figure; the
+        whole run's mean beside it."""
         self.stop.set()
-        ordered = sorted(self.samples)
+        every = [u for _, u in self.samples]
+        ordered = sorted(u for t, u in self.samples if start is None or start < t <= end)
         return {"samples": len(ordered), "util_mean_pct": sum(ordered) / len(ordered) if ordered else None,
-                "util_p50_pct": ordered[len(ordered) // 2] if ordered else None}
+                "util_p50_pct": ordered[len(ordered) // 2] if ordered else None,
+                "run_samples": len(every), "run_util_mean_pct": sum(every) / len(every) if every else None}
 
 
 def _descendants(pid: int) -> list[int]:
@@ -169,6 +181,7 @@ class Watch:
             asked = time.perf_counter()
             if last is not None:
                 rec["steps"].append(asked - last)
+                rec["last_asked_at"] = asked
             if self.steps is not None and self.batches() >= self.steps:
                 raise _Stop
             try:
@@ -176,6 +189,7 @@ class Watch:
             except StopIteration:
                 return
             last = time.perf_counter()
+            rec.setdefault("first_batch_at", last)  # the loop's window, for the GPU's samples
             rec["waits"].append(last - asked)
             rec["samples"] += _batch_len(batch)
             yield batch
@@ -260,19 +274,29 @@ def _share(wait: float, work: float) -> float:
     return wait / (wait + work) if wait + work > 0 else 0.0
 
 
-def _ceiling(loader, batches: int = CEILING_BATCHES) -> dict:
+def _ceiling(loader, batches: int = CEILING_BATCHES, limit_s: float = CEILING_S) -> dict:
     """The loader alone: a fresh iterator, its first batch apart (workers starting), the next
-    `batches` timed with nothing done between them."""
+    batches timed with nothing done between them, over as many epochs as it takes (each new
+    epoch's start-up counted, as training meets it). At least `batches`, and three times what a
+    DataLoader's workers make ahead: those are made while the first one is, and would arrive as
+    if at no cost (16 workers on an epoch of 8 batches: every batch at once, a rate no loader
+    keeps). Stopped past `limit_s` once `batches` are in."""
+    ahead = (getattr(loader, "num_workers", 0) or 0) * (getattr(loader, "prefetch_factor", None) or 2)
+    want = max(batches, 3 * ahead)
     try:
         it = iter(loader)
         first = time.perf_counter()
         next(it)
         started, samples, n = time.perf_counter(), 0, 0
-        for batch in it:
+        while n < want and not (n >= batches and time.perf_counter() - started > limit_s):
+            batch = next(it, None)
+            if batch is None:
+                it = iter(loader)
+                batch = next(it, None)
+                if batch is None:
+                    break
             samples += _batch_len(batch)
             n += 1
-            if n >= batches:
-                break
         seconds = time.perf_counter() - started
         return {"batches": n, "samples_per_s": samples / seconds if seconds > 0 and n else None,
                 "first_batch_s": started - first}
@@ -386,7 +410,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     out = {"batches": w.batches(), "wall_s": wall, "cuda": _cuda(),
            "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count(),
            "processes": w.processes.report(loop) if w.processes else None,
-           "gpu": w.nvml.report() if w.nvml else None}
+           "gpu": w.nvml.report(*((main["first_batch_at"], main.get("last_asked_at", 0.0)) if main else ())) if w.nvml else None}
     if main is None:
         out["verdict"] = "no DataLoader or Loader was iterated" + (f" (the script failed: {w.error})" if w.error else "")
         return out

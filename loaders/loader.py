@@ -35,8 +35,9 @@ from loaders.views.dataset import MMapDataset
 # such a batch does (token windows, small batches). Larger ones are made ahead.
 INLINE_BELOW_BYTES = 1 << 20
 # Gather threads a Loader takes by default: past this many the copies are bound by the memory
-# bus, not by cores (see docs/design.md), and the cores not taken are the training job's.
-MAX_DEFAULT_THREADS = 8
+# bus, not by cores, on the hosts GPUs sit in (see docs/design.md), and the cores not taken are
+# the training job's.
+MAX_DEFAULT_THREADS = 16
 # With num_threads="auto", a thread count is doubled while that makes the gather at least this much faster.
 THREAD_GAIN = 0.10
 _NEVER = threading.Event()  # the stop of a batch made inline: none

@@ -29,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch-size", type=int, default=16)
     args = ap.parse_args(argv)
-    cuda = torch.cuda.is_available()
+    # one GPU per process, as DDP wants; more processes than GPUs (a test, a laptop) train on the CPU
+    cuda = torch.cuda.is_available() and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= torch.cuda.device_count()
     dist.init_process_group("nccl" if cuda else "gloo")
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu"
     ds = MMapDataset(args.out)

@@ -4,7 +4,11 @@
 # its log and JSON under $OUT/lent/, packed into $OUT/lent.tgz after every step (a killed call
 # still brings back what was done). Highest value first: what no other machine can show.
 #
-#   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540]
+#   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540] [STEP...]
+#
+# STEPs (default: all, in this order): cuda_tests tests imagenet augment profile packer
+# loaders_model loaders suite; `tests` runs the tests $TESTS names (all of them without it); setup
+# always runs.
 #
 # .whl: wheels the machine's image lacks (zstandard, obstore; the device README says how to fetch
 # them); .gpucache: a copy of ~/.cache/mmpack/data (the pinned sample files; no network there).
@@ -15,6 +19,10 @@ OUT=${OUT:-/tmp/lent-gpu}
 L=$OUT/lent
 mkdir -p "$L"
 export PYTHONUNBUFFERED=1 MMPACK_CACHE=$PWD/.gpucache TOKENIZERS_PARALLELISM=false
+
+shift $(($# > 0 ? 1 : 0))
+only=" $* "
+want() { [[ $only == "  " || $only == *" $1 "* ]]; }
 
 step() {  # [DMON=1] step NAME CAP_SECONDS COMMAND...: run it within min(CAP, time left)
     local name=$1 cap=$2 t0=$SECONDS dmon=
@@ -42,25 +50,68 @@ print(torch.__version__, torchvision.__version__, torch.cuda.get_device_name(0))
 from loaders.batch import native; print(native.__file__)"'
 
 # 1. the CUDA tests, and the ImageNet example on the fly (torchvision is there)
-step cuda_tests 90 bash -c 'python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/ &&
+want cuda_tests && step cuda_tests 90 bash -c 'python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/ &&
     python3 -m pytest -q -p no:cacheprovider tests/test_scripts.py -k imagenet -rs'
-
-# 3 + 4. Loader(device="cuda") against ResNet-18's step on a resident batch; 1-16 threads against memcpy
-DMON=1 step loaders_model 150 bench loaders --images 3000 --workers 16 --threads-list 1,2,4,8,16 \
-    --model --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-model.json" --plot "$L/loaders-model.png"
+want tests && TAIL=30 step tests 100 python3 -m pytest -q -p no:cacheprovider -rs -n 8 ${TESTS:-}
 
 # 6. bench doctor on the PyTorch ImageNet example: on the fly with 16 workers, then through Loader
-step imagenet_data 60 python3 scripts/train_imagenet.py /tmp/inet --sample 2000 --arch small --epochs 0
-DMON=1 step doctor_otf 90 bench doctor --steps 40 --json "$L/doctor-otf.json" --plot "$L/doctor-otf.png" \
-    -- python3 scripts/train_imagenet.py /tmp/inet --on-the-fly -j 16
-DMON=1 step doctor_loader 90 bench doctor --steps 40 --json "$L/doctor-loader.json" \
-    --plot "$L/doctor-loader.png" -- python3 scripts/train_imagenet.py /tmp/inet
+# (1,000 crops, each linked 4 times: epochs of 16 batches without a minute of making photos)
+if want imagenet; then
+    step imagenet_data 45 python3 - <<'PY'
+from pathlib import Path
+from bench import data
+data.make_image_folders(Path("/tmp/inet/train"), 1000, seed=1)
+data.make_image_folders(Path("/tmp/inet/val"), 200, seed=2)
+for f in list(Path("/tmp/inet/train").rglob("*.*")):
+    for k in range(1, 4):
+        (f.parent / f"{k}-{f.name}").hardlink_to(f)
+PY
+    step imagenet_pack 45 python3 scripts/train_imagenet.py /tmp/inet --arch small --epochs 0
+    DMON=1 step doctor_otf 70 bench doctor --steps 64 --json "$L/doctor-otf.json" --plot "$L/doctor-otf.png" \
+        -- python3 scripts/train_imagenet.py /tmp/inet --on-the-fly -j 16
+    DMON=1 step doctor_loader 60 bench doctor --steps 160 --json "$L/doctor-loader.json" \
+        --plot "$L/doctor-loader.png" -- python3 scripts/train_imagenet.py /tmp/inet
+fi
 
-# 2. the training and evaluation transforms against ResNet-50 and ResNet-18 steps
-step augment 90 bench augment --work /tmp/aw --json "$L/augment.json" --plot "$L/augment.png"
+# 2. the training and evaluation transforms against ResNet-50 and ResNet-18 steps, and where
+# the transform's time goes on the GPU
+want augment && step augment 90 bench augment --work /tmp/aw --json "$L/augment.json" --plot "$L/augment.png"
+want profile && TAIL=40 step profile 60 python3 - <<'PY'
+import torch
+from loaders.augment import train_transform
+g = torch.Generator().manual_seed(0)
+canvas = torch.randint(0, 256, (256, 512, 512, 3), dtype=torch.uint8, generator=g).cuda()
+sizes = torch.stack([torch.randint(256, 513, (256,), generator=g), torch.randint(256, 513, (256,), generator=g)], 1)
+crops = torch.Generator(device="cuda").manual_seed(0)
+run = lambda: train_transform(canvas, sizes, 224, generator=crops, channels_last=True)
+for _ in range(5):
+    run()
+torch.cuda.synchronize()
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for _ in range(20):
+    run()
+end.record()
+torch.cuda.synchronize()
+print(f"train_transform, 256 x 512 x 512 canvas: {start.elapsed_time(end) / 20:.2f} ms a batch (CUDA events)")
+with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as p:
+    for _ in range(5):
+        run()
+    torch.cuda.synchronize()
+print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=48))
+print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=48))
+PY
 
-# 5. the build at 1-16 workers against the raw rates
-step packer 100 bench packer --workers-list 1,2,4,8,16 --rounds 1 --work /tmp/pw --json "$L/packer.json"
+# 5. the build at 1-16 workers against the raw rates (its photo crops are the loaders' below)
+want packer && step packer 170 bench packer --images 3000 --workers-list 1,2,4,8,16 --rounds 1 --work /tmp/lw \
+    --json "$L/packer.json"
+
+# 3 + 4. Loader(device="cuda") against ResNet-18's step on a resident batch; 1-16 threads against memcpy
+want loaders_model && DMON=1 step loaders_model 150 bench loaders --images 3000 --workers 16 \
+    --threads-list 1,2,4,8,16 --model --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-model.json" \
+    --plot "$L/loaders-model.png"
+want loaders && step loaders 80 bench loaders --images 3000 --workers 16 --threads-list 8,16 --passes 3 \
+    --work /tmp/lw --json "$L/loaders.json"
 
 # 1. the whole suite, in the time left (no S3 server binary travels: those tests skip)
-TAIL=25 step suite 600 python3 -m pytest -q -p no:cacheprovider -n 12 --maxfail 20
+want suite && TAIL=25 step suite 600 python3 -m pytest -q -p no:cacheprovider -n 12 --maxfail 20

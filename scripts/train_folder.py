@@ -55,14 +55,17 @@ class Folder(torch.utils.data.Dataset):
 
 def on_the_fly(args) -> int:
     ds = Folder(args.raw, args.image_size)
-    loader = torch.utils.data.DataLoader(ds, args.batch_size, shuffle=True, num_workers=args.workers)
-    model = small_cnn(len(ds.classes))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the packed run trains too
+    loader = torch.utils.data.DataLoader(ds, args.batch_size, shuffle=True, num_workers=args.workers,
+                                         pin_memory=device.type == "cuda")
+    model = small_cnn(len(ds.classes)).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     steps = 0
     for epoch in range(args.epochs):
         total, count = 0.0, 0
         for batch in loader:
-            loss = F.cross_entropy(model(random_flip(normalize(batch["image"]))), batch["label"])
+            images, labels = batch["image"].to(device, non_blocking=True), batch["label"].to(device, non_blocking=True)
+            loss = F.cross_entropy(model(random_flip(normalize(images))), labels)
             opt.zero_grad()
             loss.backward()
             opt.step()

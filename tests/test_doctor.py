@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,10 +72,41 @@ def test_watch_reports_a_loop_in_this_process(built):
         assert report["gpu"] is None and "NVML" not in report["verdict"]
     else:
         probe.report()
-        assert report["gpu"]["samples"] >= 0 and all(0 <= v <= 100 for v in probe.samples)
+        assert report["gpu"]["samples"] >= 0 and all(0 <= u <= 100 for _, u in probe.samples)
     with doctor.watch() as nothing:
         pass
     assert nothing.report()["verdict"] == "no DataLoader or Loader was iterated"
+
+
+class _Slow(torch.utils.data.Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return i
+
+
+def test_the_loader_alone_is_timed_past_the_batches_its_workers_made_ahead():
+    """4 workers on an epoch of 4 batches make all 4 while the first is made: timed from the
+    first batch over that epoch alone, the rest come at no cost. Over epochs, it is what 4
+    workers sleeping 10 ms a sample can make (400 samples/s), not more."""
+    loader = torch.utils.data.DataLoader(_Slow(), batch_size=4, num_workers=4)
+    got = doctor._ceiling(loader)
+    assert got["batches"] >= 3 * 4 * 2 and 0 < got["samples_per_s"] <= 400 * 1.1, got
+
+
+def test_the_gpu_figure_is_the_loops_own_not_the_scripts_start_up():
+    """NVML samples taken while the script imported, built its data or warmed up its model are
+    outside the loop: the figure is over the loop's window; the whole run's mean is beside it."""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(nvmlDeviceGetUtilizationRates=lambda handle: SimpleNamespace(gpu=50))
+    nvml = doctor.Nvml(fake, None, every_s=60)
+    nvml.stop.set()
+    nvml.samples = [(1.0, 0), (2.0, 80), (3.0, 100), (4.0, 0)]
+    got = nvml.report(1.5, 3.5)
+    assert (got["samples"], got["util_mean_pct"], got["run_samples"], got["run_util_mean_pct"]) == (2, 90, 4, 45)
 
 
 def test_the_plot_shows_each_step(tmp_path):

@@ -77,9 +77,11 @@ def test_two_builds_started_together_publish_one_whole_dataset(tmp_path, image_r
         cmd = [sys.executable, "-m", "packer.cli", "build", str(image_raw), str(out), *args]
         procs = [subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(2)]
         results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
-        assert sorted(rc for rc, _ in results) == [0, 2], results
-        err = next(e for rc, e in results if rc == 2)
-        assert err.count("\n") == 1 and ("another mmpack process is writing it" in err or "already exists" in err)
+        # the one that comes second is refused while the first writes, or, on a machine fast enough
+        # that the first has published before it looks, finds that dataset up to date
+        assert sorted(rc for rc, _ in results) in ([0, 0], [0, 2]), results
+        for err in (e for rc, e in results if rc == 2):
+            assert err.count("\n") == 1 and ("another mmpack process is writing it" in err or "already exists" in err)
         assert main(["verify", str(out)]) == 0 and tree(out) == tree(tmp_path / "clean")
 
 

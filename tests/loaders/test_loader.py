@@ -101,10 +101,11 @@ def test_an_auto_thread_count_is_the_fewest_past_which_doubling_gains_under_10pc
 
 def test_the_default_thread_count_follows_from_the_machine_not_the_clock(built, monkeypatch):
     """Without num_threads a Loader takes the cores it may use, shared by the node's ranks, at
-    most 8: the same count on its first pass as on its last, with no gather timed."""
+    most 16: the same count on its first pass as on its last, with no gather timed."""
     from loaders import loader as batches
 
-    for cores, local, want in ((2, None, 2), (16, None, 8), (64, "8", 8), (16, "8", 2), (1, "4", 1), (3, "x", 3)):
+    for cores, local, want in ((2, None, 2), (16, None, 16), (64, None, 16), (64, "8", 8), (16, "8", 2), (1, "4", 1),
+                               (3, "x", 3)):
         monkeypatch.setattr(batches, "available_cores", lambda cores=cores: cores)
         if local is None:
             monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
