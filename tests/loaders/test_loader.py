@@ -279,6 +279,62 @@ def test_to_device_on_cuda(built):
         assert all(torch.equal(got["image"].cpu(), want) for got, want in zip(held, ref)), threads
 
 
+def test_a_host_batch_is_let_go_only_after_its_copy_and_next_never_waits_on_its_own_copy(monkeypatch):
+    """to_device's order, with CUDA's stream and events stood in for (this runs without a GPU):
+    each host batch is dropped only once its copy's event was synchronized (else Loader could
+    refill the buffer under the DMA), and the copy issued in a `next()` is never waited for in
+    that same `next()` (the consumer would wait out every copy while the GPU idles)."""
+    import gc
+    import weakref
+
+    log: list = []
+
+    class Event:
+        def __init__(self):
+            self.k = None
+
+        def record(self, stream):
+            self.k = len([e for e in log if e[0] == "issued"])
+            log.append(("issued", self.k))
+
+        def synchronize(self):
+            log.append(("synced", self.k))
+
+    class Host(dict):  # a host batch; its "device batch" is a new dict of the same values
+        pass
+
+    fake = type("S", (), {"wait_event": lambda self, e: None})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: fake)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: fake)
+
+    def hosts(n):
+        for k in range(n):
+            h = Host(image=k)
+            weakref.finalize(h, lambda k=k: log.append(("dropped", k)))
+            yield h
+            del h
+
+    for stop_after in (None, 2):  # to the end, and a consumer that stops early
+        log.clear()
+        it = to_device(hosts(8), "cuda", prefetch=2)
+        for taken, batch in enumerate(it, 1):
+            assert type(batch) is dict and batch["image"] == taken - 1
+            gc.collect()
+            issued = max(k for what, k in log if what == "issued")
+            assert ("synced", issued) not in log, log  # this next() did not wait on its own copy
+            if taken == stop_after:
+                break
+        it.close()
+        gc.collect()
+        for what, k in log:
+            if what == "dropped":
+                assert log.index(("synced", k)) < log.index(("dropped", k)), log
+        assert {k for what, k in log if what == "issued"} == {k for what, k in log if what == "dropped"}
+
+
 DIST_SCRIPT = r"""
 import os, sys, json, torch, torch.distributed as dist
 from loaders import Loader
