@@ -138,6 +138,13 @@ def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, i
             "pct_disk": 100 * written / disk, **r}
 
 
+def _progress(row: dict) -> dict:
+    """A line per measured row (a row takes a minute and more on one worker)."""
+    print(f"  measured {row['what']} ({row['inputs']}) on {row['workers']} worker(s): {row['rate']:,.0f} "
+          f"{row['unit']}, {100 * row['efficiency']:.0f}% of the raw rate x cores", file=sys.stderr, flush=True)
+    return row
+
+
 def bench_packer(args) -> dict:
     from packer.dataset.archive import pack, unpack
 
@@ -155,9 +162,9 @@ def bench_packer(args) -> dict:
         for inputs in ("cached", "cold") if args.cold else ("cached",):  # cold: evicted before each build
             before = (lambda: evict(img_files)) if inputs == "cold" else (lambda: None)
             r = _build("images", raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard], args.rounds, before)
-            rows.append(_row("images", w, "images/s", r["samples"], r, disk, inputs))
+            rows.append(_progress(_row("images", w, "images/s", r["samples"], r, disk, inputs)))
         r = _build("tokens", raw_txt, work / f"pk-text-{w}", w, tokenizer, args.rounds)
-        rows.append(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r, disk))
+        rows.append(_progress(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r, disk)))
     archives = []
     last = args.workers_list[-1]
     for what in ("images", "text"):
