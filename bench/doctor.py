@@ -39,6 +39,7 @@ REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 CEILING_BATCHES = 20
 CEILING_S = 30.0
+NVML_PERIOD_S = 1.0  # the longest period one NVML utilisation reading covers
 
 
 class _Stop(BaseException):
@@ -134,13 +135,18 @@ class Nvml:
     def report(self, start: float | None = None, end: float | None = None) -> dict:
         """Over the watched loop, from `start` to `end` (perf_counter), not the script's start-up
         (imports, data set-up, the model's first kernels), which would dilute the figure; the
-        whole run's mean beside it."""
+        whole run's mean beside it. A reading covers NVML's own sample period before it (1/6 s
+        to 1 s, by the product): the readings of the loop's first second, which still hold the
+        idle time before it, are left out where later ones exist."""
         self.stop.set()
         every = [u for _, u in self.samples]
-        ordered = sorted(u for t, u in self.samples if start is None or start < t <= end)
+        inside = [(t, u) for t, u in self.samples if start is None or start < t <= end]
+        settled = [u for t, u in inside if start is None or t > start + NVML_PERIOD_S]
+        ordered = sorted(settled or [u for _, u in inside])
         return {"samples": len(ordered), "util_mean_pct": sum(ordered) / len(ordered) if ordered else None,
                 "util_p50_pct": ordered[len(ordered) // 2] if ordered else None,
-                "run_samples": len(every), "run_util_mean_pct": sum(every) / len(every) if every else None}
+                "run_samples": len(every), "run_util_mean_pct": sum(every) / len(every) if every else None,
+                "readings": [[round(t - (start or 0.0), 2), u] for t, u in inside]}  # (s into the loop, %)
 
 
 def _descendants(pid: int) -> list[int]:
