@@ -23,7 +23,7 @@ from .measure import PeakMemory, disk_write_rate, evict
 # The raw image rate is a rate: an evenly spread sample of the photos gives it, in a fraction of
 # the time every one of them takes on one core (measured before and after every build, it was
 # most of a row's time on a many-core host).
-RAW_IMAGES, RAW_IMAGES_PER_PROCESS = 600, 150
+RAW_IMAGES, RAW_IMAGES_PER_PROCESS = 1000, 150
 
 _RAW_ONE_CORE = """
 import json, sys, time
