@@ -149,6 +149,88 @@ class Nvml:
                 "readings": [[round(t - (start or 0.0), 2), u] for t, u in inside]}  # (s into the loop, %)
 
 
+def _cuda_started() -> bool:
+    """Whether the script has started CUDA itself: only then may the doctor make CUDA calls (its
+    own first one, before the script forks its workers, could keep them from using CUDA)."""
+    import torch
+
+    return torch.cuda.is_initialized()
+
+
+class CudaMarks:
+    """The loop on the GPU's own clock: a CUDA event on the current stream where each batch is
+    handed over ("start") and where the next is asked for ("end"). A stream runs its work in
+    order, so from a step's end to the next batch's hand-over it has only what was queued before
+    to do: where that is nothing, the GPU waited for the data (or for what `next()` queued, such
+    as copies). That gap holds whatever the host's clock says of a script that queues its steps
+    ahead. Recorded only once the script has started CUDA; at most MOST events."""
+
+    MOST = 20_000
+
+    def __init__(self):
+        self.marks: list = []
+
+    def mark(self, kind: str) -> None:
+        if len(self.marks) < self.MOST and _cuda_started():
+            import torch
+
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((kind, event))
+
+    def report(self) -> dict | None:
+        """Over each start, end, start in a row: the GPU's time from one hand-over to the next
+        (`step`), and from the step's end to the next hand-over (`gap`); `gap_share` their ratio."""
+        if not self.marks:
+            return None
+        import torch
+
+        torch.cuda.synchronize()
+        kinds = [k for k, _ in self.marks]
+        steps, gaps = [], []
+        for i in range(len(kinds) - 2):
+            if kinds[i:i + 3] == ["start", "end", "start"]:
+                a, b, c = (e for _, e in self.marks[i:i + 3])
+                steps.append(a.elapsed_time(c) / 1e3)
+                gaps.append(b.elapsed_time(c) / 1e3)
+        if not steps:
+            return None
+        return {"steps": len(steps), "step": _stats(steps), "gap": _stats(gaps), "gap_share": _share(
+            sum(gaps), sum(steps) - sum(gaps))}
+
+
+class Copies:
+    """Host-to-device copies made with `Tensor.to` or `Tensor.cuda` while watched: how many, their
+    bytes, how many of those from pinned memory, and the host's time blocked in the calls (a copy
+    from pageable memory blocks until it is done; a `non_blocking` one from pinned memory does
+    not). No CUDA call: a copy is known by the result's device."""
+
+    def __init__(self):
+        self.copies = self.bytes = self.pinned_bytes = 0
+        self.blocked_s = 0.0
+        self.active = False  # from the loop's first batch on: not the model's move to the GPU
+
+    def wrap(self, original):
+        copies = self
+
+        def method(tensor, *args, **kwargs):
+            started = time.perf_counter()
+            out = original(tensor, *args, **kwargs)
+            if copies.active and out is not tensor and out.device.type == "cuda" and tensor.device.type == "cpu":
+                copies.blocked_s += time.perf_counter() - started
+                copies.copies += 1
+                copies.bytes += tensor.nbytes
+                copies.pinned_bytes += tensor.nbytes if tensor.is_pinned() else 0
+            return out
+        return method
+
+    def report(self, batches: int) -> dict | None:
+        if not self.copies:
+            return None
+        return {"copies": self.copies, "bytes": self.bytes, "bytes_per_batch": self.bytes / max(batches, 1),
+                "pinned_share": self.pinned_bytes / self.bytes if self.bytes else None, "blocked_s": self.blocked_s}
+
+
 def _descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:
@@ -177,17 +259,20 @@ class Watch:
         self.error: str | None = None
         self.processes = Processes() if processes and Path("/proc/self/stat").exists() else None
         self.nvml = Nvml.start() if processes else None
+        self.copies = Copies()
 
     def iterate(self, loader, it):
         """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
         handed over and the next asked for is a step."""
-        rec = self.by_loader.setdefault(id(loader), {"loader": loader, "waits": [], "steps": [], "samples": 0})
+        rec = self.by_loader.setdefault(id(loader), {"loader": loader, "waits": [], "steps": [], "samples": 0,
+                                                     "cuda": CudaMarks()})
         last = None
         while True:
             asked = time.perf_counter()
             if last is not None:
                 rec["steps"].append(asked - last)
                 rec["last_asked_at"] = asked
+                rec["cuda"].mark("end")
             if self.steps is not None and self.batches() >= self.steps:
                 raise _Stop
             try:
@@ -196,6 +281,8 @@ class Watch:
                 return
             last = time.perf_counter()
             rec.setdefault("first_batch_at", last)  # the loop's window, for the GPU's samples
+            rec["cuda"].mark("start")
+            self.copies.active = True
             rec["waits"].append(last - asked)
             rec["samples"] += _batch_len(batch)
             yield batch
@@ -229,8 +316,13 @@ def _patched(watch: Watch, classes):
             return watch.iterate(self, original(self))
         return __iter__
 
+    import torch
+
+    tensor_methods = {name: torch.Tensor.__dict__.get(name) for name in ("to", "cuda")}
     for cls in classes:
         cls.__iter__ = wrap(cls.__iter__)
+    for name in tensor_methods:
+        setattr(torch.Tensor, name, watch.copies.wrap(getattr(torch.Tensor, name)))
     try:
         yield
     finally:
@@ -239,6 +331,11 @@ def _patched(watch: Watch, classes):
                 del cls.__iter__
             else:
                 cls.__iter__ = original
+        for name, original in tensor_methods.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
 
 
 def _loader_classes() -> list:
@@ -427,6 +524,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     per_batch = main["samples"] / batches if batches else 0
     model_rate = per_batch * len(steps) / work if work > 0 else None
     loader = main["loader"]
+    out.update({"cuda_events": main["cuda"].report(), "copies": w.copies.report(batches)})
     out.update({"loader": type(loader).__name__, "wait": _stats(waits), "step": _stats(steps),
                 "first_batch_s": main["waits"][0] if main["waits"] else None, "wait_share": share,
                 "samples": main["samples"], "model_samples_per_s": model_rate,
@@ -458,11 +556,24 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
         f", the model takes {r['model_samples_per_s']:,.0f}/s" if r.get("model_samples_per_s") else "")
     wait = r["wait"]
     gpu = (r.get("gpu") or {}).get("util_mean_pct")
+    events = r.get("cuda_events") or {}
+    copies = r.get("copies") or {}
     waited = (f"{100 * r['wait_share']:.0f}% of the loop waiting for the next batch"
               + (f" (p50 {wait['p50_ms']:.1f} ms, p95 {wait['p95_ms']:.1f} ms)" if wait.get("n") else "")
-              + (f", the GPU busy {gpu:.0f}% of the time (NVML)" if gpu is not None else ""))
+              + (f", the GPU busy {gpu:.0f}% of the time (NVML)" if gpu is not None else "")
+              + (f", its stream idle {100 * events['gap_share']:.0f}% of the loop between steps (CUDA events)"
+                 if events else "")
+              + (f"; {copies['bytes_per_batch'] / 1e6:,.1f} MB copied to the GPU a batch, "
+                 f"{100 * copies['pinned_share']:.0f}% of it from pinned memory" if copies else ""))
     fixes = []
-    if r["wait_share"] <= DATA_BOUND:
+    if copies and copies["pinned_share"] < 0.5 and copies["blocked_s"] > 0.05 * (r.get("step") or {}).get("total_s", 0):
+        fixes.append({"fix": "pin_memory=True and .to(device, non_blocking=True)",
+                      "expected": f"the {copies['blocked_s']:.2f} s the loop spent blocked in copies from "
+                                  "pageable memory, overlapped", "how": "estimated from the copies seen"})
+    # the GPU's own clock decides where there is one: a script that queues its steps ahead waits
+    # on the host while its GPU still works
+    bound = events["gap_share"] if events else r["wait_share"]
+    if bound <= DATA_BOUND:
         return f"compute-bound: {waited}{rates}: the data is not what the step waits for", fixes
     ps = r.get("per_sample") or {}
     cores = r.get("cores") or 1
@@ -495,7 +606,7 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
             fixes.append({"fix": f"prefetch_factor=4 with num_workers={deeper['num_workers']}",
                           "expected": f"{deeper['samples_per_s'] / alone:.1f}x the data rate",
                           "how": "measured: the same loader so, alone", "gain": deeper["samples_per_s"] / alone})
-        if not ps.get("pin_memory") and r.get("cuda"):
+        if not ps.get("pin_memory") and r.get("cuda") and not any(f["fix"].startswith("pin_memory") for f in fixes):
             fixes.append({"fix": "pin_memory=True", "expected": "faster host-to-GPU copies",
                           "how": "estimated"})
     why = (f"; __getitem__ takes {ps['getitem_ms']:.2f} ms a sample and the collate "

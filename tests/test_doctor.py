@@ -114,6 +114,68 @@ def test_the_gpu_figure_is_the_loops_own_not_the_scripts_start_up():
     assert nvml.report(1.5, 2.2)["samples"] == 1  # a loop shorter than that: what there is
 
 
+def test_the_gpus_own_clock_says_how_long_its_stream_sat_idle_between_steps(monkeypatch):
+    """CUDA events stood in for (this runs without a GPU): hand-overs at 0, 0.1, 0.2 s of the
+    GPU's clock, steps ending at 0.08 and 0.18: the stream idle 0.04 s of 0.2, 20%. Nothing is
+    recorded before the script has started CUDA."""
+    clock = {"t": 0.0}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock["t"]
+
+        def elapsed_time(self, other):
+            return 1e3 * (other.t - self.t)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    marks = doctor.CudaMarks()
+    marks.mark("start")
+    assert marks.marks == [] and marks.report() is None  # CUDA not started by the script: no call
+    monkeypatch.setattr(doctor, "_cuda_started", lambda: True)
+    for kind, t in (("start", 0.0), ("end", 0.08), ("start", 0.1), ("end", 0.18), ("start", 0.2)):
+        clock["t"] = t
+        marks.mark(kind)
+    got = marks.report()
+    assert got["steps"] == 2 and got["gap_share"] == pytest.approx(0.2)
+    assert got["gap"]["p50_ms"] == pytest.approx(20) and got["step"]["p50_ms"] == pytest.approx(100)
+
+
+def test_a_gpu_busy_through_the_hosts_waits_is_compute_bound():
+    """A script that queues its steps ahead waits on the host while the GPU still works: with
+    the GPU's clock saying its stream was idle 2% of the loop, that is no data-bound loop."""
+    r = {"wait_share": 0.5, "wait": {"n": 10, "p50_ms": 20.0, "p95_ms": 30.0}, "step": {"total_s": 1.0},
+         "model_samples_per_s": 100.0, "cuda_events": {"gap_share": 0.02}, "copies": None}
+    verdict, fixes = doctor._verdict(r)
+    assert verdict.startswith("compute-bound") and "stream idle 2%" in verdict and fixes == []
+    r["cuda_events"]["gap_share"] = 0.4
+    assert doctor._verdict(r)[0].startswith("data-bound")
+
+
+def test_copies_to_the_gpu_are_counted_with_their_bytes_and_pinning():
+    """Tensor.to and Tensor.cuda are watched while the loop runs (a copy is known by the result's
+    device: no CUDA call), and given back as they were after it."""
+    from types import SimpleNamespace
+
+    on_gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    copies = doctor.Copies()
+    to = copies.wrap(lambda tensor, *a, **k: on_gpu)
+    x = torch.zeros(1000, dtype=torch.float32)
+    assert to(x, "cuda") is on_gpu and copies.report(batches=1) is None  # before the loop: the model's
+    copies.active = True
+    assert to(x, "cuda") is on_gpu and copies.wrap(lambda tensor, *a, **k: tensor)(x) is x
+    got = copies.report(batches=2)
+    assert (got["copies"], got["bytes"], got["bytes_per_batch"], got["pinned_share"]) == (1, 4000, 2000, 0)
+    before = torch.Tensor.to, torch.Tensor.cuda
+    with doctor.watch() as w:
+        assert torch.Tensor.to is not before[0]
+        torch.ones(3).to(torch.float64)  # not a copy to a GPU: not counted
+    assert (torch.Tensor.to, torch.Tensor.cuda) == before and w.copies.report(1) is None
+
+
 def test_the_plot_shows_each_step(tmp_path):
     pytest.importorskip("matplotlib")
     png, out = tmp_path / "r.png", tmp_path / "r.json"
