@@ -158,7 +158,8 @@ def bench_loaders(args) -> dict:
         from packer.builder.text import load_tokenizer
 
         model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024)
-        resident = _resident_rate(Loader(ds, bs, device=model[0]), model[1], args.stall_steps)
+        with Loader(ds, bs, device=model[0]) as one:
+            resident = _resident_rate(one, model[1], args.stall_steps)
 
     def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes,
             threads=min(workers, cores) or 1):
@@ -200,7 +201,7 @@ def bench_loaders(args) -> dict:
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     single = r
-    if args.model:  # the batch put on the model's device by the Loader (pinned, copied as it is made)
+    if args.model:  # the batch put on the model's device by the Loader (pinned, copied ahead on a side stream)
         run(f"mmpack Loader(device={model[0].type}), default threads", "mmpack",
             lambda: Loader(ds, bs, device=model[0]), lambda b: len(b["label"]), mmpack_conv, files,
             threads=loader.num_threads)
