@@ -67,8 +67,9 @@ def raw_rate(what: str, raw: Path, processes: int = 1) -> float:
     read from its file inside the clock, as a build reads it, or `tokenizers` batch encode,
     tokens/s, of every document of RAW, read into memory before the clock starts. `processes`
     fresh processes with one core each (one Rust thread) share the inputs and start together
-    once all are loaded: 1 gives the rate of a core alone; N gives a core's rate while N cores do the same work, i.e. how the raw work itself
-    scales on this machine (shared caches, memory, clock), which no build can beat."""
+    once all are loaded: 1 gives the rate of a core alone; N gives a core's rate while N cores
+    do the same work, i.e. how the raw work itself scales on this machine (shared caches,
+    memory, clock), which no build can beat."""
     env = {**os.environ, "RAYON_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "true"}
     most = max(RAW_IMAGES, RAW_IMAGES_PER_PROCESS * processes)
     procs = [subprocess.Popen([sys.executable, "-c", _RAW_ONE_CORE, what, str(raw), str(part), str(processes),
