@@ -456,6 +456,26 @@ def _workers_sweep(loader, share: float) -> list[dict] | None:
     return runs
 
 
+def _persistent(loader) -> dict | None:
+    """A DataLoader whose workers start again every epoch (no `persistent_workers`): the same
+    loader alone with persistent_workers=True, over as many epochs as `_ceiling` takes (as the
+    loader's own ceiling is), so that fix comes with a measured rate. On epochs long against
+    the workers' start-up the two agree, and no fix is named."""
+    import torch
+
+    if not isinstance(loader, torch.utils.data.DataLoader) or not loader.num_workers or loader.persistent_workers \
+            or loader.batch_size is None or isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        return None
+    clone = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
+                                        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                                        drop_last=loader.drop_last, prefetch_factor=loader.prefetch_factor,
+                                        worker_init_fn=loader.worker_init_fn, persistent_workers=True)
+    try:
+        return {"num_workers": loader.num_workers, **_ceiling(clone)}
+    finally:
+        del clone  # its workers end with it
+
+
 def _best(runs: list[dict] | None) -> dict | None:
     """The fastest of the sweep's runs at the default prefetch_factor."""
     rated = [r for r in runs or [] if r.get("samples_per_s") and r.get("prefetch_factor") is None]
@@ -534,6 +554,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     out["workers_sweep"] = _workers_sweep(loader, share) if ceiling else None
     out["more_workers"] = _best(out["workers_sweep"])
     out["packed"] = _packed(loader) if ceiling and share > DATA_BOUND else None
+    out["persistent"] = _persistent(loader) if ceiling and share > DATA_BOUND else None
     out["verdict"], out["fixes"] = _verdict(out)
     out["rates"] = _rates(out)
     return out
@@ -546,6 +567,7 @@ def _rates(r: dict) -> list[dict]:
     named = [("the model (its steps)", r.get("model_samples_per_s")),
              ("the loader alone", (r.get("loader_alone") or {}).get("samples_per_s")),
              (f"num_workers={wider.get('num_workers')} alone", wider.get("samples_per_s")),
+             ("persistent_workers alone", (r.get("persistent") or {}).get("samples_per_s")),
              ("packed, Loader alone", packed.get("samples_per_s"))]
     return [{"what": what, "samples_per_s": rate} for what, rate in named if rate]
 
@@ -600,6 +622,11 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
             fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
                           "expected": f"no decode per sample: {ps['getitem_ms']:.2f} ms of __getitem__ a sample gone",
                           "how": "estimated from the measured __getitem__; bench loaders measures it on sample data"})
+        steady = (r.get("persistent") or {}).get("samples_per_s")
+        if steady and alone and steady > 1.1 * alone:
+            fixes.append({"fix": "persistent_workers=True", "expected": f"{steady / alone:.1f}x the data rate "
+                          f"({steady:,.0f} samples/s alone): its workers start once, not every epoch",
+                          "how": "measured: the same loader so, alone, over as many epochs", "gain": steady / alone})
         deeper = next((x for x in r.get("workers_sweep") or [] if x.get("prefetch_factor") and x.get("samples_per_s")),
                       None)
         if deeper and wider.get("samples_per_s") and deeper["samples_per_s"] > 1.1 * wider["samples_per_s"] and alone:

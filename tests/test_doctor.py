@@ -96,6 +96,35 @@ def test_the_loader_alone_is_timed_past_the_batches_its_workers_made_ahead():
     assert got["batches"] >= 3 * 4 * 2 and 0 < got["samples_per_s"] <= 400 * 1.1, got
 
 
+def _slow_start(worker_id):
+    time.sleep(0.3)  # a worker's start-up: imports, opening files, a tokenizer
+
+
+class _Quick(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_workers_that_start_again_every_epoch_are_told_to_persist():
+    """An epoch of 2 batches whose 2 workers take 0.3 s to start: alone, the loader spends
+    nearly all its time starting workers; with persistent_workers=True, measured, several times
+    the rate, and that is the fix named."""
+    loader = torch.utils.data.DataLoader(_Quick(), batch_size=4, num_workers=2, worker_init_fn=_slow_start)
+    alone, steady = doctor._ceiling(loader), doctor._persistent(loader)
+    assert steady["num_workers"] == 2 and steady["samples_per_s"] > 3 * alone["samples_per_s"], (alone, steady)
+    r = {"wait_share": 0.6, "wait": {"n": 10, "p50_ms": 1.0, "p95_ms": 300.0}, "step": {"total_s": 1.0},
+         "loader_alone": alone, "persistent": steady, "cores": 2,
+         "per_sample": {"getitem_ms": 0.01, "collate_ms_per_sample": 0.01, "num_workers": 2, "pin_memory": False}}
+    verdict, fixes = doctor._verdict(r)
+    assert verdict.startswith("data-bound") and fixes[0]["fix"] == "persistent_workers=True", fixes
+    assert fixes[0]["how"].startswith("measured")
+    persistent = torch.utils.data.DataLoader(_Quick(), batch_size=4, num_workers=2, persistent_workers=True)
+    assert doctor._persistent(persistent) is None  # nothing to suggest
+
+
 def test_the_gpu_figure_is_the_loops_own_not_the_scripts_start_up():
     """NVML samples taken while the script imported, built its data or warmed up its model are
     outside the loop: the figure is over the loop's window; the whole run's mean is beside it."""
