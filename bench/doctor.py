@@ -140,8 +140,9 @@ class Nvml:
         idle time before it, are left out where later ones exist."""
         self.stop.set()
         every = [u for _, u in self.samples]
-        inside = [(t, u) for t, u in self.samples if start is None or start < t <= end]
-        settled = [u for t, u in inside if start is None or t > start + NVML_PERIOD_S]
+        whole = start is None or end is None  # no loop to bound it
+        inside = [(t, u) for t, u in self.samples if whole or start < t <= end]
+        settled = [u for t, u in inside if whole or t > start + NVML_PERIOD_S]
         ordered = sorted(settled or [u for _, u in inside])
         return {"samples": len(ordered), "util_mean_pct": sum(ordered) / len(ordered) if ordered else None,
                 "util_p50_pct": ordered[len(ordered) // 2] if ordered else None,
@@ -185,14 +186,17 @@ class CudaMarks:
             return None
         import torch
 
-        torch.cuda.synchronize()
         kinds = [k for k, _ in self.marks]
         steps, gaps = [], []
-        for i in range(len(kinds) - 2):
-            if kinds[i:i + 3] == ["start", "end", "start"]:
-                a, b, c = (e for _, e in self.marks[i:i + 3])
-                steps.append(a.elapsed_time(c) / 1e3)
-                gaps.append(b.elapsed_time(c) / 1e3)
+        try:
+            torch.cuda.synchronize()
+            for i in range(len(kinds) - 2):
+                if kinds[i:i + 3] == ["start", "end", "start"]:
+                    a, b, c = (e for _, e in self.marks[i:i + 3])
+                    steps.append(a.elapsed_time(c) / 1e3)
+                    gaps.append(b.elapsed_time(c) / 1e3)
+        except RuntimeError:  # events of two devices (a script that switched), a CUDA error: no figure
+            return None
         if not steps:
             return None
         return {"steps": len(steps), "step": _stats(steps), "gap": _stats(gaps), "gap_share": _share(
@@ -469,7 +473,8 @@ def _persistent(loader) -> dict | None:
     clone = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
                                         num_workers=loader.num_workers, collate_fn=loader.collate_fn,
                                         drop_last=loader.drop_last, prefetch_factor=loader.prefetch_factor,
-                                        worker_init_fn=loader.worker_init_fn, persistent_workers=True)
+                                        worker_init_fn=loader.worker_init_fn, persistent_workers=True,
+                                        multiprocessing_context=loader.multiprocessing_context)
     try:
         return {"num_workers": loader.num_workers, **_ceiling(clone)}
     finally:
@@ -533,7 +538,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     out = {"batches": w.batches(), "wall_s": wall, "cuda": _cuda(),
            "cpu_s_main": time.process_time() - w.cpu_started, "error": w.error, "cores": os.cpu_count(),
            "processes": w.processes.report(loop) if w.processes else None,
-           "gpu": w.nvml.report(*((main["first_batch_at"], main.get("last_asked_at", 0.0)) if main else ())) if w.nvml else None}
+           "gpu": w.nvml.report(*_window(main)) if w.nvml else None}
     if main is None:
         out["verdict"] = "no DataLoader or Loader was iterated" + (f" (the script failed: {w.error})" if w.error else "")
         return out
@@ -558,6 +563,11 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     out["verdict"], out["fixes"] = _verdict(out)
     out["rates"] = _rates(out)
     return out
+
+
+def _window(main: dict | None) -> tuple[float | None, float | None]:
+    """The watched loop's first batch and last ask (perf_counter); None where it has none."""
+    return (main.get("first_batch_at"), main.get("last_asked_at")) if main else (None, None)
 
 
 def _rates(r: dict) -> list[dict]:

@@ -141,6 +141,7 @@ def test_the_gpu_figure_is_the_loops_own_not_the_scripts_start_up():
     got = nvml.report(1.5, 3.5)
     assert (got["samples"], got["util_mean_pct"]) == (1, 100)
     assert nvml.report(1.5, 2.2)["samples"] == 1  # a loop shorter than that: what there is
+    assert nvml.report(1.5, None)["samples"] == 4  # a loop with no step: the whole run
 
 
 def test_the_gpus_own_clock_says_how_long_its_stream_sat_idle_between_steps(monkeypatch):
