@@ -22,6 +22,7 @@ sample, whose uint8 kernel beats any batched float formulation on a CPU (docs/de
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,7 +49,7 @@ def rrc_boxes(sizes, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator: torch.G
     if sizes.dim() != 2 or sizes.shape[1] != 2 or bool((sizes <= 0).any()):
         raise ValueError(f"rrc_boxes: sizes must be [B, 2] rows of positive (h, w), got shape {tuple(sizes.shape)}")
     dev = generator.device if generator is not None else torch.device("cpu")
-    hw = sizes.to(dev, torch.float64)
+    hw = sizes.to(dev, torch.float64, non_blocking=True)  # from the host: no wait for the device
     H, W = hw[:, 0:1], hw[:, 1:2]
     B = len(sizes)
     draw = torch.rand(B, attempts, 4, generator=generator, device=dev, dtype=torch.float64)
@@ -90,7 +91,7 @@ def train_transform(images: torch.Tensor, sizes=None, size: int = 224, scale=(0.
         flips = torch.rand(len(sizes), generator=generator, device=dev) < flip
     boxes = _check_boxes(torch.as_tensor(boxes), sizes)
     flips = torch.as_tensor(flips, dtype=torch.bool).to(images.device)
-    rows, cols = _box_spans(boxes.to(images.device), size)
+    rows, cols = _box_spans(boxes, size)
     return _transform(images, rows, cols, size, flips, dtype, mean, std, channels_last)
 
 
@@ -103,8 +104,8 @@ def eval_transform(images: torch.Tensor, sizes=None, size: int = 224, resize: in
         raise ValueError(f"eval_transform: resize {resize} is smaller than the crop size {size}")
     sizes = _sizes(images, sizes)
     resized = torch.tensor([keep_aspect_size(w, h, resize)[::-1] for h, w in sizes.tolist()], dtype=torch.float64)
-    h, w = sizes.to(images.device, torch.float64).unbind(1)
-    rh, rw = resized.to(images.device).unbind(1)
+    h, w = sizes.to(torch.float64).unbind(1)
+    rh, rw = resized.unbind(1)
     zero = torch.zeros_like(h)
     rows = (zero, h, rh, torch.round((rh - size) / 2))
     cols = (zero, w, rw, torch.round((rw - size) / 2))
@@ -133,11 +134,15 @@ def random_resized_crop(x: torch.Tensor, size: int, scale=(0.08, 1.0), ratio=(3 
     no normalisation) of a batch that is already float (`sizes` as there)."""
     hwc = x.permute(0, 2, 3, 1)
     C = hwc.shape[3]
-    rows, cols = _box_spans(rrc_boxes(_sizes(hwc, sizes), scale, ratio, generator).to(x.device), size)
+    rows, cols = _box_spans(rrc_boxes(_sizes(hwc, sizes), scale, ratio, generator), size)
     return _transform(hwc, rows, cols, size, None, x.dtype, (0.0,) * C, (1 / 255,) * C, False)
 
 
 # -- the resampling --------------------------------------------------------------------------
+# Sizes, boxes and spans (a few numbers a sample) are checked and kept on the host, and reach the
+# device once, without a wait: a value read back from the device (a check, a width) waits for
+# everything queued before it, and the host's kernel launches then no longer overlap the GPU's
+# work (seen on an H200: 7 such waits a call, 3.7 ms a batch for 1.5 ms of kernels).
 def _sizes(images: torch.Tensor, sizes) -> torch.Tensor:
     if images.dim() != 4:
         raise ValueError(f"expected a uint8 canvas [B, H, W, C], got shape {tuple(images.shape)}")
@@ -145,7 +150,7 @@ def _sizes(images: torch.Tensor, sizes) -> torch.Tensor:
     if sizes is None:
         _refuse_a_padded_canvas(images)
         return torch.tensor([[H, W]] * B, dtype=torch.int64)
-    sizes = torch.as_tensor(sizes).to(torch.int64)
+    sizes = torch.as_tensor(sizes).to("cpu", torch.int64)  # one read back, if on the device, not three
     if sizes.shape != (B, 2):
         raise ValueError(f"sizes: expected [{B}, 2] (h, w) rows, got shape {tuple(sizes.shape)}")
     if B and (bool((sizes <= 0).any()) or int(sizes[:, 0].max()) > H or int(sizes[:, 1].max()) > W):
@@ -195,7 +200,17 @@ def _box_spans(boxes: torch.Tensor, size: int):
     return (top, h, n, zero), (left, w, n, zero)
 
 
-def _taps(start, length, resized, offset, n: int, flip=None):
+def _tap_width(span, n: int) -> int:
+    """A bound, known on the host, of `_taps`' width (taps per output pixel): no more than twice
+    the filter's support of the most shrunk sample, rounded up, and one. A sample's taps past its
+    own have weight 0 and a valid index, so the result is the same as with the exact width."""
+    _, length, resized, _ = span
+    if not len(length):
+        return 1
+    return math.ceil(2 * max(1.0, float((length / resized).max()))) + 1
+
+
+def _taps(start, length, resized, offset, n: int, flip=None, width: int | None = None):
     """The taps of torch's antialiased bilinear `interpolate` (align_corners=False) along one axis,
     per sample: output i of `n` is pixel i + offset of the input segment [start, start + length)
     resized to `resized` pixels. Returns (index int64 [B, n, K] into the axis, weight float64
@@ -206,7 +221,7 @@ def _taps(start, length, resized, offset, n: int, flip=None):
     center = scale[:, None] * (i[None] + offset[:, None] + 0.5)
     first = torch.trunc(center - support[:, None] + 0.5).clamp(min=0)
     stop = torch.minimum(torch.trunc(center + support[:, None] + 0.5), length[:, None])
-    K = max(1, int((stop - first).max())) if len(scale) else 1
+    K = width if width is not None else max(1, int((stop - first).max())) if len(scale) else 1
     j = first[..., None] + torch.arange(K, dtype=torch.float64, device=scale.device)
     weight = (1 - ((j - center[..., None] + 0.5) / support[:, None, None]).abs()).clamp(min=0)
     weight = weight * (j < stop[..., None])
@@ -224,12 +239,13 @@ def _transform(x: torch.Tensor, rows, cols, n: int, flips, dtype, mean, std, cha
     pixels, then pixels [offset, offset + n) of it, reversed left-right where `flips` (bool [B]),
     normalised as (y / 255 - mean) / std."""
     B, C = x.shape[0], x.shape[3]
-    std_ = torch.tensor(std, dtype=torch.float32, device=x.device).view(C, 1, 1)
-    scale, shift = 1 / (255 * std_), -torch.tensor(mean, dtype=torch.float32, device=x.device).view(C, 1, 1) / std_
+    scale, shift = _affine(tuple(map(float, mean)), tuple(map(float, std)), C, x.device)
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     out = torch.empty(B, C, n, n, dtype=torch.float32, device=x.device, memory_format=fmt)
     if _dense_path(x):
-        y = _dense(_dense(x, 1, *_taps(*rows, n)), 2, *_taps(*cols, n, flip=flips))
+        widths = _tap_width(rows, n), _tap_width(cols, n)
+        rows, cols = ([t.to(x.device, non_blocking=True) for t in span] for span in (rows, cols))
+        y = _dense(_dense(x, 1, *_taps(*rows, n, width=widths[0])), 2, *_taps(*cols, n, flip=flips, width=widths[1]))
         torch.addcmul(shift, y.permute(0, 3, 1, 2), scale, out=out)
     else:  # torch's own antialiased interpolate per sample (it has a fast uint8 kernel), normalised in cache
         spans = torch.stack([*rows, *cols], 1).to(torch.int64).tolist()
@@ -240,6 +256,15 @@ def _transform(x: torch.Tensor, rows, cols, n: int, flips, dtype, mean, std, cha
             y = y[0, :, yo:yo + n, xo:xo + n]
             torch.addcmul(shift, y.flip(2) if flips[b] else y, scale, out=out[b])
     return out if dtype == torch.float32 else out.to(dtype, memory_format=fmt)
+
+
+@functools.lru_cache(maxsize=16)
+def _affine(mean: tuple, std: tuple, channels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, shift) [C, 1, 1] on `device`, so that y * scale + shift = (y / 255 - mean) / std:
+    made once per device, not copied there at every call."""
+    std_ = torch.tensor(std, dtype=torch.float32).view(channels, 1, 1)
+    scale, shift = 1 / (255 * std_), -torch.tensor(mean, dtype=torch.float32).view(channels, 1, 1) / std_
+    return scale.to(device), shift.to(device)
 
 
 def _dense_path(x: torch.Tensor) -> bool:

@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image, ImageOps
 
 from bench import data
@@ -200,6 +202,34 @@ def test_eval_transform_matches_resize_then_centre_crop(path):
     out = eval_transform(canvas, sizes)
     for b, ref in enumerate(reference_eval(canvas, sizes)):
         assert psnr(out[b], ref) >= 50, (path, b, psnr(out[b], ref))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 700), st.integers(0, 400)), min_size=1, max_size=6),
+       st.integers(1, 300))
+def test_the_tap_width_known_on_the_host_bounds_the_exact_one(samples, n):
+    """`_tap_width` (from the spans on the host, no read back from the device) is never under
+    the exact width, which `_taps` would otherwise read back from the device."""
+    length = torch.tensor([float(a) for a, _, _ in samples], dtype=torch.float64)
+    resized = torch.tensor([float(max(b, n)) for _, b, _ in samples], dtype=torch.float64)
+    offset = torch.tensor([float(min(c, r - n)) for (_, _, c), r in zip(samples, resized.tolist())],
+                          dtype=torch.float64)
+    span = (torch.zeros_like(length), length, resized, offset)
+    index, weight = augment._taps(*span, n)
+    assert index.shape[2] <= augment._tap_width(span, n)
+
+
+def test_the_transforms_are_the_same_with_the_width_known_on_the_host(monkeypatch):
+    """The taps past a sample's own that the host's bound adds have weight 0: the same result,
+    bit for bit, as with the exact width (the batched products, run here on the CPU)."""
+    monkeypatch.setattr(augment, "_dense_path", lambda x: True)
+    canvas, sizes = photo_canvas(8, seed=9)
+    boxes = rrc_boxes(sizes, generator=torch.Generator().manual_seed(10))
+    flips = torch.arange(8) % 2 == 1
+    bound = (train_transform(canvas, sizes, boxes=boxes, flips=flips), eval_transform(canvas, sizes))
+    monkeypatch.setattr(augment, "_tap_width", lambda span, n: None)  # _taps then finds the exact width
+    exact = (train_transform(canvas, sizes, boxes=boxes, flips=flips), eval_transform(canvas, sizes))
+    assert all(torch.equal(a, b) for a, b in zip(bound, exact))
 
 
 @pytest.mark.cuda
