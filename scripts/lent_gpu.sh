@@ -8,7 +8,10 @@
 #
 # STEPs (default: all, in this order): cuda_tests tests imagenet augment profile packer
 # loaders_model loaders suite; `tests` runs the tests $TESTS names (all of them without it); setup
-# always runs.
+# always runs. What changed after the H200 run of 2026-11-26 without a card to measure it (the
+# copy order of `to_device`, the doctor's CUDA events, copies and NVML window, the transform's
+# host reads, the default of 16 threads): `bash scripts/lent_gpu.sh 420 cuda_tests imagenet
+# augment profile loaders`.
 #
 # .whl: wheels the machine's image lacks (zstandard, obstore; the device README says how to fetch
 # them); .gpucache: a copy of ~/.cache/mmpack/data (the pinned sample files; no network there).
