@@ -49,7 +49,9 @@ def rrc_boxes(sizes, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator: torch.G
     if sizes.dim() != 2 or sizes.shape[1] != 2 or bool((sizes <= 0).any()):
         raise ValueError(f"rrc_boxes: sizes must be [B, 2] rows of positive (h, w), got shape {tuple(sizes.shape)}")
     dev = generator.device if generator is not None else torch.device("cpu")
-    hw = sizes.to(dev, torch.float64, non_blocking=True)  # from the host: no wait for the device
+    # from the host, not waiting for the device's queue; a copy back to the host must complete
+    # before its values are read, so that one blocks
+    hw = sizes.to(dev, torch.float64, non_blocking=sizes.device.type == "cpu")
     H, W = hw[:, 0:1], hw[:, 1:2]
     B = len(sizes)
     draw = torch.rand(B, attempts, 4, generator=generator, device=dev, dtype=torch.float64)
@@ -244,7 +246,7 @@ def _transform(x: torch.Tensor, rows, cols, n: int, flips, dtype, mean, std, cha
     out = torch.empty(B, C, n, n, dtype=torch.float32, device=x.device, memory_format=fmt)
     if _dense_path(x):
         widths = _tap_width(rows, n), _tap_width(cols, n)
-        rows, cols = ([t.to(x.device, non_blocking=True) for t in span] for span in (rows, cols))
+        rows, cols = ([t.to(x.device, non_blocking=t.device.type == "cpu") for t in span] for span in (rows, cols))
         y = _dense(_dense(x, 1, *_taps(*rows, n, width=widths[0])), 2, *_taps(*cols, n, flip=flips, width=widths[1]))
         torch.addcmul(shift, y.permute(0, 3, 1, 2), scale, out=out)
     else:  # torch's own antialiased interpolate per sample (it has a fast uint8 kernel), normalised in cache

@@ -247,6 +247,11 @@ def test_transforms_on_cuda_match_the_references():
     evals = eval_transform(canvas.cuda(), sizes)
     for b, ref in enumerate(reference_eval(canvas, sizes)):
         assert psnr(evals[b].cpu(), ref) >= 50, (b, psnr(evals[b].cpu(), ref))
+    # as a training loop calls it: sizes from Loader(device="cuda"), draws from a CUDA generator;
+    # where the sizes lie changes nothing
+    on_gpu, on_host = (train_transform(canvas.cuda(), s, generator=torch.Generator(device="cuda").manual_seed(3))
+                       for s in (sizes.cuda(), sizes))
+    assert torch.equal(on_gpu, on_host) and bool(torch.isfinite(on_gpu).all())
 
 
 def test_pixels_match_torchvision_itself_where_installed():
