@@ -481,6 +481,44 @@ def _persistent(loader) -> dict | None:
         del clone  # its workers end with it
 
 
+BUCKET_PADDING = 0.3  # a keep-aspect Loader's canvas this much padding: grouping by aspect is measured
+
+
+def _loader_alternatives(loader) -> dict | None:
+    """A data-bound `loaders.Loader`, measured alone as it could be set: with a gather thread per
+    core where it has fewer, and, where its batches are keep-aspect canvases mostly of padding,
+    grouped by aspect (`bucket_by="aspect"`: a smaller canvas to gather and to copy)."""
+    try:
+        from loaders import Loader
+        from packer.system import available_cores
+    except ImportError:
+        return None
+    if not isinstance(loader, Loader):
+        return None
+    out: dict = {"num_threads": loader.num_threads}
+    cores = available_cores()
+    if loader.num_threads < cores:
+        before, loader.num_threads = loader.num_threads, cores
+        try:
+            out["more_threads"] = {"num_threads": cores, **_ceiling(loader)}
+        finally:
+            loader.num_threads = before
+    try:
+        batch = next(iter(loader))
+        sizes, canvas = batch["image_size"].cpu(), batch["image"].shape
+    except Exception:  # noqa: BLE001 - not an image canvas (tokens, fixed-size images): nothing to group
+        return out
+    out["padding"] = 1 - float(sizes.prod(1).sum()) / (canvas[0] * canvas[1] * canvas[2])
+    if out["padding"] > BUCKET_PADDING and hasattr(loader.source, "shapes_of"):
+        try:
+            with Loader(loader.source, loader.batch_size, seed=0, bucket_by="aspect", device=loader.device,
+                        num_threads=loader.num_threads) as grouped:
+                out["bucketed"] = _ceiling(grouped)
+        except Exception as exc:  # noqa: BLE001 - a fix it could not measure is said, not raised
+            out["bucketed"] = {"error": f"{type(exc).__name__}: {exc}"[:200]}
+    return out
+
+
 def _best(runs: list[dict] | None) -> dict | None:
     """The fastest of the sweep's runs at the default prefetch_factor."""
     rated = [r for r in runs or [] if r.get("samples_per_s") and r.get("prefetch_factor") is None]
@@ -560,6 +598,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     out["more_workers"] = _best(out["workers_sweep"])
     out["packed"] = _packed(loader) if ceiling and share > DATA_BOUND else None
     out["persistent"] = _persistent(loader) if ceiling and share > DATA_BOUND else None
+    out["loader_alternatives"] = _loader_alternatives(loader) if ceiling and share > DATA_BOUND else None
     out["verdict"], out["fixes"] = _verdict(out)
     out["rates"] = _rates(out)
     return out
@@ -578,6 +617,10 @@ def _rates(r: dict) -> list[dict]:
              ("the loader alone", (r.get("loader_alone") or {}).get("samples_per_s")),
              (f"num_workers={wider.get('num_workers')} alone", wider.get("samples_per_s")),
              ("persistent_workers alone", (r.get("persistent") or {}).get("samples_per_s")),
+             ("more gather threads alone", ((r.get("loader_alternatives") or {}).get("more_threads") or {}).get(
+                 "samples_per_s")),
+             ('bucket_by="aspect" alone', ((r.get("loader_alternatives") or {}).get("bucketed") or {}).get(
+                 "samples_per_s")),
              ("packed, Loader alone", packed.get("samples_per_s"))]
     return [{"what": what, "samples_per_s": rate} for what, rate in named if rate]
 
@@ -648,11 +691,32 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
                           "how": "estimated"})
     why = (f"; __getitem__ takes {ps['getitem_ms']:.2f} ms a sample and the collate "
            f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""
+    alt = r.get("loader_alternatives") or {}
+    if alt:
+        why = f"; a Loader with {alt['num_threads']} gather thread(s)" + (
+            f", {100 * alt['padding']:.0f}% of its canvas padding" if "padding" in alt else "")
+        fixes += _loader_fixes(alt, alone)
     procs = r.get("processes") or {}
     if procs.get("worker_cpu_busy") is not None:
         why += f" at {100 * procs['worker_cpu_busy']:.0f}% CPU each"
     fixes.sort(key=lambda f: -f.get("gain", 0.0))  # the largest gain first; unmeasured, unestimated ones last
     return f"data-bound: {waited}{rates}{why}", fixes
+
+
+def _loader_fixes(alt: dict, alone: float | None) -> list[dict]:
+    """The fixes a Loader's measured alternatives show, where they beat it alone by 10% or more."""
+    fixes = []
+    more = (alt.get("more_threads") or {}).get("samples_per_s")
+    if more and alone and more > 1.1 * alone:
+        fixes.append({"fix": f"num_threads={alt['more_threads']['num_threads']} (now {alt['num_threads']})",
+                      "expected": f"{more / alone:.1f}x the data rate ({more:,.0f} samples/s alone)",
+                      "how": "measured: the same Loader so, alone", "gain": more / alone})
+    grouped = (alt.get("bucketed") or {}).get("samples_per_s")
+    if grouped and alone and grouped > 1.1 * alone:
+        fixes.append({"fix": 'bucket_by="aspect"', "expected": f"{grouped / alone:.1f}x the data rate "
+                      f"({grouped:,.0f} samples/s alone): batches of one aspect, a canvas of less padding",
+                      "how": "measured: a Loader so over the same dataset, alone", "gain": grouped / alone})
+    return fixes
 
 
 def text(r: dict) -> str:

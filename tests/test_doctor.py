@@ -125,6 +125,33 @@ def test_workers_that_start_again_every_epoch_are_told_to_persist():
     assert doctor._persistent(persistent) is None  # nothing to suggest
 
 
+def test_a_data_bound_loader_is_measured_with_more_threads_and_grouped_by_aspect(built):
+    """A Loader with fewer gather threads than cores is timed alone with one per core, and one
+    over a keep-aspect dataset whose canvas is mostly padding is timed grouped by aspect: the
+    fixes named are those measured to gain."""
+    from loaders import Loader, MMapDataset
+    from packer.system import available_cores
+
+    loader = Loader(MMapDataset(built["aspect"], columns=["image", "label"]), 8, num_threads=1)
+    alt = doctor._loader_alternatives(loader)
+    assert alt["num_threads"] == 1 and loader.num_threads == 1  # given back as it was
+    assert 0 < alt["padding"] < 1
+    if available_cores() > 1:
+        assert alt["more_threads"]["num_threads"] == available_cores() and alt["more_threads"]["samples_per_s"] > 0
+    if alt["padding"] > doctor.BUCKET_PADDING:
+        assert alt["bucketed"]["samples_per_s"] > 0
+    r = {"wait_share": 0.5, "wait": {"n": 4, "p50_ms": 5.0, "p95_ms": 9.0}, "step": {"total_s": 1.0},
+         "loader_alone": {"samples_per_s": 100.0}, "loader_alternatives": {
+             **alt, "more_threads": {"num_threads": 4, "samples_per_s": 150.0}, "bucketed": {"samples_per_s": 300.0}}}
+    verdict, fixes = doctor._verdict(r)
+    assert "a Loader with 1 gather thread(s)" in verdict and f"{100 * alt['padding']:.0f}% of its canvas" in verdict
+    assert [(f["fix"], f["gain"]) for f in fixes] == [('bucket_by="aspect"', 3.0), ("num_threads=4 (now 1)", 1.5)]
+    r["loader_alternatives"]["bucketed"]["samples_per_s"] = 105.0  # under 10% more: not named
+    assert [f["fix"] for f in doctor._verdict(r)[1]] == ["num_threads=4 (now 1)"]
+    tokens = doctor._loader_alternatives(Loader(MMapDataset(built["text"]), 4, num_threads=available_cores()))
+    assert tokens == {"num_threads": available_cores()}  # nothing to group, no more threads to give
+
+
 def test_the_gpu_figure_is_the_loops_own_not_the_scripts_start_up():
     """NVML samples taken while the script imported, built its data or warmed up its model are
     outside the loop: the figure is over the loop's window; the whole run's mean is beside it."""
