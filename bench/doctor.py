@@ -448,16 +448,24 @@ def _workers_sweep(loader, share: float) -> list[dict] | None:
         return None
 
     def alone(workers: int, prefetch: int | None = None) -> dict:
-        clone = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
-                                            num_workers=workers, collate_fn=loader.collate_fn,
-                                            drop_last=loader.drop_last, prefetch_factor=prefetch)
-        return {"num_workers": workers, "prefetch_factor": prefetch, **_ceiling(clone)}
+        return {"num_workers": workers, "prefetch_factor": prefetch,
+                **_ceiling(_clone(loader, num_workers=workers, prefetch_factor=prefetch))}
     counts = sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)} | {cores})
     runs = [alone(n) for n in counts if n > loader.num_workers]
     best = _best(runs)
     if best is not None:
         runs.append(alone(best["num_workers"], 4))
     return runs
+
+
+def _clone(loader, **changes):
+    """The script's DataLoader again over its dataset, shuffled, with `changes` (the measured fixes)."""
+    import torch
+
+    args = {"batch_size": loader.batch_size, "shuffle": True, "num_workers": loader.num_workers,
+            "collate_fn": loader.collate_fn, "drop_last": loader.drop_last, "worker_init_fn": loader.worker_init_fn,
+            "multiprocessing_context": loader.multiprocessing_context, "prefetch_factor": loader.prefetch_factor}
+    return torch.utils.data.DataLoader(loader.dataset, **{**args, **changes})
 
 
 def _persistent(loader) -> dict | None:
@@ -470,11 +478,7 @@ def _persistent(loader) -> dict | None:
     if not isinstance(loader, torch.utils.data.DataLoader) or not loader.num_workers or loader.persistent_workers \
             or loader.batch_size is None or isinstance(loader.dataset, torch.utils.data.IterableDataset):
         return None
-    clone = torch.utils.data.DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=True,
-                                        num_workers=loader.num_workers, collate_fn=loader.collate_fn,
-                                        drop_last=loader.drop_last, prefetch_factor=loader.prefetch_factor,
-                                        worker_init_fn=loader.worker_init_fn, persistent_workers=True,
-                                        multiprocessing_context=loader.multiprocessing_context)
+    clone = _clone(loader, persistent_workers=True)
     try:
         return {"num_workers": loader.num_workers, **_ceiling(clone)}
     finally:
@@ -587,8 +591,8 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
     per_batch = main["samples"] / batches if batches else 0
     model_rate = per_batch * len(steps) / work if work > 0 else None
     loader = main["loader"]
-    out.update({"cuda_events": main["cuda"].report(), "copies": w.copies.report(batches)})
     out.update({"loader": type(loader).__name__, "wait": _stats(waits), "step": _stats(steps),
+                "cuda_events": main["cuda"].report(), "copies": w.copies.report(batches),
                 "first_batch_s": main["waits"][0] if main["waits"] else None, "wait_share": share,
                 "samples": main["samples"], "model_samples_per_s": model_rate,
                 "per_step": [{"wait_ms": 1e3 * a, "step_ms": 1e3 * b} for a, b in zip(main["waits"][1:], steps)],
@@ -697,8 +701,8 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
             f", {100 * alt['padding']:.0f}% of its canvas padding" if "padding" in alt else "")
         fixes += _loader_fixes(alt, alone)
     procs = r.get("processes") or {}
-    if procs.get("worker_cpu_busy") is not None:
-        why += f" at {100 * procs['worker_cpu_busy']:.0f}% CPU each"
+    if procs.get("worker_cpu_busy") is not None and "getitem_ms" in ps:  # a DataLoader's workers, not a
+        why += f" at {100 * procs['worker_cpu_busy']:.0f}% CPU each"     # script's other child processes
     fixes.sort(key=lambda f: -f.get("gain", 0.0))  # the largest gain first; unmeasured, unestimated ones last
     return f"data-bound: {waited}{rates}{why}", fixes
 

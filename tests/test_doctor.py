@@ -143,8 +143,10 @@ def test_a_data_bound_loader_is_measured_with_more_threads_and_grouped_by_aspect
     r = {"wait_share": 0.5, "wait": {"n": 4, "p50_ms": 5.0, "p95_ms": 9.0}, "step": {"total_s": 1.0},
          "loader_alone": {"samples_per_s": 100.0}, "loader_alternatives": {
              **alt, "more_threads": {"num_threads": 4, "samples_per_s": 150.0}, "bucketed": {"samples_per_s": 300.0}}}
+    r["processes"] = {"worker_cpu_busy": 6.08}  # a child the script started (a build), not a worker
     verdict, fixes = doctor._verdict(r)
     assert "a Loader with 1 gather thread(s)" in verdict and f"{100 * alt['padding']:.0f}% of its canvas" in verdict
+    assert "CPU each" not in verdict
     assert [(f["fix"], f["gain"]) for f in fixes] == [('bucket_by="aspect"', 3.0), ("num_threads=4 (now 1)", 1.5)]
     r["loader_alternatives"]["bucketed"]["samples_per_s"] = 105.0  # under 10% more: not named
     assert [f["fix"] for f in doctor._verdict(r)[1]] == ["num_threads=4 (now 1)"]
