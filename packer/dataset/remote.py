@@ -152,6 +152,11 @@ def _files(manifest: fmt.Manifest) -> list[fmt.FileEntry]:
     return files + ([manifest.inputs] if manifest.inputs is not None else [])
 
 
+def push_staging(url: str) -> Path:
+    """Where `push --zstd` packs for `url` before uploading (this node's cache, one dir a URL)."""
+    return DEFAULT_CACHE.parent / "push" / hashlib.sha256(url.encode()).hexdigest()[:16]
+
+
 def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
     """Upload the dataset dir `out` to `url`: its files (those of the same size there already
     kept: a killed push run again goes on), each checked after upload, then the manifest last.
@@ -161,11 +166,14 @@ def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
     if (Path(out) / fmt.ARCHIVE_NAME).is_file():
         return _push_archive(Path(out), url)
     if zstd is not None:  # packed where a killed push run again packs it anew, then removed
-        staging = DEFAULT_CACHE.parent / "push" / hashlib.sha256(url.encode()).hexdigest()[:16]
+        staging = push_staging(url)
         staging.mkdir(parents=True, exist_ok=True)
         with open(staging / ".push.lock", "a") as lock:
             flock(lock)  # one push of this URL at a time packs here
-            archive.pack(out, staging / "archive", level=zstd, overwrite=True)
+            # a push killed while packing left a part of an archive (no archive.json yet): ours
+            # to remove under the lock, which `pack` rightly refuses to do to a dir it did not make
+            shutil.rmtree(staging / "archive", ignore_errors=True)
+            archive.pack(out, staging / "archive", level=zstd)
             pushed = _push_archive(staging / "archive", url)
             shutil.rmtree(staging / "archive")
         return pushed

@@ -525,6 +525,21 @@ def test_push_and_pull_killed_at_any_instant_finish_when_run_again(s3, built, tm
         assert not list((tmp_path / "cache" / "mmpack" / "push").glob("*/archive"))  # the packed copy gone
 
 
+def test_a_compressed_push_killed_while_packing_packs_anew_when_run_again(s3, built, tmp_path):
+    """What a `push --zstd` killed while packing leaves in the node's cache (part of an archive,
+    no archive.json yet) does not stop the same command run again."""
+    from packer.dataset import remote
+
+    url = _url(tmp_path, "half-packed")
+    half = remote.push_staging(url) / "archive"
+    half.mkdir(parents=True)
+    (half / "g-0").mkdir()
+    (half / "g-0" / "000000.image.npy.zst").write_bytes(b"half a frame")
+    assert main(["push", str(built["images"]), url, "--zstd"]) == 0
+    assert [r["key"] for r in MMapDataset(url)] == [r["key"] for r in MMapDataset(built["images"])]
+    assert not half.exists()
+
+
 # -- Azure Blob Storage (az://): the same client with another store; what differs by store ----
 @pytest.fixture(scope="module")
 def azurite(tmp_path_factory):
