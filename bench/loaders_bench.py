@@ -201,7 +201,7 @@ def bench_loaders(args) -> dict:
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     single = r
-    if args.model:  # the batch put on the model's device by the Loader (pinned, copied ahead on a side stream)
+    if args.model and model[0].type != "cpu":  # the batch put on the GPU by the Loader (copied ahead, side stream)
         run(f"mmpack Loader(device={model[0].type}), default threads", "mmpack",
             lambda: Loader(ds, bs, device=model[0]), lambda b: len(b["label"]), mmpack_conv, files,
             threads=loader.num_threads)

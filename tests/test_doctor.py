@@ -97,7 +97,7 @@ def test_the_loader_alone_is_timed_past_the_batches_its_workers_made_ahead():
 
 
 def _slow_start(worker_id):
-    time.sleep(0.3)  # a worker's start-up: imports, opening files, a tokenizer
+    time.sleep(0.15)  # a worker's start-up: imports, opening files, a tokenizer
 
 
 class _Quick(torch.utils.data.Dataset):
@@ -109,7 +109,7 @@ class _Quick(torch.utils.data.Dataset):
 
 
 def test_workers_that_start_again_every_epoch_are_told_to_persist():
-    """An epoch of 2 batches whose 2 workers take 0.3 s to start: alone, the loader spends
+    """An epoch of 2 batches whose 2 workers take 0.15 s to start: alone, the loader spends
     nearly all its time starting workers; with persistent_workers=True, measured, several times
     the rate, and that is the fix named."""
     loader = torch.utils.data.DataLoader(_Quick(), batch_size=4, num_workers=2, worker_init_fn=_slow_start)

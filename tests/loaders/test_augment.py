@@ -204,7 +204,7 @@ def test_eval_transform_matches_resize_then_centre_crop(path):
         assert psnr(out[b], ref) >= 50, (path, b, psnr(out[b], ref))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 3000), st.integers(1, 700), st.integers(0, 400)), min_size=1, max_size=6),
        st.integers(1, 300))
 def test_the_tap_width_known_on_the_host_bounds_the_exact_one(samples, n):
