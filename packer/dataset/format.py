@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+import threading
 import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -89,6 +90,13 @@ def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
     return NPY_MAGIC + body_len.to_bytes(2, "little") + body
 
 
+# ast.literal_eval and warnings.catch_warnings change interpreter-wide state: threads reading
+# headers at once (unpack, verify, the remote cache's restores) take turns. On CPython 3.11 a
+# collection during one thread's parse let another's corrupt the AST depth count: "SystemError:
+# AST constructor recursion depth mismatch" (CPython gh-106905).
+_HEADER_LOCK = threading.Lock()
+
+
 def parse_npy_header(raw: bytes) -> tuple[str, tuple[int, ...]]:
     """(dtype str, shape) of a header written by npy_header; ValueError when it is not one."""
     if len(raw) < NPY_HEADER_BYTES or raw[:8] != NPY_MAGIC:
@@ -97,10 +105,11 @@ def parse_npy_header(raw: bytes) -> tuple[str, tuple[int, ...]]:
     if body_len != NPY_HEADER_BYTES - 10:
         raise ValueError(f"NPY header is {body_len + 10} bytes, expected {NPY_HEADER_BYTES}")
     try:
-        header = ast.literal_eval(raw[10:NPY_HEADER_BYTES].decode("latin1").strip())
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", DeprecationWarning)  # e.g. a flipped bit: "<i8" -> "<a8"
-            return np.dtype(header["descr"]).str, tuple(int(n) for n in header["shape"])
+        with _HEADER_LOCK:
+            header = ast.literal_eval(raw[10:NPY_HEADER_BYTES].decode("latin1").strip())
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", DeprecationWarning)  # e.g. a flipped bit: "<i8" -> "<a8"
+                return np.dtype(header["descr"]).str, tuple(int(n) for n in header["shape"])
     except (ValueError, SyntaxError, KeyError, TypeError, DeprecationWarning) as exc:
         raise ValueError(f"unreadable NPY header ({exc})") from None
 

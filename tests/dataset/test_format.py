@@ -254,3 +254,44 @@ def test_a_shape_whose_product_wraps_is_refused(tmp_path):
     with pytest.raises(IntegrityError, match="row 0 holds 0 values"):
         check_shapes(tmp_path / "x.shapes.npy", shapes, np.array([0, 0, 4]), col)
     check_shapes(tmp_path / "x.shapes.npy", np.array([[1 << 30, 0, 16], [2, 2, 1]]), np.array([0, 0, 4]), col)
+
+
+class _Finalized:
+    def __del__(self):
+        sum(range(10))  # Python code run by the collector, where another thread may take over
+
+
+def test_headers_read_by_many_threads_at_once_parse_every_time():
+    """unpack, verify and the remote cache read NPY headers from threads. On CPython 3.11 two
+    parses at once, with a collection in one of them, raised "SystemError: AST constructor
+    recursion depth mismatch" (CPython gh-106905): 7 of 8 threads here, before the headers were
+    parsed one at a time."""
+    import gc
+    import sys
+    import threading
+
+    raw = fmt.npy_header("<u2", (92325,))
+    errors: list[str] = []
+
+    def parse() -> None:
+        try:
+            for _ in range(1500):
+                cycle = _Finalized()
+                cycle.self = cycle  # freed by the collector, running __del__ inside a parse
+                assert fmt.parse_npy_header(raw) == ("<u2", (92325,))
+        except Exception as exc:  # noqa: BLE001 - every error is the test's finding
+            errors.append(repr(exc))
+
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(1)
+    try:
+        threads = [threading.Thread(target=parse) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
+    assert errors == []
