@@ -188,7 +188,7 @@ def test_bench_loaders_model_runs_a_real_step_for_every_row_on_cpu(work, tmp_pat
     """--model: ResNet-18 on image batches, a small transformer on token batches, every row (on
     the CPU here: the code path a GPU run takes, its step on another device)."""
     out = tmp_path / "model.json"
-    assert main(["loaders", *TINY, "--batch-size", "4", "--passes", "1", "--work", str(work), "--json", str(out),
+    assert main(["loaders", *TINY, "--batch-size", "2", "--passes", "1", "--work", str(work), "--json", str(out),
                  "--model", "--stall-steps", "2"]) == 0
     report = json.loads(out.read_text())
     rows = [r for r in report["results"] if r["family"] != "peer"]
