@@ -129,20 +129,26 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
 
 
 def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, inputs: str = "cached") -> dict:
-    """efficiency = mean build rate / (mean raw rate of a core alone x cores used): the issue's
-    target; efficiency_busy = the same against a core's raw rate with all cores used doing the
-    raw work (what the machine's cores can give, without anything of the build); raw_scaling =
-    busy / alone, how much of the linear ideal the raw work itself reaches on these cores;
+    """efficiency = the median over the timed builds of a build's rate / (the raw rate of a core
+    alone, the mean of the passes right before and after it, x cores used): the issue's target;
+    efficiency_busy = the same against a core's raw rate with all cores used doing the raw work,
+    measured right after the build (what the machine's cores can give, without anything of the
+    build); raw_scaling = busy / alone, of the passes made one after the other, how much of the
+    linear ideal the raw work itself reaches on these cores;
     pct_disk = bytes written per second of build against the output device's write rate `disk`
     (near 100%: the disk, not the cores, sets the pace); disk_wait (in `r`) = the share of the
     workers' time spent waiting on writes and fsyncs, as the build measures it itself."""
     rates = [units / s for s in r["seconds_runs"]]
     written = r["size_bytes"] / r["seconds"]
-    ideal, ideal_busy = r["raw_per_core"] * r["cores_used"], r["raw_per_core_busy"] * r["cores_used"]
+    cores, alone, busy = r["cores_used"], r["raw_per_core_runs"], r["raw_per_core_busy_runs"]
+    # each build against the raw rates measured right before and after it: the machine's drift
+    # over the run cancels, where a ratio of means over the run keeps it
+    runs = [x / (cores * (a + b) / 2) for x, a, b in zip(rates, alone, alone[1:])]
+    runs_busy = [x / (cores * b) for x, b in zip(rates, busy)]
     return {"what": what, "workers": workers, "inputs": inputs, "rate": statistics.mean(rates), "unit": unit,
-            "efficiency": statistics.mean(rates) / ideal, "efficiency_runs": [x / ideal for x in rates],
-            "efficiency_busy": statistics.mean(rates) / ideal_busy,
-            "raw_scaling": r["raw_per_core_busy"] / r["raw_per_core"], "written_bytes_per_s": written,
+            "units": units, "efficiency": statistics.median(runs), "efficiency_runs": runs,
+            "efficiency_busy": statistics.median(runs_busy), "efficiency_busy_runs": runs_busy,
+            "raw_scaling": statistics.median(b / a for b, a in zip(busy, alone[1:])), "written_bytes_per_s": written,
             "pct_disk": 100 * written / disk, **r}
 
 

@@ -133,8 +133,8 @@ def packer_table(report: dict) -> str:
                      f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {_f(r.get('written_bytes_per_s', 0) / 1e6, '>8,.0f')} "
                      f"{_f(r.get('pct_disk'), '>5.0f')}% {_f(100 * r.get('disk_wait', 0), '>8.0f')}% "
                      f"{r['peak_rss_mb']:>11,.0f}")
-    lines.append("efficiency = build rate / (raw per-core rate x cores used), means over the timed builds (runs: "
-                 "each build's own); raw = Pillow decode+resize or tokenizers batch encode alone, one core (a fresh "
+    lines.append("efficiency = build rate / (raw per-core rate x cores used), the median over the timed builds "
+                 "(runs: each build's own, against the raw passes right before and after it); raw = Pillow decode+resize or tokenizers batch encode alone, one core (a fresh "
                  "process, one Rust thread), same inputs, measured before the first build and after each; raw "
                  "scaling = a core's raw rate while as many processes as the build's cores used do the raw work "
                  "at once (measured after each build) / a core's raw rate alone; vs busy = build rate / (that busy "
