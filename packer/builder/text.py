@@ -22,6 +22,7 @@ import numpy as np
 
 from packer.errors import ConfigError, SourceError
 from packer.dataset.format import Skip, choose_token_dtype
+from packer.dataset.writer import file_digest
 from packer.builder.scan import JSONL, PARQUET, TXT, Record
 
 PARQUET_BATCH_ROWS = 1024
@@ -223,8 +224,7 @@ class TokenizerSpec:
 def file_sha256(path: str | Path) -> str:
     """A tokenizer file's identity (the manifest's `tokenizer.sha256`, compared by merge)."""
     try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest()
+        return file_digest(path, hashlib.sha256()).hexdigest()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the tokenizer ({exc.strerror or exc})") from None
 

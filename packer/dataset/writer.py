@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
 import math
 import os
 import shutil
@@ -31,8 +30,18 @@ def checksum_file(path: Path, algo: str = fmt.CHECKSUM) -> str:
     if digest is None:
         raise errors.IntegrityError(f"{path}: checksum algorithm {algo!r} is not known to this mmpack; "
                                     "use the release that wrote it, or a newer one")
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, lambda: digest).hexdigest()
+    return file_digest(path, digest).hexdigest()
+
+
+def file_digest(path: str | Path, digest):
+    """`digest` updated with the whole file at `path`, in blocks: `hashlib.file_digest`, which
+    Python 3.10 lacks."""
+    block = bytearray(1 << 20)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(block):
+            digest.update(view[:n])
+    return digest
 
 
 # Seconds this process spent blocked writing shard files (their writes and fsyncs). Pool
