@@ -22,6 +22,7 @@ import functools
 import hashlib
 import json
 import os
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from itertools import accumulate
@@ -239,6 +240,9 @@ class _GenerationLocks:
 
     def __init__(self, root: Path, generations: Iterable[str]):
         self.files = []
+        # closed when the reader is collected or the interpreter exits: a dataset open for a whole
+        # run would otherwise end it with "ResourceWarning: unclosed file" (an error under -W error)
+        weakref.finalize(self, _close_all, self.files)
         for generation in sorted(generations):
             try:
                 f = open(root / generation / fmt.READERS_LOCK, "rb")
@@ -253,9 +257,13 @@ class _GenerationLocks:
             flock(f, shared=True)
 
     def close(self) -> None:
-        for f in self.files:
-            f.close()
-        self.files = []
+        _close_all(self.files)
+
+
+def _close_all(files: list) -> None:
+    for f in files:
+        f.close()
+    files.clear()
 
 
 class DatasetReader:

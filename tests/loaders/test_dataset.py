@@ -46,6 +46,17 @@ def test_loaders_import_no_decoders():
     assert out.strip() == "[]"
 
 
+def test_a_dataset_open_until_the_script_ends_leaves_no_resource_warning(built):
+    """A script that keeps its datasets to the end, run with warnings as errors (as many test
+    suites run): no "unclosed file" for the generation locks a reader holds."""
+    import subprocess
+    import sys
+
+    code = f"from loaders import Loader, MMapDataset; ds = MMapDataset({str(built['images'])!r}); next(iter(Loader(ds, 4)))"
+    out = subprocess.run([sys.executable, "-X", "dev", "-W", "error", "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "Warning" not in out.stderr, out.stderr[-2000:]
+
+
 class Cutout(torch.utils.data.Dataset):
     """A usual augmentation wrapper: blacks out the top quarter of each image in place."""
 
