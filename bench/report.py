@@ -134,8 +134,9 @@ def packer_table(report: dict) -> str:
                      f"{_f(r.get('pct_disk'), '>5.0f')}% {_f(100 * r.get('disk_wait', 0), '>8.0f')}% "
                      f"{r['peak_rss_mb']:>11,.0f}")
     lines.append("efficiency = build rate / (raw per-core rate x cores used), the median over the timed builds "
-                 "(runs: each build's own, against the raw passes right before and after it); raw = Pillow decode+resize or tokenizers batch encode alone, one core (a fresh "
-                 "process, one Rust thread), same inputs, measured before the first build and after each; raw "
+                 "(runs: each build's own, against the raw passes right before and after it); raw = Pillow "
+                 "decode+resize or tokenizers batch encode alone, one core (a fresh process, one Rust thread), same "
+                 "inputs, measured before the first build and after each; raw "
                  "scaling = a core's raw rate while as many processes as the build's cores used do the raw work "
                  "at once (measured after each build) / a core's raw rate alone; vs busy = build rate / (that busy "
                  "per-core rate x cores used); build rate = `packer build` in its own process, by its own clock "
