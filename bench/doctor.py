@@ -20,16 +20,21 @@ sweep` report for each loader on the sample data.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
+import importlib.util
 import io
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
+import zipfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,6 +44,7 @@ REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 CEILING_BATCHES = 20
 CEILING_S = 30.0
+NAMED_GAIN = 1.1  # a measured fix is named where it makes the data at least this much faster: below, runs spread
 NVML_PERIOD_S = 1.0  # the longest period one NVML utilisation reading covers
 
 
@@ -659,12 +665,13 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
     if "getitem_ms" in ps:
         workers = ps["num_workers"]
         wider = r.get("more_workers") or {}
-        if wider.get("samples_per_s") and alone:
-            fixes.append({"fix": f"num_workers={wider['num_workers']} (now {workers})",
-                          "expected": f"{wider['samples_per_s'] / alone:.1f}x the data rate "
-                                      f"({wider['samples_per_s']:,.0f} samples/s alone)",
-                          "how": "measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
-                          "gain": wider["samples_per_s"] / alone})
+        if wider.get("samples_per_s") and alone:  # measured: named only where it is faster
+            if wider["samples_per_s"] > NAMED_GAIN * alone:
+                fixes.append({"fix": f"num_workers={wider['num_workers']} (now {workers})",
+                              "expected": f"{wider['samples_per_s'] / alone:.1f}x the data rate "
+                                          f"({wider['samples_per_s']:,.0f} samples/s alone)",
+                              "how": "measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
+                              "gain": wider["samples_per_s"] / alone})
         elif workers < cores:
             gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
             fixes.append({"fix": f"num_workers={cores} (now {workers})", "expected": f"up to {gain:.1f}x the data rate",
@@ -680,13 +687,13 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
                           "expected": f"no decode per sample: {ps['getitem_ms']:.2f} ms of __getitem__ a sample gone",
                           "how": "estimated from the measured __getitem__; bench loaders measures it on sample data"})
         steady = (r.get("persistent") or {}).get("samples_per_s")
-        if steady and alone and steady > 1.1 * alone:
+        if steady and alone and steady > NAMED_GAIN * alone:
             fixes.append({"fix": "persistent_workers=True", "expected": f"{steady / alone:.1f}x the data rate "
                           f"({steady:,.0f} samples/s alone): its workers start once, not every epoch",
                           "how": "measured: the same loader so, alone, over as many epochs", "gain": steady / alone})
         deeper = next((x for x in r.get("workers_sweep") or [] if x.get("prefetch_factor") and x.get("samples_per_s")),
                       None)
-        if deeper and wider.get("samples_per_s") and deeper["samples_per_s"] > 1.1 * wider["samples_per_s"] and alone:
+        if deeper and alone and deeper["samples_per_s"] > NAMED_GAIN * max(alone, wider.get("samples_per_s") or 0):
             fixes.append({"fix": f"prefetch_factor=4 with num_workers={deeper['num_workers']}",
                           "expected": f"{deeper['samples_per_s'] / alone:.1f}x the data rate",
                           "how": "measured: the same loader so, alone", "gain": deeper["samples_per_s"] / alone})
@@ -711,12 +718,12 @@ def _loader_fixes(alt: dict, alone: float | None) -> list[dict]:
     """The fixes a Loader's measured alternatives show, where they beat it alone by 10% or more."""
     fixes = []
     more = (alt.get("more_threads") or {}).get("samples_per_s")
-    if more and alone and more > 1.1 * alone:
+    if more and alone and more > NAMED_GAIN * alone:
         fixes.append({"fix": f"num_threads={alt['more_threads']['num_threads']} (now {alt['num_threads']})",
                       "expected": f"{more / alone:.1f}x the data rate ({more:,.0f} samples/s alone)",
                       "how": "measured: the same Loader so, alone", "gain": more / alone})
     grouped = (alt.get("bucketed") or {}).get("samples_per_s")
-    if grouped and alone and grouped > 1.1 * alone:
+    if grouped and alone and grouped > NAMED_GAIN * alone:
         fixes.append({"fix": 'bucket_by="aspect"', "expected": f"{grouped / alone:.1f}x the data rate "
                       f"({grouped:,.0f} samples/s alone): batches of one aspect, a canvas of less padding",
                       "how": "measured: a Loader so over the same dataset, alone", "gain": grouped / alone})
@@ -808,14 +815,13 @@ def stall(loader: Iterable, step_ms: float, *, steps: int | None = None, mode: s
 
 # -- running a script -------------------------------------------------------------------------
 def child_main(argv: list[str]) -> None:
-    """In the child: run the script as __main__ with its loaders watched, then write the report."""
+    """In the child: run the script (`SCRIPT ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) as
+    __main__, as `python` would, with its loaders watched, then write the report."""
     steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
     w = Watch(steps)
-    sys.argv = argv
-    sys.path.insert(0, str(Path(argv[0]).resolve().parent))
     with _patched(w, _loader_classes()):
         try:
-            runpy.run_path(argv[0], run_name="__main__")
+            _run_main(argv)
         except _Stop:
             pass
         except SystemExit as exc:
@@ -827,23 +833,131 @@ def child_main(argv: list[str]) -> None:
     Path(os.environ[REPORT_ENV]).write_text(json.dumps(r, default=str))
 
 
-def run(command: list[str], *, steps: int | None) -> dict:
-    """`command` (`python script.py ARGS`) in a child process with its loaders watched."""
-    if len(command) < 2 or Path(command[0]).name not in ("python", "python3", Path(sys.executable).name):
-        if command and command[0].endswith(".py"):
-            command = [sys.executable, *command]
+def _run_main(argv: list[str]) -> None:
+    """`argv` run as `python ARGV` runs it: sys.argv, sys.path[0] and the __main__ module as that
+    interpreter sets them. The script's module stays __main__ after it ends, as it does in python:
+    the loader measured alone afterwards pickles the script's classes for its workers (spawn,
+    forkserver) by their names in __main__."""
+    if argv[0] == "-m":  # sys.path[0] is the working directory, argv[0] the module's file
+        _path_first(os.getcwd())
+        spec = importlib.util.find_spec(argv[1])
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(f"{argv[1]}.__main__")
+        if spec is None or spec.loader is None or spec.origin is None:
+            raise ImportError(f"No module named {argv[1]}")
+        sys.argv = [spec.origin, *argv[2:]]
+        _exec_as_main(spec.loader.get_code(spec.name), spec.origin, spec)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        _exec_as_main(compile(argv[1], "<string>", "exec"), None, None)
+    else:  # not the working directory: the script's own folder comes first on the path
+        sys.argv = argv
+        _path_first(str(Path(argv[0]).resolve().parent))
+        if os.path.isfile(argv[0]) and not zipfile.is_zipfile(argv[0]):
+            path = os.path.abspath(argv[0])  # __main__.__file__ is absolute from Python 3.9 on
+            with io.open_code(path) as f:
+                _exec_as_main(compile(f.read(), path, "exec"), path, None)
+        else:  # a folder or zip with a __main__.py
+            runpy.run_path(argv[0], run_name="__main__")
+
+
+def _exec_as_main(code, file: str | None, spec) -> None:
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __spec__=spec, __loader__=spec.loader if spec else None, __cached__=None,
+                         __package__=spec.parent if spec else None, __builtins__=builtins)
+    if file is None:
+        del main.__file__
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)  # noqa: S102 - the user's own script, as python runs it
+
+
+def _path_first(folder: str) -> None:
+    """sys.path[0] as python sets it for what it runs: the child's own, from `-c`, is "" (the
+    working directory); in safe-path mode (-P, -I) there is none, and none is added."""
+    if sys.path[:1] == [""]:
+        sys.path[0] = folder
+
+
+# python's own options: those that take a value (-W default, -Wdefault), those that end the options
+_OPTION_VALUE, _OPTION_TARGET = "WX", "mc"
+LAUNCHERS = ("torchrun", "accelerate", "deepspeed", "mpirun", "srun", "lightning", "composer")
+
+
+def python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
+    """(interpreter, its options, what it runs) of `python [OPTIONS] SCRIPT|-m MODULE|-c CODE ARGS`
+    (`SCRIPT.py ARGS` alone: this Python). The options (-u, -O, -W ..., -X ...) go to the child's
+    interpreter; what it runs is `SCRIPT ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`."""
+    usage = "give the training command after --, e.g. -- python train.py ARGS (or -- python -m pkg.train ARGS)"
+    if not command:
+        raise SystemExit(f"bench doctor: {usage}")
+    if command[0].endswith(".py"):
+        return sys.executable, [], command
+    name = Path(command[0]).name
+    if name in LAUNCHERS:
+        raise SystemExit(f"bench doctor: {name} starts several processes and the doctor watches one: run one rank's "
+                         "script, e.g. -- python train.py ARGS")
+    version = name[len("python"):]
+    if name != Path(sys.executable).name and not (name.startswith("python") and version.replace(".", "").isdigit()
+                                                   or name == "python"):
+        raise SystemExit(f"bench doctor: {command[0]} is not a Python interpreter: {usage}")
+    options, rest = [], command[1:]
+    while rest and rest[0].startswith("-") and rest[0] != "-":
+        arg = rest.pop(0)
+        if arg.startswith("--"):  # --check-hash-based-pycs MODE; the others take no value
+            options += [arg, rest.pop(0)] if arg == "--check-hash-based-pycs" and rest else [arg]
+            continue
+        for i, flag in enumerate(arg[1:], 1):
+            if flag in _OPTION_VALUE + _OPTION_TARGET:
+                value = arg[i + 1:] or (rest.pop(0) if rest else None)
+                if value is None:
+                    raise SystemExit(f"bench doctor: python's -{flag} needs a value: {usage}")
+                if flag in _OPTION_TARGET:
+                    if i > 1:
+                        options.append(arg[:i])
+                    return command[0], options, [f"-{flag}", value, *rest]
+                options += [f"-{flag}", value]
+                break
         else:
-            raise SystemExit("bench doctor: give the training command after --, e.g. -- python train.py ARGS")
+            options.append(arg)
+    if not rest or rest[0] == "-":
+        raise SystemExit(f"bench doctor: a script from standard input cannot be watched: {usage}")
+    return command[0], options, rest
+
+
+def _interpreter(given: str) -> tuple[str, str | None]:
+    """(the Python to run the script with, a note): the one given where it can import this
+    doctor and torch (the script's own environment), else this one, said."""
+    found = shutil.which(given)
+    if found is None:
+        raise SystemExit(f"bench doctor: {given}: no such interpreter")
+    if os.path.abspath(found) == os.path.abspath(sys.executable):
+        return sys.executable, None
+    probe = subprocess.run([found, "-c", "import sys, importlib.util as u; "  # found, not imported: torch takes seconds
+                            "sys.exit(not (u.find_spec('torch') and u.find_spec('bench.doctor')))"], capture_output=True)
+    if probe.returncode == 0:
+        return found, None
+    return sys.executable, (f"{found} cannot import mmpack's bench and torch (pip install them there): "
+                            f"the script runs with {sys.executable}")
+
+
+def run(command: list[str], *, steps: int | None) -> dict:
+    """`command` (`python [OPTIONS] script.py ARGS`, `python -m MODULE ARGS`) in a child process
+    with its loaders watched."""
+    given, options, target = python_command(command)
+    python, note = _interpreter(given) if given != sys.executable else (given, None)
+    if note:
+        print(f"bench doctor: {note}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
         out = Path(tmp) / "report.json"
         env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or "")}
         started = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-c", "import sys; from bench.doctor import child_main; "
-                               "child_main(sys.argv[1:])", *command[1:]], env=env)
+        proc = subprocess.run([python, *options, "-c", "import sys; from bench.doctor import child_main; "
+                               "child_main(sys.argv[1:])", *target], env=env)
         if not out.exists():
             return {"verdict": f"the script ended (exit {proc.returncode}) before a report could be made",
                     "exit_code": proc.returncode, "wall_s": time.perf_counter() - started}
         r = json.loads(out.read_text())
-    r.update(command=command, exit_code=proc.returncode)
+    r.update(command=command, exit_code=proc.returncode, python=python)
+    if note:
+        r["note"] = note
     return r
-

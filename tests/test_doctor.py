@@ -280,3 +280,77 @@ def test_an_image_folder_decoded_on_the_fly_is_told_to_pack_and_packed_the_verdi
     assert report["packed"]["files"] == 160 and report["packed"]["image_size"] == 32 and first["fix"] in proc.stdout
     report, _ = _doctor(tmp_path, *args, "--out", tmp_path / "packed", script=train)
     assert report["verdict"].startswith("compute-bound"), report["verdict"]
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["python", "train.py", "-u", "--lr", "1"], ("python", [], ["train.py", "-u", "--lr", "1"])),
+    (["python3", "-u", "train.py"], ("python3", ["-u"], ["train.py"])),
+    (["python3.11", "-uO", "-W", "ignore", "-Xdev", "train.py", "-m", "x"],
+     ("python3.11", ["-uO", "-W", "ignore", "-X", "dev"], ["train.py", "-m", "x"])),
+    (["python", "-Wignore::DeprecationWarning", "-m", "pkg.train", "--epochs", "2"],
+     ("python", ["-W", "ignore::DeprecationWarning"], ["-m", "pkg.train", "--epochs", "2"])),
+    (["python", "-um", "pkg.train"], ("python", ["-u"], ["-m", "pkg.train"])),
+    (["/opt/venv/bin/python", "-c", "print(1)", "a"], ("/opt/venv/bin/python", [], ["-c", "print(1)", "a"])),
+    (["python", "--check-hash-based-pycs", "never", "-B", "t.py"],
+     ("python", ["--check-hash-based-pycs", "never", "-B"], ["t.py"])),
+    (["train.py", "--lr", "1"], (sys.executable, [], ["train.py", "--lr", "1"])),
+])
+def test_the_command_is_read_as_python_reads_its_own(command, expected):
+    """python's options go to the interpreter that runs the script; -m and -c end them, as in
+    python; what comes after the script is the script's, whatever it looks like."""
+    assert doctor.python_command(command) == expected
+
+
+@pytest.mark.parametrize("command, said", [
+    ([], "give the training command"), (["bash", "train.sh"], "not a Python interpreter"),
+    (["torchrun", "--nproc_per_node", "8", "train.py"], "run one rank's script"),
+    (["python", "-"], "standard input"), (["python", "-u"], "standard input"), (["python", "-W"], "needs a value"),
+])
+def test_a_command_the_doctor_cannot_run_is_one_line_saying_what_to_give(command, said):
+    with pytest.raises(SystemExit) as exc:
+        doctor.python_command(command)
+    assert said in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_a_module_run_with_python_options_and_spawned_workers_is_watched_and_measured_alone(tmp_path):
+    """`python -O -m MODULE` as python runs it (argv[0] the module's file, optimized), its
+    DataLoader's workers started by spawn; after the script, the loader alone is measured with
+    workers that unpickle the script's dataset class from __main__, as the script's own did."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--json", str(out), "--",
+                           "python", "-O", "-m", "tests.tools.doctor_spawn"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    script = ROOT / "tests" / "tools" / "doctor_spawn.py"
+    assert f"ran as __main__ from {script}, optimize: 1" in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    assert report["batches"] == 6 and report["error"] is None, report
+    assert report["loader_alone"].get("samples_per_s", 0) > 0, report["loader_alone"]
+
+
+def test_a_measured_fix_that_is_no_faster_is_not_named():
+    """More workers measured no faster (spawned workers still starting, a disk already busy):
+    not a fix; a deeper prefetch measured faster than both is."""
+    r = {"wait_share": 0.6, "wait": {"n": 10, "p50_ms": 5.0, "p95_ms": 9.0}, "step": {"total_s": 1.0}, "cores": 4,
+         "loader_alone": {"samples_per_s": 100.0}, "more_workers": {"num_workers": 4, "samples_per_s": 80.0},
+         "workers_sweep": [{"num_workers": 4, "prefetch_factor": 4, "samples_per_s": 150.0}],
+         "per_sample": {"getitem_ms": 1.0, "collate_ms_per_sample": 0.01, "num_workers": 2, "pin_memory": False}}
+    names = [f["fix"] for f in doctor._verdict(r)[1]]
+    assert not any(n.startswith("num_workers") for n in names) and names[0] == "prefetch_factor=4 with num_workers=4"
+    r["more_workers"]["samples_per_s"] = 200.0
+    assert [f["fix"] for f in doctor._verdict(r)[1]][0] == "num_workers=4 (now 2)"
+
+
+def test_the_script_runs_in_the_interpreter_named_where_it_has_mmpack_and_torch(tmp_path):
+    """The script's own environment where it can be watched there; else this Python, said."""
+    bare, venv = tmp_path / "bare" / "python", tmp_path / "venv" / "python"
+    for path, body in ((bare, "exit 1"), (venv, f'exec {sys.executable} "$@"')):
+        path.parent.mkdir()
+        path.write_text(f"#!/bin/sh\n{body}\n")
+        path.chmod(0o755)
+    assert doctor._interpreter(str(venv)) == (str(venv), None)
+    python, note = doctor._interpreter(str(bare))
+    assert python == sys.executable and note.startswith(f"{bare} cannot import mmpack's bench and torch")
+    assert doctor._interpreter(sys.executable) == (sys.executable, None)
+    with pytest.raises(SystemExit, match="no such interpreter"):
+        doctor._interpreter(str(tmp_path / "python3.99"))
