@@ -44,6 +44,7 @@ REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 CEILING_BATCHES = 20
 CEILING_S = 30.0
+PER_SAMPLE_S = 5.0  # an iterable dataset's items are timed for at most this long (a stream may be slow to start)
 NAMED_GAIN = 1.1  # a measured fix is named where it makes the data at least this much faster: below, runs spread
 NVML_PERIOD_S = 1.0  # the longest period one NVML utilisation reading covers
 
@@ -418,17 +419,28 @@ def _ceiling(loader, batches: int = CEILING_BATCHES, limit_s: float = CEILING_S)
 
 
 def _per_sample(loader) -> dict | None:
-    """For a DataLoader over a map-style dataset: one __getitem__ and the collate of a batch, in
-    this process (what each worker pays per sample)."""
+    """For a DataLoader: one sample's work (a map-style dataset's __getitem__, an iterable one's
+    next item, up to PER_SAMPLE_S of them) and the collate of a batch, in this process (what each
+    worker pays per sample)."""
     import torch
 
-    if not isinstance(loader, torch.utils.data.DataLoader) or not hasattr(loader.dataset, "__getitem__"):
+    if not isinstance(loader, torch.utils.data.DataLoader):
         return None
     ds = loader.dataset
+    iterable = isinstance(ds, torch.utils.data.IterableDataset)
+    if not iterable and not hasattr(ds, "__getitem__"):
+        return None
     try:
-        n = min(len(ds), 64)
         started = time.perf_counter()
-        items = [ds[i] for i in range(n)]
+        if iterable:  # the whole stream, as one worker sees it without get_worker_info()
+            items = []
+            for item in ds:
+                items.append(item)
+                if len(items) >= 64 or time.perf_counter() - started > PER_SAMPLE_S:
+                    break
+        else:
+            items = [ds[i] for i in range(min(len(ds), 64))]
+        n = len(items)
         item_s = (time.perf_counter() - started) / max(n, 1)
         collate = loader.collate_fn
         size = min(loader.batch_size or 1, n)
@@ -436,7 +448,7 @@ def _per_sample(loader) -> dict | None:
         if collate is not None and size:
             collate(items[:size])
         collate_s = (time.perf_counter() - started) / max(size, 1)
-        return {"getitem_ms": 1e3 * item_s, "collate_ms_per_sample": 1e3 * collate_s,
+        return {"getitem_ms": 1e3 * item_s, "collate_ms_per_sample": 1e3 * collate_s, "iterable": iterable,
                 "num_workers": loader.num_workers, "pin_memory": bool(loader.pin_memory),
                 "batch_size": loader.batch_size, "dataset": type(ds).__name__}
     except Exception as exc:  # noqa: BLE001
@@ -662,6 +674,7 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
         return f"compute-bound: {waited}{rates}: the data is not what the step waits for", fixes
     ps = r.get("per_sample") or {}
     cores = r.get("cores") or 1
+    work = "the dataset's iterator" if ps.get("iterable") else "__getitem__"
     if "getitem_ms" in ps:
         workers = ps["num_workers"]
         wider = r.get("more_workers") or {}
@@ -672,10 +685,12 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
                                           f"({wider['samples_per_s']:,.0f} samples/s alone)",
                               "how": "measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
                               "gain": wider["samples_per_s"] / alone})
-        elif workers < cores:
+        elif workers < cores:  # not measured for an iterable dataset: more workers may each yield all of it
             gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
             fixes.append({"fix": f"num_workers={cores} (now {workers})", "expected": f"up to {gain:.1f}x the data rate",
-                          "how": "estimated: the per-sample work spread over more processes", "gain": gain})
+                          "how": "estimated: the per-sample work spread over more processes" + (
+                              "; each worker must take its own part of the stream (get_worker_info())"
+                              if ps.get("iterable") else ""), "gain": gain})
         packed = (r.get("packed") or {}).get("samples_per_s")
         if packed and alone:
             fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
@@ -684,8 +699,8 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
                                  f"{r['packed']['image_size']} px, then Loader alone", "gain": packed / alone})
         else:
             fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
-                          "expected": f"no decode per sample: {ps['getitem_ms']:.2f} ms of __getitem__ a sample gone",
-                          "how": "estimated from the measured __getitem__; bench loaders measures it on sample data"})
+                          "expected": f"no decode per sample: the {ps['getitem_ms']:.2f} ms a sample {work} takes, gone",
+                          "how": f"estimated from {work} timed here; bench loaders measures it on sample data"})
         steady = (r.get("persistent") or {}).get("samples_per_s")
         if steady and alone and steady > NAMED_GAIN * alone:
             fixes.append({"fix": "persistent_workers=True", "expected": f"{steady / alone:.1f}x the data rate "
@@ -700,7 +715,7 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
         if not ps.get("pin_memory") and r.get("cuda") and not any(f["fix"].startswith("pin_memory") for f in fixes):
             fixes.append({"fix": "pin_memory=True", "expected": "faster host-to-GPU copies",
                           "how": "estimated"})
-    why = (f"; __getitem__ takes {ps['getitem_ms']:.2f} ms a sample and the collate "
+    why = (f"; {work} takes {ps['getitem_ms']:.2f} ms a sample and the collate "
            f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""
     alt = r.get("loader_alternatives") or {}
     if alt:

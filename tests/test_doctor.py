@@ -354,3 +354,26 @@ def test_the_script_runs_in_the_interpreter_named_where_it_has_mmpack_and_torch(
     assert doctor._interpreter(sys.executable) == (sys.executable, None)
     with pytest.raises(SystemExit, match="no such interpreter"):
         doctor._interpreter(str(tmp_path / "python3.99"))
+
+
+class _Stream(torch.utils.data.IterableDataset):
+    """A stream with no length and no __getitem__ (a webdataset, a streamed corpus)."""
+
+    def __iter__(self):
+        for i in range(1000):
+            time.sleep(0.001)
+            yield torch.zeros(4)
+
+
+def test_an_iterable_dataset_is_timed_by_its_iterator_and_more_workers_come_with_their_condition():
+    """An IterableDataset's sample cost is its iterator's; more workers are an estimate only, said
+    with what they need: each worker must take its own part, or each yields the whole stream."""
+    loader = torch.utils.data.DataLoader(_Stream(), batch_size=4)
+    ps = doctor._per_sample(loader)
+    assert ps["iterable"] and 0.9 < ps["getitem_ms"] < 50 and "error" not in ps, ps
+    r = {"wait_share": 0.6, "wait": {"n": 10, "p50_ms": 5.0, "p95_ms": 9.0}, "step": {"total_s": 1.0}, "cores": 4,
+         "loader_alone": {"samples_per_s": 900.0}, "per_sample": ps}
+    verdict, fixes = doctor._verdict(r)
+    assert "the dataset's iterator takes" in verdict, verdict
+    more = next(f for f in fixes if f["fix"].startswith("num_workers=4"))
+    assert more["how"].startswith("estimated") and "get_worker_info()" in more["how"]
