@@ -477,10 +477,12 @@ def _workers_sweep(loader, share: float) -> list[dict] | None:
 
 
 def _clone(loader, **changes):
-    """The script's DataLoader again over its dataset, shuffled, with `changes` (the measured fixes)."""
+    """The script's DataLoader again over its dataset, shuffled, with `changes` (the measured fixes):
+    pinned as the script's is, so a fix is not credited with the pinning it leaves out."""
     import torch
 
     args = {"batch_size": loader.batch_size, "shuffle": True, "num_workers": loader.num_workers,
+            "pin_memory": loader.pin_memory,
             "collate_fn": loader.collate_fn, "drop_last": loader.drop_last, "worker_init_fn": loader.worker_init_fn,
             "multiprocessing_context": loader.multiprocessing_context, "prefetch_factor": loader.prefetch_factor}
     return torch.utils.data.DataLoader(loader.dataset, **{**args, **changes})

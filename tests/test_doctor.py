@@ -377,3 +377,15 @@ def test_an_iterable_dataset_is_timed_by_its_iterator_and_more_workers_come_with
     assert "the dataset's iterator takes" in verdict, verdict
     more = next(f for f in fixes if f["fix"].startswith("num_workers=4"))
     assert more["how"].startswith("estimated") and "get_worker_info()" in more["how"]
+
+
+def test_the_loader_measured_with_a_fix_keeps_the_rest_of_the_scripts_settings():
+    """Only the fix changes: the workers' start, the collate and the pinning stay the script's
+    (a clone without the pinning would credit the fix with the pinning's cost)."""
+    loader = torch.utils.data.DataLoader(_Quick(), batch_size=4, num_workers=1, pin_memory=True, drop_last=True,
+                                         worker_init_fn=_slow_start, multiprocessing_context="spawn",
+                                         collate_fn=list)
+    clone = doctor._clone(loader, num_workers=2)
+    assert clone.num_workers == 2 and clone.batch_size == 4 and clone.pin_memory and clone.drop_last
+    assert (clone.worker_init_fn, clone.collate_fn) == (_slow_start, list)
+    assert clone.multiprocessing_context is loader.multiprocessing_context
