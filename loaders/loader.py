@@ -93,8 +93,9 @@ class Loader(Resumable):
         drop_last: drop the last partial global batch (else pad by repeating, as
             DistributedSampler does, so every rank gets the same number of batches).
         num_threads: gather threads; default `default_threads()`: the cores this process may
-            use, divided among the node's ranks (LOCAL_WORLD_SIZE), at most 8. "auto": timed
-            at the first pass (`fewest_threads`: the fewest past which doubling gains under 10%).
+            use, divided among the node's ranks (LOCAL_WORLD_SIZE), at most MAX_DEFAULT_THREADS
+            (16). "auto": timed at the first pass (`fewest_threads`: the fewest past which
+            doubling gains under 10%).
         pin_memory: None = pinned when CUDA is available.
         device: hand batches over already on this device (see `loaders.to_device`).
         order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
@@ -118,6 +119,7 @@ class Loader(Resumable):
                  columns: list[str] | None = None, num_buffers: int = 3, bucket_by: str | None = None):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
+        self._dataset = dataset
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
                                  drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by)
@@ -136,8 +138,18 @@ class Loader(Resumable):
         check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
 
     @property
+    def dataset(self):
+        """The dataset batched, as a DataLoader's `.dataset` (`len(loader.dataset)`: every sample,
+        all ranks' together)."""
+        return self._dataset
+
+    @property
     def batch_size(self) -> int:
         return self._epochs.batch_size
+
+    @property
+    def drop_last(self) -> bool:
+        return self._epochs.drop_last
 
     @property
     def rank(self) -> int:

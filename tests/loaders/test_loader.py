@@ -209,6 +209,16 @@ def test_epochs_advance_by_themselves_and_set_epoch_picks_one(built):
     assert [k for b in loader for k in b["key"]] == e0
 
 
+def test_a_loader_has_the_dataloader_attributes_training_loops_read(built):
+    """`len(loader.dataset)`, `loader.batch_size`, `loader.drop_last`, as the PyTorch examples read
+    them from a DataLoader (MNIST's progress line: batch_idx * len(data) of len(train_loader.dataset))."""
+    ds = MMapDataset(built["images"])
+    loader = Loader(ds, 8, drop_last=True, rank=1, world_size=2)
+    assert loader.dataset is ds and len(loader.dataset) == len(ds) and (loader.batch_size, loader.drop_last) == (8, True)
+    by_path = Loader(built["images"], 8)
+    assert isinstance(by_path.dataset, MMapDataset) and len(by_path.dataset) == len(ds) and not by_path.drop_last
+
+
 @pytest.mark.parametrize("world,workers", [(2, 1), (2, 2), (3, 2)])
 def test_ranks_by_workers_cover_the_epoch_once(built, world, workers):
     ds = MMapDataset(built["images"], columns=["label", "key"])
