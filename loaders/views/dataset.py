@@ -107,6 +107,19 @@ class MMapDataset(torch.utils.data.Dataset):
         classes = self.manifest.classes
         return list(classes) if classes is not None else None
 
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        """ImageFolder's: each class's label, by its folder name; None without classes."""
+        classes = self.classes
+        return {name: i for i, name in enumerate(classes)} if classes is not None else None
+
+    @property
+    def targets(self) -> np.ndarray | None:
+        """ImageFolder's `targets`: every sample's label in sample order, as an int64 array (a list
+        in ImageFolder; here 8 bytes a sample, read from the label column when asked); None
+        without labels (text, a flat folder)."""
+        return self.reader.labels()
+
     def __len__(self) -> int:
         return len(self.reader)
 

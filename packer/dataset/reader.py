@@ -389,6 +389,14 @@ class DatasetReader:
             counts += np.bincount(inside, minlength=len(classes))
         return counts
 
+    def labels(self) -> np.ndarray | None:
+        """Every sample's label in sample order (int64 [num_samples]); None without a label
+        column. 8 bytes a sample, read from the label column of each shard."""
+        if not any(c.name == "label" for c in self.manifest.columns):
+            return None
+        parts = [np.asarray(self.column(k, "label").values, np.int64) for k in range(len(self.manifest.shards))]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
     def sample(self, sample_id: int, name: str) -> np.ndarray:
         shard_pos, row = self.locate(sample_id)
         return self.column(shard_pos, name).sample(row)

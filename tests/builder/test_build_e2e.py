@@ -87,6 +87,11 @@ def test_image_pixels_labels_and_keys(built, image_raw):
             np.testing.assert_array_equal(got, reference_pixels(path, 64), err_msg=str(path))
             checked_exact += 1
     assert checked_exact > 20 and checked_jpeg > 5
+    # ImageFolder's class_to_idx and targets (here an int64 array): what num_classes, class
+    # weights and saved checkpoints read
+    assert ds.class_to_idx == {name: i for i, name in enumerate(sorted(p.name for p in image_raw.iterdir()
+                                                                           if p.is_dir()))}
+    assert ds.targets.dtype == np.int64 and ds.targets.tolist() == [int(ds[i]["label"]) for i in range(len(ds))]
 
 
 def test_sixteen_bit_images_are_rescaled_by_their_real_depth_not_clipped(built):
@@ -464,6 +469,7 @@ def test_a_flat_folder_packs_as_unlabeled_images_and_the_layout_says_why(tmp_pat
     assert "layout images: 9 images in one flat folder (no classes, no labels)" in capsys.readouterr().out
     ds = MMapDataset(out)
     assert ds.classes is None and set(ds[0]) == {"image", "key"} and len(ds) == 9
+    assert ds.class_to_idx is None and ds.targets is None
     notes = tmp_path / "notes"
     notes.mkdir()
     (notes / "todo.txt").write_text("buy milk\n")
