@@ -319,24 +319,44 @@ def _batch_len(batch) -> int:
 
 @contextmanager
 def _patched(watch: Watch, classes):
-    """Every `cls.__iter__` of `classes` returns a watched iterator while active."""
-    saved = {cls: cls.__dict__.get("__iter__") for cls in classes}
+    """`__iter__` of every one of `classes` and of each subclass with its own (torchdata's
+    StatefulDataLoader, accelerate's, one the script defines while watched) returns a watched
+    iterator while active. Only the class of the loader iterated watches: a subclass's
+    `__iter__` that calls `super().__iter__()` is one wait a batch, not two."""
+    saved = {}
 
     def wrap(original):
         def __iter__(self):
-            return watch.iterate(self, original(self))
+            it = original(self)
+            return watch.iterate(self, it) if type(self).__iter__ is __iter__ else it
         return __iter__
+
+    def patch(cls) -> None:
+        if cls not in saved:
+            saved[cls] = cls.__dict__.get("__iter__")
+            cls.__iter__ = wrap(cls.__iter__)
+
+    def patch_subclass(cls, **kwargs) -> None:
+        if "__iter__" in cls.__dict__:
+            patch(cls)
 
     import torch
 
     tensor_methods = {name: torch.Tensor.__dict__.get(name) for name in ("to", "cuda")}
+    hooked = [cls for cls in classes if "__init_subclass__" not in cls.__dict__]
     for cls in classes:
-        cls.__iter__ = wrap(cls.__iter__)
+        patch(cls)
+        for sub in _subclasses(cls):
+            patch_subclass(sub)
+    for cls in hooked:
+        cls.__init_subclass__ = classmethod(patch_subclass)
     for name in tensor_methods:
         setattr(torch.Tensor, name, watch.copies.wrap(getattr(torch.Tensor, name)))
     try:
         yield
     finally:
+        for cls in hooked:
+            del cls.__init_subclass__
         for cls, original in saved.items():
             if original is None:
                 del cls.__iter__
@@ -347,6 +367,16 @@ def _patched(watch: Watch, classes):
                 delattr(torch.Tensor, name)
             else:
                 setattr(torch.Tensor, name, original)
+
+
+def _subclasses(cls) -> list:
+    found, todo = [], list(cls.__subclasses__())
+    while todo:
+        sub = todo.pop()
+        if sub not in found:
+            found.append(sub)
+            todo += sub.__subclasses__()
+    return found
 
 
 def _loader_classes() -> list:

@@ -389,3 +389,41 @@ def test_the_loader_measured_with_a_fix_keeps_the_rest_of_the_scripts_settings()
     assert clone.num_workers == 2 and clone.batch_size == 4 and clone.pin_memory and clone.drop_last
     assert (clone.worker_init_fn, clone.collate_fn) == (_slow_start, list)
     assert clone.multiprocessing_context is loader.multiprocessing_context
+
+
+class _OwnIter(torch.utils.data.DataLoader):
+    """As torchdata's StatefulDataLoader: its own __iter__, which never calls DataLoader's."""
+
+    def __iter__(self):
+        return self._get_iterator()
+
+
+class _Wrapping(torch.utils.data.DataLoader):
+    """As accelerate's DataLoaderShard: its own __iter__ over DataLoader's, one batch ahead."""
+
+    def __iter__(self):
+        it = super().__iter__()
+        ahead = next(it, None)
+        for batch in it:
+            yield ahead
+            ahead = batch
+        if ahead is not None:
+            yield ahead
+
+
+def test_dataloaders_with_their_own_iter_are_watched_once_a_batch():
+    """A DataLoader subclass that replaces __iter__ (torchdata's StatefulDataLoader), one that
+    wraps DataLoader's (accelerate), and one the script defines while watched: each batch of
+    each is one wait, none missed, none counted twice; DataLoader is as it was afterwards."""
+    before = torch.utils.data.DataLoader.__dict__["__iter__"], _OwnIter.__dict__["__iter__"]
+    with doctor.watch() as w:
+        class Late(torch.utils.data.DataLoader):
+            def __iter__(self):
+                return self._get_iterator()
+
+        loaders = [cls(_Quick(), batch_size=2) for cls in (_OwnIter, _Wrapping, Late, torch.utils.data.DataLoader)]
+        for loader in loaders:
+            assert len(list(loader)) == 4
+    assert [len(w.by_loader[id(loader)]["waits"]) for loader in loaders] == [4, 4, 4, 4]
+    assert (torch.utils.data.DataLoader.__dict__["__iter__"], _OwnIter.__dict__["__iter__"]) == before
+    assert "__init_subclass__" not in torch.utils.data.DataLoader.__dict__
