@@ -322,12 +322,11 @@ class DatasetReader:
     def locate(self, sample_id: int) -> tuple[int, int]:
         """Global sample id -> (shard position, row); Python sequence rules for negatives."""
         n = len(self)
-        if sample_id < 0:
-            sample_id += n
-        if not 0 <= sample_id < n:
+        index = sample_id + n if sample_id < 0 else sample_id
+        if not 0 <= index < n:
             raise IndexError(f"sample {sample_id} out of range for a dataset of {n} samples")
-        k = bisect.bisect_right(self._ends, sample_id)
-        return k, sample_id - (self._ends[k - 1] if k else 0)
+        k = bisect.bisect_right(self._ends, index)
+        return k, index - (self._ends[k - 1] if k else 0)
 
     def check_columns(self, names) -> None:
         """ColumnError naming what is missing and what there is, for columns a caller asks for."""

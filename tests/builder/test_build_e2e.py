@@ -318,7 +318,7 @@ def test_mmapdataset_samples_are_the_callers_copies_and_quiet(built):
     assert ds[-1]["key"] == ds[len(ds) - 1]["key"]
     with pytest.raises(IndexError):
         ds[len(ds)]
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=f"sample {-len(ds) - 1} out of range"):  # the index given, as asked
         ds[-len(ds) - 1]
 
 
