@@ -45,6 +45,7 @@ STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 CEILING_BATCHES = 20
 CEILING_S = 30.0
 PER_SAMPLE_S = 5.0  # an iterable dataset's items are timed for at most this long (a stream may be slow to start)
+AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
 NAMED_GAIN = 1.1  # a measured fix is named where it makes the data at least this much faster: below, runs spread
 NVML_PERIOD_S = 1.0  # the longest period one NVML utilisation reading covers
 
@@ -757,6 +758,11 @@ def _verdict(r: dict) -> tuple[str, list[dict]]:
     procs = r.get("processes") or {}
     if procs.get("worker_cpu_busy") is not None and "getitem_ms" in ps:  # a DataLoader's workers, not a
         why += f" at {100 * procs['worker_cpu_busy']:.0f}% CPU each"     # script's other child processes
+    model = r.get("model_samples_per_s")
+    if alone and model and alone > AHEAD_OF_MODEL * model:
+        why += (f"; alone it makes {alone / model:.0f}x what the model takes, so the wait is not its rate but "
+                f"what changes beside the step: the {r.get('cores') or 1} core(s) it shares with the step, "
+                "epoch starts, the hand-over of each batch")
     fixes.sort(key=lambda f: -f.get("gain", 0.0))  # the largest gain first; unmeasured, unestimated ones last
     return f"data-bound: {waited}{rates}{why}", fixes
 

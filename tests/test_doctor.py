@@ -427,3 +427,14 @@ def test_dataloaders_with_their_own_iter_are_watched_once_a_batch():
     assert [len(w.by_loader[id(loader)]["waits"]) for loader in loaders] == [4, 4, 4, 4]
     assert (torch.utils.data.DataLoader.__dict__["__iter__"], _OwnIter.__dict__["__iter__"]) == before
     assert "__init_subclass__" not in torch.utils.data.DataLoader.__dict__
+
+
+def test_a_wait_beside_a_loader_far_faster_than_the_model_is_not_blamed_on_its_rate():
+    """Data-bound by the share waited, yet the loader alone makes many times what the model takes:
+    the verdict says the wait comes from running beside the step, not from the loader's rate."""
+    r = {"wait_share": 0.15, "wait": {"n": 10, "p50_ms": 0.8, "p95_ms": 1.0}, "step": {"total_s": 1.0}, "cores": 2,
+         "loader_alone": {"samples_per_s": 20000.0}, "model_samples_per_s": 2000.0}
+    verdict = doctor._verdict(r)[0]
+    assert verdict.startswith("data-bound") and "alone it makes 10x what the model takes" in verdict, verdict
+    r["loader_alone"]["samples_per_s"] = 2500.0  # barely ahead: its rate is the cause
+    assert "what the model takes, so" not in doctor._verdict(r)[0]
