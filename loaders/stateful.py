@@ -16,7 +16,6 @@ import torch
 from packer.errors import ConfigError
 
 from loaders.batched import BatchedDataset, EpochDataset
-from loaders.views.iterable import MMapIterableDataset
 from loaders.order.sampler import Epochs, Pass, Resumable
 
 
@@ -51,19 +50,33 @@ class _PassKeys(torch.utils.data.Sampler):
 
 
 class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
-    """`StatefulDataLoader(ds.batched(256, seed=0), num_workers=2, pin_memory=True)`.
+    """`StatefulDataLoader(ds.batched(256, seed=0), num_workers=2, pin_memory=True)`, or as
+    torchdata's is called, `StatefulDataLoader(ds, batch_size=256, shuffle=True, num_workers=2)`
+    (ds an MMapDataset, TokenWindows, PackedDocuments or Mixture): the same, `ds.batched(256,
+    shuffle=True)`. Whole batches either way; the order a pure function of (seed, epoch), seed 0
+    unless given, as for `Loader`.
 
     Iterating it again starts the next epoch (`set_epoch(e)` picks one; for the epoch it is in,
     it keeps a resumed cursor). `state_dict()` after any batch, loaded into a loader built the
     same way in a fresh process, with any worker count or world size, goes on with the next batch.
     """
 
-    def __init__(self, dataset: BatchedDataset | MMapIterableDataset, *, num_workers: int = 0,
+    def __init__(self, dataset, batch_size: int | None = None, shuffle: bool | None = None, *,
+                 seed: int | None = None, drop_last: bool | None = None, num_workers: int = 0,
                  pin_memory: bool = False, timeout: float = 0, worker_init_fn=None, multiprocessing_context=None,
                  prefetch_factor: int | None = None, persistent_workers: bool = False):
-        if not isinstance(dataset, EpochDataset):
-            raise ConfigError(f"StatefulDataLoader takes ds.batched(...) or an MMapIterableDataset, not "
-                              f"{type(dataset).__name__}")
+        order = {k: v for k, v in (("shuffle", shuffle), ("seed", seed), ("drop_last", drop_last)) if v is not None}
+        if isinstance(dataset, EpochDataset):
+            if batch_size is not None or order:
+                raise ConfigError(f"StatefulDataLoader: {type(dataset).__name__} has its batch size and order "
+                                  "already; give batch_size, shuffle, seed and drop_last to ds.batched(...) or "
+                                  "pass the dataset itself")
+        elif batch_size is None:
+            raise ConfigError(f"StatefulDataLoader takes a dataset with its batch size, StatefulDataLoader(ds, "
+                              f"batch_size=64), or ds.batched(64), or an MMapIterableDataset; not "
+                              f"{type(dataset).__name__} alone")
+        else:
+            dataset = BatchedDataset(dataset, batch_size, **order)
         self.batches = dataset
         self._keys = _PassKeys(dataset._epochs)
         super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from packer.errors import ConfigError
 from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, StatefulDataLoader, TokenWindows, to_device
 from loaders.batch.gather import SHORT_PIECES
 
@@ -425,6 +426,27 @@ def test_batched_dataset_resumes_mid_epoch_with_another_worker_count(built):
     again = StatefulDataLoader(ds.batched(6, seed=3), num_workers=1)
     again.load_state_dict(state)
     assert [tuple(b["key"]) for b in again] == full[5:]
+
+
+def test_stateful_dataloader_called_as_torchdatas_is_the_same_loader(built):
+    """`StatefulDataLoader(ds, batch_size=6, shuffle=True, seed=3)`, as torchdata's is called, is
+    `StatefulDataLoader(ds.batched(6, shuffle=True, seed=3))`: the same batches, the same state;
+    a dataset without its batch size, or one batched twice, is a one-line error saying what to give."""
+    ds = MMapDataset(built["images"], columns=["key"])
+    ours = StatefulDataLoader(ds.batched(6, seed=3, drop_last=True), num_workers=1)
+    theirs = StatefulDataLoader(ds, 6, True, seed=3, drop_last=True, num_workers=2)
+    assert [tuple(b["key"]) for b in ours] == [tuple(b["key"]) for b in theirs]
+    it = iter(theirs)
+    next(it)
+    again = StatefulDataLoader(ds, batch_size=6, seed=3, drop_last=True)
+    again.load_state_dict(theirs.state_dict())
+    assert [tuple(b["key"]) for b in again] == [tuple(b["key"]) for b in it]
+    windows = TokenWindows(built["text"], 16)
+    assert len(StatefulDataLoader(windows, batch_size=4)) == len(BatchedDataset(windows, 4))
+    with pytest.raises(ConfigError, match=r"StatefulDataLoader\(ds, batch_size=64\)"):
+        StatefulDataLoader(ds)
+    with pytest.raises(ConfigError, match="has its batch size and order already"):
+        StatefulDataLoader(ds.batched(6), batch_size=6)
 
 
 @pytest.mark.parametrize("context", ["spawn", "forkserver"])
