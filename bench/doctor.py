@@ -810,7 +810,10 @@ def plot(r: dict, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.set_title("each step: working and waiting", fontsize=10)
-    ax.legend()
+    tallest = max((w + s["wait_ms"] for w, s in zip(work, steps)), default=0)
+    if tallest > 0:
+        ax.set_ylim(0, 1.25 * tallest)  # head room: the legend above the bars, not over them
+    ax.legend(loc="upper left", ncol=2)
     side.barh([x["what"] for x in rates][::-1], [x["samples_per_s"] for x in rates][::-1],
               color=["#888" if x["what"].startswith("the model") else "#4c72b0" for x in rates][::-1])
     side.set_xlabel("samples/s")
