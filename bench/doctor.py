@@ -633,7 +633,12 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
            "processes": w.processes.report(loop) if w.processes else None,
            "gpu": w.nvml.report(*_window(main)) if w.nvml else None}
     if main is None:
-        out["verdict"] = "no DataLoader or Loader was iterated" + (f" (the script failed: {w.error})" if w.error else "")
+        children = (out["processes"] or {}).get("worker_processes")
+        out["verdict"] = "no DataLoader or Loader was iterated" + (
+            f" (the script failed: {w.error})" if w.error else
+            f" in the script's own process; it started {children} process(es), which the doctor does not watch "
+            "(torch.multiprocessing.spawn, a launcher): watch one rank's loop in the script's process, or "
+            "bench.doctor.watch() inside it" if children else "")
         return out
     waits, steps = main["waits"][1:], main["steps"]  # the first wait is the loader's start-up
     wait, work = sum(waits), sum(steps)

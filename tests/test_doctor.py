@@ -438,3 +438,14 @@ def test_a_wait_beside_a_loader_far_faster_than_the_model_is_not_blamed_on_its_r
     assert verdict.startswith("data-bound") and "alone it makes 10x what the model takes" in verdict, verdict
     r["loader_alone"]["samples_per_s"] = 2500.0  # barely ahead: its rate is the cause
     assert "what the model takes, so" not in doctor._verdict(r)[0]
+
+
+def test_a_script_whose_loops_run_in_processes_it_starts_is_told_where_to_watch(tmp_path):
+    """torch.multiprocessing.spawn's ranks iterate their loaders in processes of their own: the
+    report says the doctor saw none in the script's process and what to do, not just 'none'."""
+    script = tmp_path / "ranks.py"
+    script.write_text("import subprocess, sys\n"
+                      "subprocess.run([sys.executable, '-c', 'import time; time.sleep(0.8)'], check=True)\n")
+    report, _ = _doctor(tmp_path, script=script)
+    assert report["verdict"].startswith("no DataLoader or Loader was iterated in the script's own process; "
+                                        "it started 1 process(es)"), report["verdict"]
