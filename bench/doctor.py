@@ -67,6 +67,7 @@ class Processes:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="mmpack-doctor")
         self.base = self._sample_one(os.getpid())
+        self.before = set(_descendants(os.getpid()))  # not started while watched (a test's servers, say)
         self.thread.start()
 
     def _run(self) -> None:
@@ -102,6 +103,7 @@ class Processes:
         # persistent_workers starts a new set each epoch
         at_once = min(len(workers), max(self.at_once, 1))
         return {"worker_processes": len(workers), "workers_at_once": at_once, "cpu_s_workers": cpu,
+                "started": len(set(workers) - self.before),
                 "worker_cpu_busy": cpu / (wall_s * at_once) if workers and wall_s > 0 else None,
                 "cpu_s_main_total": own[0] - base_cpu,
                 "read_bytes": own[1] - base_read + sum(v[1] for v in workers.values())}
@@ -633,7 +635,7 @@ def _report(w: Watch, *, ceiling: bool) -> dict:
            "processes": w.processes.report(loop) if w.processes else None,
            "gpu": w.nvml.report(*_window(main)) if w.nvml else None}
     if main is None:
-        children = (out["processes"] or {}).get("worker_processes")
+        children = (out["processes"] or {}).get("started")
         out["verdict"] = "no DataLoader or Loader was iterated" + (
             f" (the script failed: {w.error})" if w.error else
             f" in the script's own process; it started {children} process(es), which the doctor does not watch "
