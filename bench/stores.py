@@ -86,6 +86,9 @@ def _create_container(endpoint: str, name: str) -> None:
     urllib.request.urlopen(request, timeout=30).close()
 
 
+STOP_GRACE_S = 3.0  # a server's SIGTERM, then SIGKILL: weed waited ~12 s on connections still open
+
+
 @contextlib.contextmanager
 def _serving(args: list[str], port: int, log_path: Path, env: dict):
     """`args` running in a session of its own until the block ends, once `port` accepts."""
@@ -107,8 +110,8 @@ def _serving(args: list[str], port: int, log_path: Path, env: dict):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
+        try:  # its data is this run's own: past a short grace, not worth waiting out open connections
+            proc.wait(timeout=STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

@@ -2,7 +2,7 @@
 CUDA, and by forkserver, Python 3.14's default): the workers, and the doctor's own runs of the
 loader alone, pickle its dataset by its name in __main__. It prints how it was run.
 
-    python [-O] [-m tests.tools.doctor_spawn | tests/tools/doctor_spawn.py] [START_METHOD]
+    python [-W ignore::UserWarning] [-m tests.tools.doctor_spawn | tests/tools/doctor_spawn.py] [START_METHOD]
 """
 
 import sys
@@ -20,7 +20,7 @@ class Squares(torch.utils.data.Dataset):
 
 
 if __name__ == "__main__":
-    print(f"ran as {__name__} from {sys.argv[0]}, optimize: {sys.flags.optimize}", flush=True)
+    print(f"ran as {__name__} from {sys.argv[0]}, warnings: {sys.warnoptions}", flush=True)
     method = sys.argv[1] if len(sys.argv) > 1 else "spawn"
     dl = torch.utils.data.DataLoader(Squares(), batch_size=8, num_workers=1, multiprocessing_context=method)
     for x in dl:
