@@ -1,5 +1,7 @@
 """The fuzz loop of tests/test_fuzz.py, run in a process of its own with its address space capped:
-`python -m tests.fuzz_driver SEED COUNT WORK DATASET...` prints one JSON line per failure.
+`python -m tests.fuzz_driver SEED COUNT|FIRST:END WORK DATASET...` prints one JSON line per failure.
+Case n draws from its own generator, seeded by (SEED, n): a range of cases is the same in any
+process, so several processes can share one run.
 
 Each round copies one of the datasets, damages it (a manifest field changed to another type or
 value, a field removed, bytes of the manifest or of a column file flipped, a file cut or grown,
@@ -131,16 +133,18 @@ def use(root: Path, text: bool) -> dict:
 
 
 def main() -> None:
-    seed, count, work = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    seed, work = int(sys.argv[1]), Path(sys.argv[3])
+    first, _, end = sys.argv[2].rpartition(":")
+    cases = range(int(first or 0), int(end))
     datasets = [Path(p) for p in sys.argv[4:]]
     reference = {p: use(p, "text" in p.name) for p in datasets}
     # allocations past this process's size plus 1.5 GB fail: a damaged size may not ask for more
     with open("/proc/self/statm") as f:
         vm = int(f.read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (vm + (3 << 29), resource.RLIM_INFINITY))
-    rng = random.Random(seed)
     outcomes = {"ok": 0, "refused": 0}
-    for n in range(count):
+    for n in cases:
+        rng = random.Random(f"{seed}:{n}")
         source = rng.choice(datasets)
         root = work / f"case-{n}-{source.name}"
         shutil.copytree(source, root)
