@@ -971,12 +971,12 @@ def python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
             continue
         for i, flag in enumerate(arg[1:], 1):
             if flag in _OPTION_VALUE + _OPTION_TARGET:
+                if i > 1:  # the flags before it: -uW ignore is -u -W ignore
+                    options.append(arg[:i])
                 value = arg[i + 1:] or (rest.pop(0) if rest else None)
                 if value is None:
                     raise SystemExit(f"bench doctor: python's -{flag} needs a value: {usage}")
                 if flag in _OPTION_TARGET:
-                    if i > 1:
-                        options.append(arg[:i])
                     return command[0], options, [f"-{flag}", value, *rest]
                 options += [f"-{flag}", value]
                 break

@@ -295,6 +295,7 @@ def test_an_image_folder_decoded_on_the_fly_is_told_to_pack_and_packed_the_verdi
     (["python", "-Wignore::DeprecationWarning", "-m", "pkg.train", "--epochs", "2"],
      ("python", ["-W", "ignore::DeprecationWarning"], ["-m", "pkg.train", "--epochs", "2"])),
     (["python", "-um", "pkg.train"], ("python", ["-u"], ["-m", "pkg.train"])),
+    (["python", "-uBWignore", "t.py"], ("python", ["-uB", "-W", "ignore"], ["t.py"])),
     (["/opt/venv/bin/python", "-c", "print(1)", "a"], ("/opt/venv/bin/python", [], ["-c", "print(1)", "a"])),
     (["python", "--check-hash-based-pycs", "never", "-B", "t.py"],
      ("python", ["--check-hash-based-pycs", "never", "-B"], ["t.py"])),
