@@ -53,7 +53,8 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
     """`StatefulDataLoader(ds.batched(256, seed=0), num_workers=2, pin_memory=True)`, or as
     torchdata's is called, `StatefulDataLoader(ds, batch_size=256, shuffle=True, num_workers=2)`
     (ds an MMapDataset, TokenWindows, PackedDocuments or Mixture): the same, `ds.batched(256,
-    shuffle=True)`. Whole batches either way; the order a pure function of (seed, epoch), seed 0
+    shuffle=True)`; called so, it keeps the samples' order unless shuffle=True, as torchdata's and
+    DataLoader do. Whole batches either way; the order a pure function of (seed, epoch), seed 0
     unless given, as for `Loader`.
 
     Iterating it again starts the next epoch (`set_epoch(e)` picks one; for the epoch it is in,
@@ -75,8 +76,8 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
             raise ConfigError(f"StatefulDataLoader takes a dataset with its batch size, StatefulDataLoader(ds, "
                               f"batch_size=64), or ds.batched(64), or an MMapIterableDataset; not "
                               f"{type(dataset).__name__} alone")
-        else:
-            dataset = BatchedDataset(dataset, batch_size, **order)
+        else:  # as torchdata's (and DataLoader's): in order unless shuffle=True
+            dataset = BatchedDataset(dataset, batch_size, **{"shuffle": False, **order})
         self.batches = dataset
         self._keys = _PassKeys(dataset._epochs)
         super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,

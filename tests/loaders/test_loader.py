@@ -438,9 +438,11 @@ def test_stateful_dataloader_called_as_torchdatas_is_the_same_loader(built):
     assert [tuple(b["key"]) for b in ours] == [tuple(b["key"]) for b in theirs]
     it = iter(theirs)
     next(it)
-    again = StatefulDataLoader(ds, batch_size=6, seed=3, drop_last=True)
+    again = StatefulDataLoader(ds, batch_size=6, shuffle=True, seed=3, drop_last=True)
     again.load_state_dict(theirs.state_dict())
     assert [tuple(b["key"]) for b in again] == [tuple(b["key"]) for b in it]
+    in_order = [k for b in StatefulDataLoader(ds, batch_size=6) for k in b["key"]]  # no shuffle given: as torchdata
+    assert in_order == [ds[i]["key"] for i in range(len(ds))]
     windows = TokenWindows(built["text"], 16)
     assert len(StatefulDataLoader(windows, batch_size=4)) == len(BatchedDataset(windows, 4))
     with pytest.raises(ConfigError, match=r"StatefulDataLoader\(ds, batch_size=64\)"):
