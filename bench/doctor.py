@@ -1007,7 +1007,7 @@ def run(command: list[str], *, steps: int | None) -> dict:
     """`command` (`python [OPTIONS] script.py ARGS`, `python -m MODULE ARGS`) in a child process
     with its loaders watched."""
     given, options, target = python_command(command)
-    python, note = _interpreter(given) if given != sys.executable else (given, None)
+    python, note = _interpreter(given)
     if note:
         print(f"bench doctor: {note}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:

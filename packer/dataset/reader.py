@@ -378,12 +378,11 @@ class DatasetReader:
     def class_counts(self) -> np.ndarray | None:
         """Samples of each class (int64 [len(classes)]); None without classes. Reads the label
         column: 8 bytes a sample."""
-        classes = self.manifest.classes
-        if classes is None or not any(c.name == "label" for c in self.manifest.columns):
+        classes, parts = self.manifest.classes, self._label_parts()
+        if classes is None or parts is None:
             return None
         counts = np.zeros(len(classes), np.int64)
-        for k in range(len(self.manifest.shards)):
-            labels = self.column(k, "label").values
+        for labels in parts:  # a shard at a time: memory independent of the dataset's size
             inside = labels[(labels >= 0) & (labels < len(classes))]  # packer verify names the others
             counts += np.bincount(inside, minlength=len(classes))
         return counts
@@ -391,10 +390,14 @@ class DatasetReader:
     def labels(self) -> np.ndarray | None:
         """Every sample's label in sample order (int64 [num_samples]); None without a label
         column. 8 bytes a sample, read from the label column of each shard."""
+        parts = self._label_parts()
+        return None if parts is None else np.concatenate([np.zeros(0, np.int64), *parts])
+
+    def _label_parts(self):
+        """Each shard's label column (int64), in sample order, as an iterator; None without one."""
         if not any(c.name == "label" for c in self.manifest.columns):
             return None
-        parts = [np.asarray(self.column(k, "label").values, np.int64) for k in range(len(self.manifest.shards))]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return (np.asarray(self.column(k, "label").values, np.int64) for k in range(len(self.manifest.shards)))
 
     def sample(self, sample_id: int, name: str) -> np.ndarray:
         shard_pos, row = self.locate(sample_id)
