@@ -174,7 +174,9 @@ class CudaMarks:
     order, so from a step's end to the next batch's hand-over it has only what was queued before
     to do: where that is nothing, the GPU waited for the data (or for what `next()` queued, such
     as copies). That gap holds whatever the host's clock says of a script that queues its steps
-    ahead. Recorded only once the script has started CUDA; at most MOST events."""
+    ahead. An epoch's end is marked "end" again where the next epoch's first batch is asked for:
+    what the script did between (an evaluation pass, a checkpoint) is neither step nor wait, as on
+    the host's clock. Recorded only once the script has started CUDA; at most MOST events."""
 
     MOST = 20_000
 
@@ -190,27 +192,31 @@ class CudaMarks:
             self.marks.append((kind, event))
 
     def report(self) -> dict | None:
-        """Over each start, end, start in a row: the GPU's time from one hand-over to the next
-        (`step`), and from the step's end to the next hand-over (`gap`); `gap_share` their ratio."""
+        """The GPU's time from each hand-over to the next ask (`busy`) and from each ask to the
+        next hand-over (`gap`: a later epoch's first batch too); `gap_share` the gaps' share of both;
+        `step` from one hand-over to the next within an epoch."""
         if not self.marks:
             return None
         import torch
 
         kinds = [k for k, _ in self.marks]
-        steps, gaps = [], []
+        steps, gaps, busy = [], [], []
         try:
             torch.cuda.synchronize()
-            for i in range(len(kinds) - 2):
-                if kinds[i:i + 3] == ["start", "end", "start"]:
-                    a, b, c = (e for _, e in self.marks[i:i + 3])
-                    steps.append(a.elapsed_time(c) / 1e3)
-                    gaps.append(b.elapsed_time(c) / 1e3)
+            for i in range(len(kinds) - 1):
+                a, b = self.marks[i][1], self.marks[i + 1][1]
+                if kinds[i:i + 2] == ["start", "end"]:
+                    busy.append(a.elapsed_time(b) / 1e3)
+                elif kinds[i:i + 2] == ["end", "start"] and i:  # the first: the loader's start-up, as on the host
+                    gaps.append(a.elapsed_time(b) / 1e3)
+                    if kinds[i - 1] == "start":
+                        steps.append(self.marks[i - 1][1].elapsed_time(b) / 1e3)
         except RuntimeError:  # events of two devices (a script that switched), a CUDA error: no figure
             return None
         if not steps:
             return None
-        return {"steps": len(steps), "step": _stats(steps), "gap": _stats(gaps), "gap_share": _share(
-            sum(gaps), sum(steps) - sum(gaps))}
+        return {"steps": len(steps), "step": _stats(steps), "gap": _stats(gaps),
+                "gap_share": _share(sum(gaps), sum(busy))}
 
 
 class Copies:
@@ -283,10 +289,10 @@ class Watch:
         last = None
         while True:
             asked = time.perf_counter()
+            rec["cuda"].mark("end")
             if last is not None:
                 rec["steps"].append(asked - last)
                 rec["last_asked_at"] = asked
-                rec["cuda"].mark("end")
             if self.steps is not None and self.batches() >= self.steps:
                 raise _Stop
             try:

@@ -206,6 +206,21 @@ def test_the_gpus_own_clock_says_how_long_its_stream_sat_idle_between_steps(monk
     got = marks.report()
     assert got["steps"] == 2 and got["gap_share"] == pytest.approx(0.2)
     assert got["gap"]["p50_ms"] == pytest.approx(20) and got["step"]["p50_ms"] == pytest.approx(100)
+    # the loader's start-up (a first ask) is left out, as the host leaves out the first wait; an
+    # epoch's end, then an evaluation pass on the GPU (0.18 to 0.5 s), then the next epoch's
+    # first ask: the pass is neither step nor gap, the next epoch's first wait is a gap
+    marks.marks.clear()
+    for kind, t in (("end", 0.0), ("start", 5.0), ("end", 5.08), ("start", 5.1), ("end", 5.18),
+                    ("end", 5.5), ("start", 5.52), ("end", 5.6)):
+        clock["t"] = t
+        marks.mark(kind)
+    got = marks.report()
+    assert got["gap_share"] == pytest.approx(0.04 / 0.28) and got["steps"] == 1
+    watch, loader = doctor.Watch(processes=False), [1, 2]
+    for _ in range(2):  # two epochs: each ask is marked, the one that ends an epoch too
+        for _ in watch.iterate(loader, iter(loader)):
+            pass
+    assert [k for k, _ in watch.by_loader[id(loader)]["cuda"].marks] == ["end", "start", "end", "start", "end"] * 2
 
 
 def test_a_gpu_busy_through_the_hosts_waits_is_compute_bound():
