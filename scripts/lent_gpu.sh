@@ -6,7 +6,8 @@
 #
 #   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540] [STEP...]
 #
-# STEPs (default: all, in this order): cuda_tests tests imagenet augment profile packer
+# STEPs (default: all, in this order): cuda_tests tests imagenet (imagenet_loader: its packed run alone)
+# augment profile packer
 # loaders_model loaders suite; `tests` runs the tests $TESTS names (all of them without it); setup
 # always runs. What changed after the H200 run of 2026-11-26 without a card to measure it (the
 # copy order of `to_device`, the doctor's CUDA events, copies and NVML window, the transform's
@@ -59,7 +60,7 @@ want tests && TAIL=30 step tests 100 python3 -m pytest -q -p no:cacheprovider -r
 
 # 6. bench doctor on the PyTorch ImageNet example: on the fly with 16 workers, then through Loader
 # (1,000 crops, each linked 4 times: epochs of 16 batches without a minute of making photos)
-if want imagenet; then
+if want imagenet || want imagenet_loader; then  # imagenet_loader: the packed run alone
     step imagenet_data 45 python3 - <<'PY'
 from pathlib import Path
 from bench import data
@@ -70,7 +71,7 @@ for f in list(Path("/tmp/inet/train").rglob("*.*")):
         (f.parent / f"{k}-{f.name}").hardlink_to(f)
 PY
     step imagenet_pack 45 python3 scripts/train_imagenet.py /tmp/inet --arch small --epochs 0
-    DMON=1 step doctor_otf 70 bench doctor --steps 64 --json "$L/doctor-otf.json" --plot "$L/doctor-otf.png" \
+    want imagenet && DMON=1 step doctor_otf 70 bench doctor --steps 64 --json "$L/doctor-otf.json" --plot "$L/doctor-otf.png" \
         -- python3 scripts/train_imagenet.py /tmp/inet --on-the-fly -j 16
     DMON=1 step doctor_loader 60 bench doctor --steps 160 --json "$L/doctor-loader.json" \
         --plot "$L/doctor-loader.png" -- python3 scripts/train_imagenet.py /tmp/inet
