@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 import types
@@ -823,15 +824,23 @@ def plot(r: dict, path: Path) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.set_title("each step: working and waiting", fontsize=10)
-    tallest = max((w + s["wait_ms"] for w, s in zip(work, steps)), default=0)
-    if tallest > 0:
-        ax.set_ylim(0, 1.25 * tallest)  # head room: the legend above the bars, not over them
-    ax.legend(loc="upper left", ncol=2)
+    totals = sorted(w + s["wait_ms"] for w, s in zip(work, steps))
+    if totals and totals[-1] > 0:
+        # a step or two far above the rest (the first, with its warm-up) would flatten every other
+        # bar: the scale is the 99th percentile's, and a bar above it says its height in ms
+        top = totals[-1] if totals[-1] <= 3 * totals[(99 * (len(totals) - 1)) // 100] else \
+            totals[(99 * (len(totals) - 1)) // 100]
+        ax.set_ylim(0, 1.25 * top)  # head room: the legend above the bars, not over them
+        for i, (w, s) in enumerate(zip(work, steps), 1):
+            if w + s["wait_ms"] > 1.25 * top:
+                ax.annotate(f"{w + s['wait_ms']:,.0f} ms", (i + 0.8, 1.12 * top), ha="left", va="center", fontsize=8)
+    ax.legend(loc="upper right", ncol=2)
     side.barh([x["what"] for x in rates][::-1], [x["samples_per_s"] for x in rates][::-1],
               color=["#888" if x["what"].startswith("the model") else "#4c72b0" for x in rates][::-1])
     side.set_xlabel("samples/s")
+    side.xaxis.set_major_formatter(lambda v, _: f"{v / 1e3:g}k" if v else "0")
     side.set_title("the model against the loader's ceiling", fontsize=10)
-    fig.suptitle(r["verdict"].split(";")[0][:160], fontsize=10)
+    fig.suptitle(textwrap.fill(r["verdict"].split(";")[0], 150, max_lines=2), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
