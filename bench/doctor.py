@@ -68,7 +68,9 @@ class Processes:
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="mmpack-doctor")
         self.base = self._sample_one(os.getpid())
-        self.before = set(_descendants(os.getpid()))  # not started while watched (a test's servers, say)
+        # processes already there (a notebook's, a test's servers; a DataLoader's persistent
+        # workers of an earlier epoch): only what they do while watched counts
+        self.before = {pid: got for pid in _descendants(os.getpid()) if (got := self._sample_one(pid)) is not None}
         self.thread.start()
 
     def _run(self) -> None:
@@ -77,11 +79,15 @@ class Processes:
 
     def sample(self) -> None:
         children = _descendants(os.getpid())
-        self.at_once = max(self.at_once, len(children))
         for pid in [os.getpid(), *children]:
             got = self._sample_one(pid)
             if got is not None:
                 self.seen[pid] = got
+        self.at_once = max(self.at_once, sum(self._working(pid) for pid in children))
+
+    def _working(self, pid: int) -> bool:
+        """Started while watched, or busy since: an idle process that was already there is no worker."""
+        return pid not in self.before or self.seen.get(pid, (0.0, 0))[0] > self.before[pid][0]
 
     def _sample_one(self, pid: int):
         try:
@@ -97,14 +103,16 @@ class Processes:
         self.sample()
         me = os.getpid()
         base_cpu, base_read = self.base or (0.0, 0)
-        workers = {pid: v for pid, v in self.seen.items() if pid != me}
+        zero = (0.0, 0)
+        workers = {pid: (v[0] - self.before.get(pid, zero)[0], v[1] - self.before.get(pid, zero)[1])
+                   for pid, v in self.seen.items() if pid != me and self._working(pid)}
         cpu = sum(v[0] for v in workers.values())
         own = self.seen.get(me, (base_cpu, base_read))
         # busy over the workers alive together, not every pid seen: a DataLoader without
         # persistent_workers starts a new set each epoch
         at_once = min(len(workers), max(self.at_once, 1))
         return {"worker_processes": len(workers), "workers_at_once": at_once, "cpu_s_workers": cpu,
-                "started": len(set(workers) - self.before),
+                "started": sum(pid not in self.before for pid in workers),
                 "worker_cpu_busy": cpu / (wall_s * at_once) if workers and wall_s > 0 else None,
                 "cpu_s_main_total": own[0] - base_cpu,
                 "read_bytes": own[1] - base_read + sum(v[1] for v in workers.values())}

@@ -472,3 +472,25 @@ def test_a_script_whose_loops_run_in_processes_it_starts_is_told_where_to_watch(
     report, _ = _doctor(tmp_path, script=script)
     assert report["verdict"].startswith("no DataLoader or Loader was iterated in the script's own process; "
                                         "it started 1 process(es)"), report["verdict"]
+
+
+def test_processes_there_before_the_watch_count_only_for_what_they_do_in_it():
+    """A process started before the watch (a notebook's, a test's server) that burnt CPU then and
+    idles now is no worker, and its CPU of before is not the loop's; one started in the watch is."""
+    burn = "import time\nend = time.process_time() + 0.6\nwhile time.process_time() < end: pass\nprint(1, flush=True)\n"
+    old = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"], stdout=subprocess.PIPE)
+    new = None
+    try:
+        old.stdout.readline()  # its CPU burnt
+        procs = doctor.Processes(every_s=0.05)
+        new = subprocess.Popen([sys.executable, "-c", burn + "time.sleep(30)"], stdout=subprocess.PIPE)
+        new.stdout.readline()
+        procs.sample()
+        got = procs.report(wall_s=1.0)
+        assert got["worker_processes"] == 1 and got["started"] == 1 and got["workers_at_once"] == 1
+        assert 0.5 <= got["cpu_s_workers"] < 1.0  # the new one's 0.6 s (and its start), not the old one's too
+    finally:
+        for p in (old, new):
+            if p is not None:
+                p.kill()
+                p.wait()
