@@ -7,6 +7,7 @@ the build's process tree; zstd pack/unpack ratio and MB/s."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import statistics
@@ -128,6 +129,11 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
             "peak_rss_mb": mem.peak_rss_mb, "peak_pss_mb": mem.peak_pss_mb}
 
 
+# A build shorter than this is mostly its start-up (worker processes, scan, publish): its rate says
+# little of how the work scales with workers, and the table marks it with what would be long enough
+SHORT_BUILD_S = 5.0
+
+
 def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, inputs: str = "cached") -> dict:
     """efficiency = the median over the timed builds of a build's rate / (the raw rate of a core
     alone, the mean of the passes right before and after it, x cores used): the issue's target;
@@ -149,7 +155,9 @@ def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, i
             "units": units, "efficiency": statistics.median(runs), "efficiency_runs": runs,
             "efficiency_busy": statistics.median(runs_busy), "efficiency_busy_runs": runs_busy,
             "raw_scaling": statistics.median(b / a for b, a in zip(busy, alone[1:])), "written_bytes_per_s": written,
-            "pct_disk": 100 * written / disk, **r}
+            "pct_disk": 100 * written / disk, "short": r["seconds"] < SHORT_BUILD_S,
+            # the units that would keep this many cores busy SHORT_BUILD_S at the busy raw rate
+            "units_for_long_enough": math.ceil(SHORT_BUILD_S * cores * statistics.median(busy)), **r}
 
 
 def _progress(row: dict) -> dict:
@@ -190,7 +198,7 @@ def bench_packer(args) -> dict:
                          "ratio": p.ratio, "pack_mb_per_s": p.mb_per_s, "unpack_mb_per_s": u.mb_per_s})
     return {"command": "bench packer", "machine": machine(), "shard_size": shard, "text_shard_size": text_shard,
             "builds": rows, "disk_write_bytes_per_s": disk,
-            "archives": archives, "images": len(img_files), "text_files": len(txt_files)}
+            "archives": archives, "images": len(img_files), "text_files": len(txt_files), "text_mb": args.text_mb}
 
 
 def _token_count(out: Path) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -127,6 +128,7 @@ def packer_table(report: dict) -> str:
     for r in report["builds"]:
         runs = "/".join(f"{100 * e:.0f}" for e in r.get("efficiency_runs", [r["efficiency"]]))
         what = r["what"] + (" cold" if r.get("inputs") == "cold" else "")
+        what += "*" if r.get("short") else ""
         lines.append(f"{what:12} {r['workers']:>7} {r['cores_used']:>5} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
                      f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {runs:>8}% "
                      f"{100 * r['raw_scaling']:>10.0f}% {100 * r['efficiency_busy']:>6.0f}% {r['seconds']:>8.1f} "
@@ -147,11 +149,25 @@ def packer_table(report: dict) -> str:
                  f"{report.get('disk_write_bytes_per_s', 0) / 1e6:,.0f} MB/s here (near 100%: the disk is the limit); disk wait "
                  "= the share of the workers' time spent in writes and fsyncs, as the build measures it (the build's "
                  "summary line gives it from 25%)")
+    short = [r for r in report["builds"] if r.get("short")]
+    if short:
+        need = {r["what"]: max(x["units_for_long_enough"] for x in short if x["what"] == r["what"]) for r in short}
+        per_mb = _tokens_per_mb(report)
+        flags = {"images": lambda n: f"--images {n}",
+                 "tokens": lambda n: (f"--text-mb {math.ceil(n / per_mb)} " if per_mb else "") + f"({n:,} tokens)"}
+        lines.append("* under 5 s: mostly the build's start-up (worker processes, scan, publish), not how its work "
+                     "scales; long enough: " + ", ".join(flags[w](n) for w, n in need.items()))
     for a in report["archives"]:
         lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
                      f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "
                      f"{a['unpack_mb_per_s']:,.0f} MB/s (raw bytes)")
     return "\n".join(lines)
+
+
+def _tokens_per_mb(report: dict) -> float | None:
+    """Tokens a MB of this run's text made (what --text-mb asks for, in tokens)."""
+    row = next((r for r in report["builds"] if r["what"] == "tokens"), None)
+    return row["units"] / report["text_mb"] if row and report.get("text_mb") else None
 
 
 def sweep_table(report: dict) -> str:
