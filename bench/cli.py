@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="shard size for the text builds (default: --shard-size; the sample text is then one shard, "
                          "built by one process whose tokenizer threads use every core)")
     pk.add_argument("--level", type=int, default=3, help="zstd level for pack/unpack")
+    pk.add_argument("--link-copies", type=int, default=1, metavar="K",
+                    help="build from each photo K times (hard links): enough files to keep many workers busy past "
+                         "their start-up, without making K times the photos")
     pk.add_argument("--rounds", type=int, default=2,
                     help="timed builds per row, each followed by a raw rate pass (default 2)")
     pk.add_argument("--cold", action="store_true",

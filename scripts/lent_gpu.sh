@@ -6,13 +6,11 @@
 #
 #   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540] [STEP...]
 #
-# STEPs (default: all, in this order): cuda_tests tests imagenet (imagenet_loader: its packed run alone)
-# augment profile packer
-# loaders_model loaders suite; `tests` runs the tests $TESTS names (all of them without it); setup
-# always runs. What changed after the H200 run of 2026-11-26 without a card to measure it (the
-# copy order of `to_device`, the doctor's CUDA events, copies and NVML window, the transform's
-# host reads, the default of 16 threads): `bash scripts/lent_gpu.sh 420 cuda_tests imagenet
-# augment profile loaders`.
+# STEPs (default: all, in this order): cuda_tests tests imagenet (imagenet_loader: its packed run
+# alone) augment profile packer loaders_model loaders suite; `tests` runs the tests $TESTS names
+# (all of them without it); setup always runs. Not yet measured on a card (bench/results, the
+# H100 run of 2026-11-26): the build at 16 workers on inputs long enough for them, and
+# Loader(device="cuda") against a model's step: `bash scripts/lent_gpu.sh 420 packer loaders_model`.
 #
 # .whl: wheels the machine's image lacks (zstandard, obstore; the device README says how to fetch
 # them); .gpucache: a copy of ~/.cache/mmpack/data (the pinned sample files; no network there).
@@ -106,9 +104,10 @@ print(p.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_n
 print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=10, max_name_column_width=48))
 PY
 
-# 5. the build at 1-16 workers against the raw rates (its photo crops are the loaders' below)
-want packer && step packer 170 bench packer --images 3000 --workers-list 1,2,4,8,16 --rounds 1 --work /tmp/lw \
-    --json "$L/packer.json"
+# 5. the build at 4 and 16 workers against the raw rates
+# (2,000 photos linked 8 times: 16,000 files keep 16 workers busy for seconds, past their start-up)
+want packer && step packer 170 bench packer --images 2000 --link-copies 8 --text-mb 4 --workers-list 4,16 --rounds 1 \
+    --work /tmp/pw --json "$L/packer.json"
 
 # 3 + 4. Loader(device="cuda") against ResNet-18's step on a resident batch; 1-16 threads against memcpy
 want loaders_model && DMON=1 step loaders_model 150 bench loaders --images 3000 --workers 16 \

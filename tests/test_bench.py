@@ -101,8 +101,11 @@ def test_bench_sweep_smallest_writes_a_plot_and_a_recommendation(work, tmp_path,
 def test_bench_packer_smallest(work, tmp_path, capsys):
     out = tmp_path / "packer.json"
     # one worker: images use one core, text every core (its tokenizer's threads): both raw baselines
-    assert main(["packer", *TINY, "--work", str(work), "--workers-list", "1", "--cold", "--json", str(out)]) == 0
+    # --link-copies 2: each photo built twice (linked), so the builds take 80 files
+    assert main(["packer", *TINY, "--link-copies", "2", "--work", str(work), "--workers-list", "1", "--cold",
+                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
+    assert report["images"] == 80 and all(b["units"] == 80 for b in report["builds"] if b["what"] == "images")
     assert sorted((b["what"], b["workers"], b["inputs"]) for b in report["builds"]) == [
         ("images", 1, "cached"), ("images", 1, "cold"), ("tokens", 1, "cached")]
     for b in report["builds"]:
