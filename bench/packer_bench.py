@@ -198,7 +198,8 @@ def bench_packer(args) -> dict:
                          "ratio": p.ratio, "pack_mb_per_s": p.mb_per_s, "unpack_mb_per_s": u.mb_per_s})
     return {"command": "bench packer", "machine": machine(), "shard_size": shard, "text_shard_size": text_shard,
             "builds": rows, "disk_write_bytes_per_s": disk,
-            "archives": archives, "images": len(img_files), "text_files": len(txt_files), "text_mb": args.text_mb}
+            "archives": archives, "images": len(img_files), "text_files": len(txt_files), "text_mb": args.text_mb,
+            "short_build_s": SHORT_BUILD_S}
 
 
 def _linked(raw: Path, copies: int) -> Path:

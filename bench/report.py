@@ -151,11 +151,13 @@ def packer_table(report: dict) -> str:
                  "summary line gives it from 25%)")
     short = [r for r in report["builds"] if r.get("short")]
     if short:
-        need = {r["what"]: max(x["units_for_long_enough"] for x in short if x["what"] == r["what"]) for r in short}
+        need: dict[str, int] = {}
+        for r in short:
+            need[r["what"]] = max(need.get(r["what"], 0), r["units_for_long_enough"])
         per_mb = _tokens_per_mb(report)
         flags = {"images": lambda n: f"--images {n}",
                  "tokens": lambda n: (f"--text-mb {math.ceil(n / per_mb)} " if per_mb else "") + f"({n:,} tokens)"}
-        lines.append("* under 5 s: mostly the build's start-up (worker processes, scan, publish), not how its work "
+        lines.append(f"* under {report.get('short_build_s', 5):g} s: mostly the build's start-up (worker processes, scan, publish), not how its work "
                      "scales; long enough: " + ", ".join(flags[w](n) for w, n in need.items()))
     for a in report["archives"]:
         lines.append(f"zstd -{a['level']} {a['what']:6}: {a['raw_bytes'] / 1e6:,.1f} MB -> {a['zstd_bytes'] / 1e6:,.1f} MB "
