@@ -108,6 +108,9 @@ def run_pool(ctx: ShardContext, jobs: Jobs, advance: Advance, workers: int, rayo
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown(wait=True)
+    # a worker's last progress (its shard's disk wait) goes through a queue's feeder thread and
+    # can arrive after the result it came with; a worker flushes that queue before it exits
+    drain()
     return results
 
 
