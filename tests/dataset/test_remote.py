@@ -259,7 +259,14 @@ def _local_build(url: str):
 
 
 def _bytes_on_disk(root) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+    """The bytes of the files under root, from one walk that no rename crossed: the Loader's
+    downloads run beside the test, and a `.part` file renamed between the listing and its stat
+    is gone (a walk that skipped it could miss its bytes under the final name too)."""
+    while True:
+        try:
+            return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+        except FileNotFoundError:
+            continue
 
 
 def _shard_bytes(out) -> int:
