@@ -836,8 +836,8 @@ def plot(r: dict, path: Path) -> None:
     if totals and totals[-1] > 0:
         # a step or two far above the rest (the first, with its warm-up) would flatten every other
         # bar: the scale is the 99th percentile's, and a bar above it says its height in ms
-        top = totals[-1] if totals[-1] <= 3 * totals[(99 * (len(totals) - 1)) // 100] else \
-            totals[(99 * (len(totals) - 1)) // 100]
+        p99 = totals[(99 * (len(totals) - 1)) // 100]
+        top = totals[-1] if totals[-1] <= 3 * p99 else p99
         ax.set_ylim(0, 1.25 * top)  # head room: the legend above the bars, not over them
         for i, (w, s) in enumerate(zip(work, steps), 1):
             if w + s["wait_ms"] > 1.25 * top:
