@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from packer.system import link_or_copy
+
 from . import data
 from .loaders_bench import machine, prepare_images, prepare_text
 from .measure import PeakMemory, disk_write_rate, evict
@@ -217,11 +219,7 @@ def _linked(raw: Path, copies: int) -> Path:
     for f in files:
         (out / f.relative_to(raw)).parent.mkdir(parents=True, exist_ok=True)
         for k in range(copies):
-            target = out / f.relative_to(raw).parent / f"{k}-{f.name}"
-            try:
-                os.link(f, target)
-            except OSError:
-                shutil.copyfile(f, target)
+            link_or_copy(f, out / f.relative_to(raw).parent / f"{k}-{f.name}")
     stamp.write_text(json.dumps(made_for))
     return out
 

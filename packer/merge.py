@@ -10,7 +10,6 @@ only when its input's class indexes differ from the merged ones (labels are 8 by
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -21,6 +20,7 @@ import xxhash
 from packer.dataset import format as fmt
 from packer.dataset import outdir, writer
 from packer.errors import ConfigError
+from packer.system import link_or_copy
 from packer.dataset.reader import DatasetReader, map_npy
 from packer.builder.scan import printable
 
@@ -96,10 +96,7 @@ def _place(src_root: Path, shard: fmt.Shard, index: int, out: Path, generation: 
             writer.write_npy(dst, relabel[np.asarray(labels)])
             files.append(fmt.FileEntry(f"{rel}/{base}", dst.stat().st_size, writer.checksum_file(dst)))
             continue
-        try:
-            os.link(src, dst)
-        except OSError:  # another file system, or links not allowed: copy
-            shutil.copyfile(src, dst)
+        link_or_copy(src, dst)
         files.append(fmt.FileEntry(f"{rel}/{base}", entry.size_bytes, entry.checksum, entry.algo))
     return fmt.Shard(index, shard.num_samples, tuple(files))
 

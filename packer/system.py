@@ -6,6 +6,7 @@ import contextlib
 import errno
 import gc
 import os
+import shutil
 import sys
 from collections.abc import Iterator
 
@@ -95,3 +96,12 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def link_or_copy(src, dst) -> None:
+    """dst as a hard link to src, or a copy where links are not possible (another file system,
+    a file system without them)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
