@@ -43,10 +43,11 @@ def raw_get_rate(url: str, manifest, threads: int, into: Path | None = None) -> 
     `into` new files in that folder (then removed): what the node's disk lets a cold cache take."""
     import obstore as obs
 
-    from packer.dataset.remote import Remote
+    from packer.remote.client import store as client
+    from packer.remote.url import Remote
 
     remote = Remote(url)
-    store = remote.store()
+    store = client(remote)
     files = [f for s in manifest.shards for f in s.files]
 
     def get(entry) -> int:
@@ -80,8 +81,8 @@ def _epoch(loader) -> tuple[int, float, float]:
 
 def bench_remote(args) -> dict:
     from loaders import Loader, MMapDataset
-    from packer.cli import main as packer
-    from packer.dataset.remote import DOWNLOADS
+    import packer
+    from packer.remote import DOWNLOADS
 
     from .stores import KEY, SECRET, s3_server
 
@@ -89,7 +90,7 @@ def bench_remote(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     raw, _, _ = prepare_images(work, args.images)
     _, out, _ = _prepared(work, f"images-{args.shard_size}", args.images, lambda r: shutil.copytree(raw, r),
-                          ["--shard-size", args.shard_size])
+                          {"shard_size": args.shard_size})
     local = MMapDataset(out)
     total = local.manifest.size_bytes
     with ExitStack() as stack:
@@ -103,7 +104,7 @@ def bench_remote(args) -> dict:
                               AWS_REGION=os.environ.get("AWS_REGION", "us-east-1"))
             url = "s3://mmpack-bench/images"
         start = time.perf_counter()
-        packer(["push", str(out), url])
+        packer.push(out, url)
         push_s = time.perf_counter() - start
         caches = Path(tempfile.mkdtemp(prefix="caches-", dir=work))
         stack.callback(shutil.rmtree, caches, True)
@@ -135,7 +136,7 @@ def bench_remote(args) -> dict:
         warm_shares = alternated(Loader(local, **loader_kw), Loader(ds, **loader_kw), rounds=args.passes + 2)
         _say(f"cold {cold_rate / 1e6:,.0f} MB/s, warm {statistics.median(warm):,.0f} images/s, "
              f"{100 * statistics.median(warm_shares):.0f}% of local disk alternated")
-        packer(["push", str(out), url + "-zstd", "--zstd", str(ZSTD_LEVEL)])
+        packer.push(out, url + "-zstd", zstd=ZSTD_LEVEL)
         zstd = [_cold(opened(where=url + "-zstd"), total, loader_kw, drop=True) for _ in range(args.passes)]
         _say(f"zstd -{ZSTD_LEVEL} cold {statistics.median(c['bytes_per_s'] for c in zstd) / 1e6:,.0f} MB/s restored, "
              f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
@@ -148,9 +149,9 @@ def bench_remote(args) -> dict:
         # windows and a small cache downloads it twice
         if args.block_samples:
             _, small_out, _ = _prepared(work, "small", args.block_samples, lambda r: data.make_image_folders(
-                r, args.block_samples, seed=1, min_side=16, max_side=48), ["--image-size", "16", "--shard-size", "64KB"])
+                r, args.block_samples, seed=1, min_side=16, max_side=48), {"image_size": 16, "shard_size": "64KB"})
             small = MMapDataset(small_out)
-            packer(["push", str(small_out), url + "-small"])
+            packer.push(small_out, url + "-small")
             opened_small = functools.partial(opened, where=url + "-small")
             limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw))
             ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
@@ -182,7 +183,7 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
     """The raw GET rate and a cold epoch of the plain and of the compressed push through a link
     of `mb_per_s` to the server (`stores.link`): the cold path where the link, not the CPU, is
     the limit, and what compression gives there."""
-    from packer.dataset.remote import DOWNLOADS
+    from packer.remote import DOWNLOADS
 
     from .stores import link
 
@@ -207,7 +208,7 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
     """Two epochs of `order` through a cache of `share` of the dataset (plus its index files):
     bytes downloaded per epoch over the dataset's, or why the limit was refused."""
     from loaders import Loader
-    from packer.dataset.cache import ShardCache
+    from packer.remote import ShardCache
 
     total = local.manifest.size_bytes
     limit = int(share * total) + ShardCache(url, caches, local.manifest).index_bytes

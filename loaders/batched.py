@@ -7,7 +7,8 @@ import warnings
 
 import torch
 
-from loaders.batch.fetch import check_first_batches
+from packer.remote import check_first_batches
+
 from loaders.batch.source import as_source, epochs_of
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 

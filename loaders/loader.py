@@ -18,11 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from packer.remote import Lookahead, check_first_batches
 from packer.system import available_cores
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
-from loaders.batch.fetch import Lookahead, check_first_batches
 from loaders.batch.source import as_source, epochs_of
 from loaders.cuda import to_device
 from loaders.order.sampler import Order, Pass, Resumable, check_int

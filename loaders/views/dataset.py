@@ -34,7 +34,7 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
 def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:
     """A dataset dir as is; an archive unpacked into the cache (once), or a dataset in object
     storage (an s3:// URL) downloaded and verified into the node's cache (once), and that dir."""
-    from packer.dataset import remote
+    from packer import remote
     from packer.dataset.archive import is_archive, materialize
 
     if remote.is_url(root):
@@ -64,12 +64,11 @@ class MMapDataset(torch.utils.data.Dataset):
 
     def __init__(self, root: str | Path, *, columns: list[str] | None = None, cache_dir: str | Path | None = None,
                  padding_value: int = 0, cache_limit: int | str | None = None):
-        from packer.dataset import remote
-        from packer.dataset.cache import parse_limit
+        from packer import remote
 
         self._cache = None
         if remote.is_url(root):
-            self._cache = remote.open_cached(root, cache_dir, parse_limit(cache_limit))
+            self._cache = remote.open_cached(root, cache_dir, remote.parse_limit(cache_limit))
             self.root = self._cache.root
         elif cache_limit is not None:
             raise ConfigError(f"{root}: cache_limit is for datasets in object storage (s3:// URLs); "

@@ -271,7 +271,7 @@ class DatasetReader:
 
     `generation`: open that generation's own manifest (a worker re-opening what its parent
     opened) rather than the dataset's current one. `cache`: the dir is a remote dataset's cache
-    entry (`packer.dataset.cache.ShardCache`), whose shards are fetched and pinned as they are
+    entry (`packer.remote.cache.ShardCache`), whose shards are fetched and pinned as they are
     mapped, and unpinned by `release`."""
 
     def __init__(self, root: str | Path, generation: str | None = None, cache=None):

@@ -64,7 +64,7 @@ def test_a_config_without_raw_or_out_is_refused():
 def test_a_cache_limit_reads_sizes_as_shard_size_does(text):
     """One size means one number of bytes wherever a user writes it (binary units)."""
     from packer.builder.config import parse_shard_size
-    from packer.dataset.cache import parse_limit
+    from packer.remote import parse_limit
 
     assert parse_limit(text) == parse_shard_size(text)[1]
     assert parse_limit("1.5GB") == 3 * 2**29

@@ -1,5 +1,5 @@
 """The node-local cache of a dataset in object storage: its files fetched shard by shard when a
-reader first needs them (or a `loaders.batch.fetch.Lookahead` ahead of that), kept under an
+reader first needs them (or a `packer.remote.lookahead.Lookahead` ahead of that), kept under an
 optional byte limit, and shared by every process and rank on the node.
 
 A cache entry is a dataset dir (FORMAT.md) whose manifest and index files (the offsets and
@@ -21,7 +21,7 @@ files come and go per shard. The rules, each for a failure users of peers have m
   shards, then the process's own soft pins, those whose next use is farthest first
   (`next_use`, which a reader that knows its order sets; unknown is farthest, then the oldest).
   A fetch ahead evicts only shards used later than its own, and gives up when that frees too
-  little. The bytes held and the shards present are kept in a ledger (`_Ledger`), so neither
+  little. The bytes held and the shards present are kept in a ledger (`Ledger`), so neither
   a download nor an eviction counts every shard's files, which on a dataset of many shards
   took most of a limited cache's time. A reader whose own mapped shards leave no room is
   refused with the bytes it needs; one that waits on other processes' pins gives up after
@@ -33,7 +33,6 @@ files come and go per shard. The rules, each for a failure users of peers have m
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import threading
 import time
@@ -43,14 +42,17 @@ from pathlib import Path
 import numpy as np
 
 from packer.dataset import format as fmt
-from packer.dataset import remote as rem
 from packer.errors import ConfigError
-from packer.system import SIZE_UNITS, flock
+from packer.remote import client
+from packer.remote.ledger import Ledger
+from packer.remote.limits import check_limit
+from packer.remote.transfer import DOWNLOADS, fetch_file
+from packer.remote.url import Remote
+from packer.system import flock
 
 PIN = ".pin"  # in each shard dir: shared flocks of the processes that map it
 FETCH = ".fetch"  # in each shard dir: the flock of the process downloading it
 ACCOUNTING = ".accounting.lock"  # in the entry: one process at a time reserves or evicts; holds the ledger
-LEDGER_HEAD = 38  # the ledger's head: bytes of data and part files (20 digits), its checksum; then a bit a shard
 WAIT_FOR_ROOM_S = 120  # how long a download waits for other processes to unpin shards
 INDEX_PARTS = ("offsets", "shapes")
 
@@ -58,12 +60,6 @@ INDEX_PARTS = ("offsets", "shapes")
 def index_names(manifest: fmt.Manifest) -> set[str]:
     """The file names, inside a shard dir, of the index files: a ragged column's offsets and shapes."""
     return {name for c in manifest.columns for part, name in fmt.column_file_names(c).items() if part in INDEX_PARTS}
-
-
-def entry_dir(url: str, manifest: fmt.Manifest, cache_dir: str | Path | None) -> Path:
-    """The cache dir of the build `manifest` at `url`: a push after this open is another one."""
-    digest = hashlib.sha256(f"{url}\0{manifest.generation}\0{manifest.to_json()}".encode()).hexdigest()[:16]
-    return Path(cache_dir or rem.DEFAULT_CACHE) / rem.Remote(url).bucket / digest
 
 
 class ShardCache:
@@ -110,7 +106,7 @@ class ShardCache:
     def store(self):
         self._here()
         if self._store is None:
-            self._store = rem.Remote(self.url).store()
+            self._store = client.store(Remote(self.url))
         return self._store
 
     def shard_dir(self, k: int) -> Path:
@@ -187,7 +183,7 @@ class ShardCache:
         def one(k):
             self.acquire(k)
             self.release(k)
-        with ThreadPoolExecutor(rem.DOWNLOADS) as pool:
+        with ThreadPoolExecutor(DOWNLOADS) as pool:
             for done in [pool.submit(one, k) for k in shards]:
                 done.result()
 
@@ -200,7 +196,7 @@ class ShardCache:
         try:
             for entry, part in zip(missing, parts):
                 packed = self.packed.get(entry.path) if self.packed else None
-                rem.fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
+                fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
                 with self._guard:  # the bytes that came over the link
                     self.downloaded += (packed or entry).size_bytes
             with self._accounting() as ledger:  # not while another process counts: it would see neither name, or both
@@ -221,9 +217,9 @@ class ShardCache:
                             pass
         return True
 
-    def _accounting(self) -> _Ledger:
+    def _accounting(self) -> Ledger:
         """The entry's ledger, held (an exclusive flock) by one thread of one process at a time."""
-        return _Ledger(self)
+        return Ledger(self.root / ACCOUNTING, len(self.bulk), self._count)
 
     def _reserve(self, entries: list[fmt.FileEntry], rank: float | None = None) -> list | None:
         """Part files for `entries`, made at their full size (so every process's accounting
@@ -240,16 +236,14 @@ class ShardCache:
                 return None
             with self._guard:
                 mapped = sum(self.sizes[j] for j in self._pins if j not in self._soft)
-            if self.index_bytes + mapped + need > self.limit:
-                raise ConfigError(f"{self.url}: cache_limit {self.limit:,} bytes is too small: this reader maps "
-                                  f"{self.index_bytes + mapped + need:,} at once (index files and the shards of its "
-                                  "current batch); raise cache_limit")
+            check_limit(self.url, self.limit, self.index_bytes + mapped + need,
+                        "this reader's index files and the shards of its current batch", limit=self.limit)
             if time.monotonic() > deadline:
                 raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
                                   f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
             time.sleep(0.05)
 
-    def _room(self, ledger: _Ledger, need: int, rank: float | None) -> bool:
+    def _room(self, ledger: Ledger, need: int, rank: float | None) -> bool:
         """Whether `need` more bytes fit the limit, once eviction made room. The ledger may count
         part files of killed processes: before saying no, it is counted again from the files."""
         if self.limit is None:
@@ -286,7 +280,7 @@ class ShardCache:
                     total += _size(item)
         return total, present
 
-    def _evict(self, over: int, rank: float | None, ledger: _Ledger) -> bool:
+    def _evict(self, over: int, rank: float | None, ledger: Ledger) -> bool:
         """Remove unpinned shards, then this process's soft pins, farthest next use first
         (for a fetch ahead at `rank`, only those used after it), until `over` bytes are freed."""
         next_use = self.next_use or (lambda j: float("inf"))
@@ -322,74 +316,6 @@ class ShardCache:
         return False
 
 
-class _Ledger:
-    """What the entry holds, kept in its accounting file under an exclusive flock (a context
-    manager): the bytes of its data and part files and which shards are present, updated by
-    each reservation, rename and eviction, so a download costs O(1) and an eviction O(shards
-    present) where counting the files costs O(shards). Counted from the files when it is
-    missing or torn (its checksum), and when it may count a killed process's part files."""
-
-    def __init__(self, cache: ShardCache):
-        self.cache = cache
-        self.fd = os.open(cache.root / ACCOUNTING, os.O_RDWR | os.O_CREAT, 0o644)
-        self._used: int | None = None
-        self._present = None  # a bool per shard
-        self._dirty = False
-
-    def __enter__(self) -> _Ledger:
-        try:
-            flock(self.fd)
-        except BaseException:
-            os.close(self.fd)
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            if self._dirty:  # one write, its checksum telling a torn one
-                bits = np.packbits(self._present).tobytes()
-                head = b"%020d" % self._used
-                os.pwrite(self.fd, head + b" " + _digest(head + bits) + b"\n" + bits, 0)
-        finally:
-            os.close(self.fd)
-
-    def _read(self) -> None:
-        n = len(self.cache.bulk)
-        data = os.pread(self.fd, LEDGER_HEAD + (n + 7) // 8, 0)
-        head, digest, bits = data[:20], data[21:LEDGER_HEAD - 1], data[LEDGER_HEAD:]
-        if len(data) == LEDGER_HEAD + (n + 7) // 8 and head.isdigit() and digest == _digest(head + bits):
-            self._used = int(head)
-            self._present = np.unpackbits(np.frombuffer(bits, np.uint8), count=n).astype(bool)
-        else:
-            self.recount()
-
-    @property
-    def used(self) -> int:
-        if self._used is None:
-            self._read()
-        return self._used
-
-    def present(self) -> list[int]:
-        if self._present is None:
-            self._read()
-        return np.flatnonzero(self._present).tolist()
-
-    def add(self, nbytes: int, shard: int | None = None, present: bool = True) -> None:
-        """`nbytes` more (or fewer) in the entry; shard `shard` now present or not."""
-        self._used = max(self.used + nbytes, 0)
-        if shard is not None:
-            self._present[shard] = present
-        self._dirty = True
-
-    def recount(self) -> None:
-        self._used, self._present = self.cache._count()
-        self._dirty = True
-
-
-def _digest(data: bytes) -> bytes:
-    return hashlib.blake2b(data, digest_size=8).hexdigest().encode()
-
-
 def _whole(path: Path, size: int) -> bool:
     try:
         return path.stat().st_size == size
@@ -422,21 +348,3 @@ def _abandoned(path: str) -> bool:
             return True
     except FileNotFoundError:
         return True
-
-
-def parse_limit(limit) -> int | None:
-    """A cache limit as bytes: None, a positive int, or a string of a number and a unit
-    ("20GB", "512MiB", "1.5 TB"; binary, as --shard-size reads them: `packer.system.SIZE_UNITS`)."""
-    if limit is None:
-        return None
-    if isinstance(limit, str):
-        import re
-
-        match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", limit)
-        unit = match and match.group(2).lower()
-        if not match or unit not in SIZE_UNITS:
-            raise ConfigError(f"cache_limit {limit!r}: expected bytes, or a number and a unit (20GB, 512MiB)")
-        limit = int(float(match.group(1)) * SIZE_UNITS[unit])
-    if type(limit) is not int or limit <= 0:
-        raise ConfigError(f"cache_limit must be a positive number of bytes, not {limit!r}")
-    return limit

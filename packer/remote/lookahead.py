@@ -1,5 +1,5 @@
 """Fetching ahead: the shards of a remote dataset that a pass's coming batches read, downloaded
-into the node's cache (`packer.dataset.cache`) before the gather needs them.
+into the node's cache (`packer.remote.cache`) before the gather needs them.
 
 A pass's batches are a pure function of integers (`loaders.order.sampler`), so the lookahead
 knows them: it walks the next AHEAD_BATCHES batches' ids (past the pass's end, the next epoch's
@@ -16,8 +16,8 @@ import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from packer.dataset.remote import DOWNLOADS
-from packer.errors import ConfigError
+from packer.remote.limits import check_limit
+from packer.remote.transfer import DOWNLOADS
 
 AHEAD_BATCHES = 64  # how far ahead the lookahead reads the order: its horizon
 FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
@@ -62,13 +62,11 @@ def check_room(gather, batch_ids, num_batches: int) -> None:
             if cache is not None and id(cache) in room:
                 need[id(cache)] = need.get(id(cache), 0) + gather.shard_bytes(g)
         for key, nbytes in need.items():
-            if nbytes > room[key]:
-                cache = next(r.cache for r in gather.readers if id(r.cache) == key)
-                raise ConfigError(
-                    f"{cache.url}: cache_limit {cache.limit:,} bytes leaves {room[key]:,} a process, and one batch of "
-                    f"this order reads {len(shards)} shards, {nbytes:,} bytes: raise cache_limit, or use a smaller "
-                    "batch, or order='block' (its batches read a few shards once the dataset is many times its "
-                    "window of 8,192 samples)")
+            cache = next(r.cache for r in gather.readers if id(r.cache) == key)
+            check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
+                        limit=cache.limit,
+                        advice=", or use a smaller batch, or order='block' (its batches read a few shards once the "
+                               "dataset is many times its window of 8,192 samples)")
 
 
 class Lookahead:

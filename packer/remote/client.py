@@ -1,0 +1,137 @@
+"""The object-store client of this process (obstore, the Rust object_store), its errors as our
+one-line errors, and the helper process that makes requests for a process forked after one.
+
+Credentials and endpoint are the standard environment: for s3://, AWS_ENDPOINT_URL (or
+AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
+AWS_REGION / AWS_DEFAULT_REGION; for az://, the client's AZURE_* variables (AZURE_STORAGE_ACCOUNT_NAME
+with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, a managed identity or the Azure CLI;
+AZURE_STORAGE_ENDPOINT and AZURE_ALLOW_HTTP for an emulator). A client is made lazily in the
+process that uses it, never inherited by a fork.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from packer.errors import ConfigError, IntegrityError
+from packer.remote.url import CREDENTIALS, Remote
+
+RETRIES = 10
+
+# obstore's runtime (tokio) is not fork-safe: a process forked after its parent made a request
+# hangs on its first own request, whatever client it makes. Such a process (a forked DataLoader
+# worker) hands its requests to a helper it starts with exec (`Helper`), a fresh interpreter.
+_used = False  # this process has made a request
+_forked_after_use = False  # an ancestor had, before it forked this process
+
+
+def _after_fork() -> None:
+    global _forked_after_use
+    _forked_after_use = _forked_after_use or _used
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def fork_safe() -> bool:
+    """Whether this process may use obstore itself (it was not forked from one that had)."""
+    return not _forked_after_use
+
+
+def store(remote: Remote):
+    """A client for `remote`'s bucket, made in this process."""
+    global _used
+    _used = True
+    try:
+        from obstore.store import AzureStore, S3Store
+    except ImportError:
+        raise ConfigError(f"{remote.scheme} datasets need obstore: pip install 'mmpack[remote]'") from None
+    if not remote.bucket:
+        raise ConfigError(f"{remote.url}: no bucket ({remote.scheme}BUCKET/PREFIX)")
+    # timeouts, resets and 5xx retried with exponential backoff and full jitter (the client's own)
+    retry = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=3),
+             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
+    if remote.scheme == "az://":  # account, key or token, endpoint: the client's AZURE_* environment
+        return AzureStore(remote.bucket, retry_config=retry)
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    extra = {"endpoint": endpoint, "allow_http": endpoint.startswith("http://"),
+             "virtual_hosted_style_request": False} if endpoint else {}
+    return S3Store(remote.bucket, region=region, retry_config=retry, **extra)
+
+
+def errors(remote: Remote, what: str):
+    """Runs `what` against the store; its errors as our one-line errors naming the URL."""
+
+    class Guard:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, kind, exc, tb):
+            if exc is None or isinstance(exc, (ConfigError, IntegrityError)):
+                return False
+            name = type(exc).__name__
+            text = str(exc).splitlines()[0][:200] if str(exc) else name
+            if not_found(exc):
+                raise IntegrityError(f"{remote.url}: {what}: not found ({text})") from None
+            if "PermissionDenied" in name or "Unauthenticated" in name or any(
+                    s in text for s in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")):
+                raise ConfigError(f"{remote.url}: {what}: access denied; {CREDENTIALS[remote.scheme]}") from None
+            if isinstance(exc, OSError) or "Generic" in name or "Error" in name:
+                raise ConfigError(f"{remote.url}: {what}: {text}") from None
+            return False
+
+    return Guard()
+
+
+def size(obs, client, key: str) -> int | None:
+    """The object's size, None where there is none."""
+    try:
+        return obs.head(client, key)["size"]
+    except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
+        if not_found(exc):
+            return None
+        raise
+
+
+def not_found(exc: BaseException) -> bool:
+    return isinstance(exc, FileNotFoundError) or "NotFound" in type(exc).__name__ or "not found" in str(exc).lower()
+
+
+class Helper:
+    """A fresh interpreter (`python -m packer.remote.helper`) that makes a forked process's
+    requests: JSON lines in, JSON lines out, one request at a time; it ends with its parent's
+    end of the pipe."""
+
+    _mine: Helper | None = None
+    _pid = None
+
+    @classmethod
+    def get(cls) -> Helper:
+        if cls._mine is None or cls._pid != os.getpid():
+            cls._mine, cls._pid = cls(), os.getpid()
+        return cls._mine
+
+    def __init__(self):
+        import subprocess
+        import sys
+        import threading
+
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen([sys.executable, "-m", "packer.remote.helper"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1)
+
+    def call(self, request: dict) -> dict:
+        import json
+
+        with self._lock:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        if not line:
+            raise ConfigError(f"{request.get('url')}: the download helper of this forked process ended")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise (IntegrityError if reply["error"] == "IntegrityError" else ConfigError)(reply["message"])
+        return reply
