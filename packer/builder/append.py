@@ -10,7 +10,7 @@ from dataclasses import replace
 from packer.builder.config import BuildConfig
 from packer.builder.scan import MULTI_DOC_EXTS, Scan
 from packer.dataset import format as fmt
-from packer.dataset import inputs
+from packer.builder import inputs
 from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 

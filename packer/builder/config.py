@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from packer.builder.scan import printable
+from packer.dataset.format import printable
 from packer.builder.text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer
 from packer.builder.text import resolve_eos, token_dtype
 from packer.dataset import format as fmt

@@ -12,10 +12,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from packer.builder import inputs
 from packer.builder.shard import read_sidecar
 from packer.builder.staging import published, read_record
 from packer.dataset import format as fmt
-from packer.dataset import inputs, outdir
+from packer.dataset import outdir
 from packer.dataset.reader import check_file_sizes, load_manifest
 from packer.dataset.writer import checksum_file
 from packer.errors import ConfigError, IntegrityError, SourceError

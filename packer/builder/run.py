@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from packer.builder import append, staging
+from packer.builder import append, inputs, staging
 from packer.builder.config import BuildConfig
 from packer.builder.pieces import in_pieces, piece_bounds
 from packer.builder.plan import Plan, plan, records_of
@@ -29,7 +29,7 @@ from packer.builder.scan import Scan, scan
 from packer.builder.shard import ShardContext, ShardResult, reusable
 from packer.builder.workers import wait_for_old_workers
 from packer.dataset import format as fmt
-from packer.dataset import inputs, outdir
+from packer.dataset import outdir
 from packer.dataset.reader import DatasetReader
 from packer.dataset.writer import take_disk_wait
 from packer.errors import ConfigError, MmpackError, SourceError

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from packer.errors import SourceError
-from packer.dataset.format import Skip
+from packer.dataset.format import Skip, printable
 
 IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
 TXT, JSONL, PARQUET = ".txt", ".jsonl", ".parquet"  # the text formats, by extension
@@ -106,16 +106,6 @@ def list_files(raw: Path) -> tuple[list[tuple[str, str]], list[Skip], dict[str, 
     files.sort()
     skipped.sort(key=lambda s: s.key)
     return files, skipped, stats
-
-
-def printable(name: str) -> str:
-    """A name as the manifest can hold it: as is when it is valid UTF-8; else its bytes that are
-    not, written as \\xNN escapes (file names are bytes on Linux; a key is UTF-8)."""
-    try:
-        name.encode("utf-8")
-        return name
-    except UnicodeEncodeError:
-        return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def find_classes(raw: Path) -> list[str]:

@@ -22,7 +22,6 @@ from packer.dataset import outdir, writer
 from packer.errors import ConfigError
 from packer.system import link_or_copy
 from packer.dataset.reader import DatasetReader, map_npy
-from packer.builder.scan import printable
 
 
 DUPLICATES_SHOWN = 3
@@ -76,7 +75,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
             kind=first.kind, columns=first.columns, shards=tuple(shards), counts=counts,
             skipped=tuple(s for m in manifests for s in m.skipped),
             classes=tuple(classes) if classes is not None else None, tokenizer=first.tokenizer,
-            build={"merged_from": [printable(str(p.resolve())) for p in inputs], "created_unix": round(time.time(), 3)},
+            build={"merged_from": [fmt.printable(str(p.resolve())) for p in inputs], "created_unix": round(time.time(), 3)},
             generation=generation,
         )
         outdir.publish(out, manifest)

@@ -1,127 +1,21 @@
-"""The on-disk contract of an mmpack dataset dir, and nothing else (prose twin: FORMAT.md).
-
-Owns the format name and version, the file-name rule, the manifest schema (frozen dataclasses,
-JSON in and out; never pickle), the fixed-length NPY header the writer streams under, and dtype
-choices. `packer.dataset.writer` and `packer.dataset.reader` both go through this module.
-"""
+"""FORMAT.md section 5: the manifest schema, as frozen dataclasses with JSON in and out (never
+pickle); every field of a manifest from a stranger checked before anything is mapped."""
 
 from __future__ import annotations
 
-import ast
-import hashlib
 import json
 import math
+import os
 import re
-import threading
-import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-import xxhash
 
+from packer.dataset.format.layout import (CHECKSUM, FORMAT_NAME, FORMAT_VERSION, INPUTS_NAME, KINDS, _NAME,
+                                          check_version, column_file_names, is_generation, shard_dir_name, shard_path)
+from packer.dataset.format.npy import NPY_HEADER_BYTES
 from packer.errors import ColumnError, ManifestError
-
-# -- 1. Identity and versioning ------------------------------------------------------------
-FORMAT_NAME = "mmpack"
-FORMAT_VERSION = (4, 0)  # (major, minor): minor bumps are additive, a newer major is refused.
-READABLE_MAJORS = (1, 2, 3, 4)  # 1.x-3.x differ from 4.x in checksum keys and the shard dirs' place
-CHECKSUM = "xxh3_128_rows"  # what this writer hashes column files with (section 6)
-
-# -- 2. Directory layout and the file-name rule ---------------------------------------------
-MANIFEST_NAME = "manifest.json"
-STAGING_DIR = ".staging"
-INPUTS_NAME = "inputs.jsonl"  # in a generation dir: one [key, size_bytes, mtime_ns] line per RAW file
-LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OUT
-READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
-KINDS = ("images", "pairs", "text")
-_GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
-
-
-def generation_name(fingerprint: str) -> str:
-    """The generation dir of a build: named by the build's fingerprint, so a build killed and
-    run again writes into the same one."""
-    return f"g-{fingerprint[:16]}"
-
-
-def is_generation(name: str) -> bool:
-    return _GENERATION.fullmatch(name) is not None
-
-
-def shard_dir_name(shard_index: int) -> str:
-    """Shard k lives in `shard-{k:05d}/`; the name depends on the shard index only."""
-    return f"shard-{shard_index:05d}"
-
-
-def shard_path(generation: str | None, shard_index: int) -> str:
-    """A shard dir relative to the dataset dir: `<generation>/shard-k` (4.x), `shard-k` before."""
-    name = shard_dir_name(shard_index)
-    return f"{generation}/{name}" if generation else name
-
-
-def column_file_names(column: Column) -> dict[str, str]:
-    """Files of one column inside a shard dir, by part: values, and for ragged columns offsets
-    (and shapes when a sample has more than one dimension)."""
-    names = {"values": f"{column.name}.npy"}
-    if column.ragged:
-        names["offsets"] = f"{column.name}.offsets.npy"
-        if len(column.shape) > 1:
-            names["shapes"] = f"{column.name}.shapes.npy"
-    return names
-
-
-# -- 3. Column files: NPY v1.0 with a fixed-length header -----------------------------------
-NPY_HEADER_BYTES = 128  # magic(6) + version(2) + header_len(2) + dict padded with spaces + "\n"
-NPY_MAGIC = b"\x93NUMPY\x01\x00"
-OFFSETS_DTYPE = "<i8"
-SHAPES_DTYPE = "<i8"
-
-
-def npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """A standard NPY 1.0 header padded to exactly NPY_HEADER_BYTES, so a writer can stream rows
-    behind a placeholder and rewrite the header in place once the row count is known."""
-    descr = np.dtype(dtype).str
-    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (descr, tuple(shape))
-    body_len = NPY_HEADER_BYTES - len(NPY_MAGIC) - 2
-    if len(text) + 1 > body_len:
-        raise ValueError(f"NPY header for shape {shape} does not fit {NPY_HEADER_BYTES} bytes")
-    body = text.ljust(body_len - 1).encode("latin1") + b"\n"
-    return NPY_MAGIC + body_len.to_bytes(2, "little") + body
-
-
-# ast.literal_eval and warnings.catch_warnings change interpreter-wide state: threads reading
-# headers at once (unpack, verify, the remote cache's restores) take turns. On CPython 3.11 a
-# collection during one thread's parse let another's corrupt the AST depth count: "SystemError:
-# AST constructor recursion depth mismatch" (CPython gh-106905).
-_HEADER_LOCK = threading.Lock()
-
-
-def parse_npy_header(raw: bytes) -> tuple[str, tuple[int, ...]]:
-    """(dtype str, shape) of a header written by npy_header; ValueError when it is not one."""
-    if len(raw) < NPY_HEADER_BYTES or raw[:8] != NPY_MAGIC:
-        raise ValueError("not an NPY 1.0 file")
-    body_len = int.from_bytes(raw[8:10], "little")
-    if body_len != NPY_HEADER_BYTES - 10:
-        raise ValueError(f"NPY header is {body_len + 10} bytes, expected {NPY_HEADER_BYTES}")
-    try:
-        with _HEADER_LOCK:
-            header = ast.literal_eval(raw[10:NPY_HEADER_BYTES].decode("latin1").strip())
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", DeprecationWarning)  # e.g. a flipped bit: "<i8" -> "<a8"
-                return np.dtype(header["descr"]).str, tuple(int(n) for n in header["shape"])
-    except (ValueError, SyntaxError, KeyError, TypeError, DeprecationWarning) as exc:
-        raise ValueError(f"unreadable NPY header ({exc})") from None
-
-
-# -- 4. Dtype choices -----------------------------------------------------------------------
-def choose_token_dtype(vocab_size: int) -> str:
-    """uint16 when every id (0 .. vocab_size-1) fits, else uint32: half the bytes for the usual
-    30k-65k vocabularies."""
-    if vocab_size <= 0:
-        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    return "<u2" if vocab_size <= 1 << 16 else "<u4"
-
 
 # -- 5. Manifest schema ---------------------------------------------------------------------
 # A manifest may come from a stranger: every field is checked before anything is mapped or
@@ -414,148 +308,11 @@ def _file_entry(doc, major: int) -> FileEntry:
     return FileEntry(path, doc.get("size_bytes"), digest, algo)
 
 
-# -- 6. Integrity: the checksum of every column file (manifest) and compressed file (archive) -
-# A column file's checksum is XXH3-128 over the XXH3-128 digests of its blocks: its header, then
-# its rows in blocks of whole rows (one row per block from 32 KiB rows up). Each block can be
-# hashed by whoever writes it, in any order, while it is still in the CPU's cache: the processes
-# decoding one shard's images hash the rows they write, and no one reads the shard back.
-BLOCK_BYTES = 64 * 1024  # rows per block: as many as fit, at least one
-
-
-def rows_per_block(row_bytes: int) -> int:
-    return max(1, BLOCK_BYTES // max(1, row_bytes))
-
-
-def block_digest(data) -> bytes:
-    """XXH3-128 of one block (any buffer), its 16 bytes in canonical (big-endian) order."""
-    return xxhash.xxh3_128_digest(data)
-
-
-def checksum_of_blocks(digests) -> str:
-    """The checksum of a file from its blocks' digests, in file order (the header's first)."""
-    h = xxhash.xxh3_128()
-    for digest in digests:
-        h.update(digest)
-    return h.hexdigest()
-
-
-def data_block_bytes(header: bytes) -> int:
-    """Bytes per data block of a column file that starts with `header`: whole rows of its shape;
-    BLOCK_BYTES when it is not a header of ours (a damaged file must hash, to a mismatch)."""
+def printable(name: str) -> str:
+    """A name as the manifest can hold it: as is when it is valid UTF-8; else its bytes that are
+    not, written as \\xNN escapes (file names are bytes on Linux; a key is UTF-8)."""
     try:
-        dtype, shape = parse_npy_header(header)
-    except ValueError:
-        return BLOCK_BYTES
-    row = np.dtype(dtype).itemsize * math.prod(shape[1:])
-    return rows_per_block(row) * row if row else BLOCK_BYTES
-
-
-class FileChecksum:
-    """CHECKSUM of a column file fed its bytes in order, in pieces of any size (update /
-    hexdigest, like hashlib). A file shorter than a header is one block of what it holds."""
-
-    def __init__(self):
-        self._head, self._block, self._left = bytearray(), 0, 0
-        self._blocks, self._current = xxhash.xxh3_128(), xxhash.xxh3_128()
-
-    def update(self, data) -> None:
-        view = memoryview(data).cast("B")
-        if not self._block:
-            need = NPY_HEADER_BYTES - len(self._head)
-            self._head += view[:need]
-            view = view[need:]
-            if len(self._head) < NPY_HEADER_BYTES:
-                return
-            self._blocks.update(block_digest(self._head))
-            self._block = self._left = data_block_bytes(bytes(self._head))
-        while len(view):
-            take = min(self._left, len(view))
-            self._current.update(view[:take])
-            view, self._left = view[take:], self._left - take
-            if not self._left:
-                self._blocks.update(self._current.digest())
-                self._current.reset()
-                self._left = self._block
-
-    def hexdigest(self) -> str:
-        blocks = self._blocks.copy()
-        if not self._block:
-            blocks.update(block_digest(self._head))
-        elif self._left != self._block:  # the last block, shorter
-            blocks.update(self._current.digest())
-        return blocks.hexdigest()
-
-
-def new_checksum():
-    """A hasher (update / hexdigest) of a compressed archive file: plain XXH3-128 of its bytes."""
-    return xxhash.xxh3_128()
-
-
-def hasher(algo: str):
-    """A new hasher (update / hexdigest) of a column file by `algo`, the algorithms of every
-    readable version; None for one this reader does not know (a newer minor's)."""
-    if algo == CHECKSUM:
-        return FileChecksum()
-    if algo == "xxh3_128":  # 2.x
-        return xxhash.xxh3_128()
-    if algo == "sha256":  # 1.x
-        return hashlib.sha256()
-    return None
-
-
-# -- 9. Archive form --------------------------------------------------------------------------
-ARCHIVE_NAME = "archive.json"
-ARCHIVE_FORMAT = "mmpack-archive"
-ARCHIVE_SUFFIX = ".zst"
-
-
-@dataclass(frozen=True)
-class ArchiveFile:
-    path: str  # the compressed file, relative to the archive dir: "<of>.zst"
-    of: str  # the column file it restores, relative to the dataset dir
-    size_bytes: int  # compressed
-    xxh3_128: str  # XXH3-128 of the compressed bytes (new_checksum; the raw file's is the manifest's)
-
-
-def archive_to_json(manifest: Manifest, files: list[ArchiveFile], level: int) -> str:
-    doc = {"format": ARCHIVE_FORMAT, "version": "%d.%d" % FORMAT_VERSION, "codec": "zstd", "level": level,
-           "files": [asdict(f) for f in files], "manifest": json.loads(manifest.to_json())}
-    return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
-
-
-def archive_from_json(text: str, *, where: str) -> tuple[Manifest, list[ArchiveFile]]:
-    try:
-        doc = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ManifestError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != ARCHIVE_FORMAT or doc.get("codec") != "zstd":
-        raise ManifestError(f"{where}: not an {ARCHIVE_FORMAT} (zstd) description")
-    if check_version(doc.get("version"), where=where) < 3:
-        raise ManifestError(f"{where}: archives of format {doc.get('version')} are not read by this mmpack; "
-                            "unpack it with the release that packed it")
-    manifest = Manifest.from_doc(doc.get("manifest"), where=where)
-    try:
-        files = [ArchiveFile(**_fields(f, ("path", "of", "size_bytes", "xxh3_128"), ())) for f in _list(doc["files"])]
-    except (KeyError, TypeError, ManifestError) as exc:
-        raise ManifestError(f"{where}: malformed file list ({exc})") from None
-    listed = {f.path for s in manifest.shards for f in s.files}
-    if sorted(f.of for f in files) != sorted(listed) or any(
-            f.path != f.of + ARCHIVE_SUFFIX or type(f.size_bytes) is not int or not isinstance(f.xxh3_128, str)
-            for f in files):
-        raise ManifestError(f"{where}: the file list does not match the manifest's files")
-    return manifest, files
-
-
-def check_version(version, *, where: str) -> int:
-    """The major of a readable version: every major up to this reader's; a newer one is refused,
-    naming both."""
-    try:
-        major, minor = (int(p) for p in str(version).split("."))
-    except ValueError:
-        raise ManifestError(f"{where}: unreadable format version {version!r}") from None
-    if major not in READABLE_MAJORS or minor < 0:
-        raise ManifestError(
-            f"{where}: format version {version} is not supported by this reader "
-            f"(reads {READABLE_MAJORS[0]}.x to {FORMAT_VERSION[0]}.x); use an mmpack release that reads {major}.x"
-        )
-    return major
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return os.fsencode(name).decode("utf-8", "backslashreplace")

@@ -1,0 +1,75 @@
+"""FORMAT.md sections 2 and 7: the format's name and version (and which versions this reader
+opens), the directory layout and the file-name rule."""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from packer.errors import ManifestError
+
+if TYPE_CHECKING:
+    from packer.dataset.format.manifest import Column
+
+# -- 1. Identity and versioning ------------------------------------------------------------
+FORMAT_NAME = "mmpack"
+FORMAT_VERSION = (4, 0)  # (major, minor): minor bumps are additive, a newer major is refused.
+READABLE_MAJORS = (1, 2, 3, 4)  # 1.x-3.x differ from 4.x in checksum keys and the shard dirs' place
+CHECKSUM = "xxh3_128_rows"  # what this writer hashes column files with (section 6)
+
+# -- 2. Directory layout and the file-name rule ---------------------------------------------
+MANIFEST_NAME = "manifest.json"
+STAGING_DIR = ".staging"
+INPUTS_NAME = "inputs.jsonl"  # in a generation dir: one [key, size_bytes, mtime_ns] line per RAW file
+LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OUT
+READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
+KINDS = ("images", "pairs", "text")
+_GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def generation_name(fingerprint: str) -> str:
+    """The generation dir of a build: named by the build's fingerprint, so a build killed and
+    run again writes into the same one."""
+    return f"g-{fingerprint[:16]}"
+
+
+def is_generation(name: str) -> bool:
+    return _GENERATION.fullmatch(name) is not None
+
+
+def shard_dir_name(shard_index: int) -> str:
+    """Shard k lives in `shard-{k:05d}/`; the name depends on the shard index only."""
+    return f"shard-{shard_index:05d}"
+
+
+def shard_path(generation: str | None, shard_index: int) -> str:
+    """A shard dir relative to the dataset dir: `<generation>/shard-k` (4.x), `shard-k` before."""
+    name = shard_dir_name(shard_index)
+    return f"{generation}/{name}" if generation else name
+
+
+def column_file_names(column: Column) -> dict[str, str]:
+    """Files of one column inside a shard dir, by part: values, and for ragged columns offsets
+    (and shapes when a sample has more than one dimension)."""
+    names = {"values": f"{column.name}.npy"}
+    if column.ragged:
+        names["offsets"] = f"{column.name}.offsets.npy"
+        if len(column.shape) > 1:
+            names["shapes"] = f"{column.name}.shapes.npy"
+    return names
+
+
+def check_version(version, *, where: str) -> int:
+    """The major of a readable version: every major up to this reader's; a newer one is refused,
+    naming both."""
+    try:
+        major, minor = (int(p) for p in str(version).split("."))
+    except ValueError:
+        raise ManifestError(f"{where}: unreadable format version {version!r}") from None
+    if major not in READABLE_MAJORS or minor < 0:
+        raise ManifestError(
+            f"{where}: format version {version} is not supported by this reader "
+            f"(reads {READABLE_MAJORS[0]}.x to {FORMAT_VERSION[0]}.x); use an mmpack release that reads {major}.x"
+        )
+    return major
