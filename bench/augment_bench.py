@@ -59,8 +59,8 @@ def bench_augment(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     count, bs, size, store = args.images, args.batch_size, args.size, args.store_size
     make = lambda raw: data.make_image_folders(raw, count, seed=0)  # noqa: E731  crops up to 640 px, any aspect
-    _, fixed, _ = _prepared(work, "aug-fixed", count, make, ["--image-size", str(size)])
-    _, aspect, _ = _prepared(work, "aug-aspect", count, make, ["--image-size", str(store), "--keep-aspect"])
+    _, fixed, _ = _prepared(work, "aug-fixed", count, make, {"image_size": size})
+    _, aspect, _ = _prepared(work, "aug-aspect", count, make, {"image_size": store, "keep_aspect": True})
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     reps = args.reps or (20 if cuda else 5)

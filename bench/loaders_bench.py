@@ -3,7 +3,6 @@ machine's memcpy bandwidth measured in the same run."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
@@ -78,16 +77,16 @@ def machine() -> dict:
             "platform": platform.platform()}
 
 
-def _prepared(work: Path, name: str, size, make_raw, build_args: list[str]) -> tuple[Path, Path, float]:
-    """RAW made by `make_raw(raw)` and its mmpack build with its time, reused from `work` when
-    they were made there for this `size` and build arguments and the dataset still opens (a work
-    dir from an older mmpack, or for another --images, is made again)."""
-    from packer.cli import main as packer
+def _prepared(work: Path, name: str, size, make_raw, options: dict) -> tuple[Path, Path, float]:
+    """RAW made by `make_raw(raw)` and its mmpack build (`packer.build`'s `options`) with its
+    time, reused from `work` when they were made there for this `size` and options and the
+    dataset still opens (a work dir from an older mmpack, or for another --images, is made again)."""
+    import packer
     from packer.errors import MmpackError
     from packer.dataset.reader import load_manifest
 
     raw, out = work / f"raw-{name}", work / f"out-{name}"
-    stamp, made_for = work / f"build-{name}.json", {"size": size, "build_args": build_args}
+    stamp, made_for = work / f"build-{name}.json", {"size": size, "options": {k: str(v) for k, v in options.items()}}
     try:
         done = json.loads(stamp.read_text())
         load_manifest(out)
@@ -98,16 +97,17 @@ def _prepared(work: Path, name: str, size, make_raw, build_args: list[str]) -> t
     shutil.rmtree(raw, ignore_errors=True)
     make_raw(raw)
     start = time.perf_counter()
-    with contextlib.redirect_stdout(sys.stderr):  # stdout is the table's
-        packer(["build", str(raw), str(out), "-q", "--overwrite", *build_args])
+    m = packer.build(raw, out, overwrite=True, **options)
     seconds = time.perf_counter() - start
+    print(f"found {m.counts['found']} = packed {m.counts['packed']} + skipped {m.counts['skipped']}; "
+          f"{len(m.shards)} shards, {m.size_bytes / 2**20:,.1f} MiB in {seconds:.1f} s -> {out}", file=sys.stderr)
     stamp.write_text(json.dumps({"for": made_for, "seconds": seconds}))
     return raw, out, seconds
 
 
 def prepare_images(work: Path, count: int) -> tuple[Path, Path, float]:
     """Raw photo crops and their mmpack build (reused from `work` when present)."""
-    return _prepared(work, "images", count, lambda raw: data.make_image_folders(raw, count, seed=0), [])
+    return _prepared(work, "images", count, lambda raw: data.make_image_folders(raw, count, seed=0), {})
 
 
 def prepare_image_thirds(work: Path, count: int) -> list[Path]:
@@ -124,12 +124,12 @@ def prepare_image_thirds(work: Path, count: int) -> list[Path]:
                         shutil.copy(f, out / folder.name / f.name)
         return make
 
-    return [_prepared(work, f"images-third{k}", count, third(k), [])[1] for k in range(3)]
+    return [_prepared(work, f"images-third{k}", count, third(k), {})[1] for k in range(3)]
 
 
 def prepare_text(work: Path, mb: float) -> tuple[Path, Path, float]:
     return _prepared(work, "text", mb, lambda raw: data.make_text(raw, int(mb * 1024**2)),
-                     ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos"])
+                     {"tokenizer": data.minilm_tokenizer(), "append_eos": "auto"})
 
 
 def bench_loaders(args) -> dict:

@@ -105,7 +105,7 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
     (evicting the inputs from the page cache, for cold builds)."""
     from packer import load_manifest
 
-    cmd = [sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
+    cmd = [sys.executable, "-m", "packer", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
     alone, busy, seconds, waits = [raw_rate(what, raw)], [], [], []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)

@@ -1,7 +1,9 @@
 """mmpack's offline packer: raw images and text -> memory-mapped numpy shards + a manifest.
 
-Never imports torch. `loaders` reads what this writes, through `packer.dataset.reader`; names are
-imported lazily so that reading does not pull in Pillow, tokenizers or pyarrow.
+`packer.build / commit / push / pull / verify / info / merge / pack / unpack / sizes` do what
+the `packer` command does (`packer.api`). Never imports torch. `loaders` reads what this writes,
+through `packer.dataset.reader` (and `packer.remote` for URLs); names are imported lazily so
+that reading does not pull in Pillow, tokenizers or pyarrow.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import importlib
 __version__ = "0.4.0"
 
 _EXPORTS = {
-    "BuildConfig": "builder.config", "build": "builder.run", "verify": "dataset.verify",
-    "DatasetReader": "dataset.reader", "load_manifest": "dataset.reader",
+    **{name: "api" for name in ("build", "commit", "push", "pull", "verify", "info", "merge", "pack", "unpack",
+                                "sizes")},
+    "BuildConfig": "builder.config", "DatasetReader": "dataset.reader", "load_manifest": "dataset.reader",
     "MmpackError": "errors", "ConfigError": "errors", "SourceError": "errors",
     "ManifestError": "errors", "IntegrityError": "errors",
 }

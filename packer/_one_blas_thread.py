@@ -1,5 +1,5 @@
-"""Imported before numpy by the `packer` command and by the pool's forkserver (first of what
-it preloads).
+"""Imported before numpy by the `packer` command (`packer.__main__`) and by the pool's
+forkserver (first of what it preloads): processes of the build's own, never by a library import.
 
 OpenBLAS starts a thread per core when numpy is imported and keeps them spinning for a while
 (in the server, until its fork handler stops them at its first fork): CPU taken from the

@@ -2,7 +2,7 @@
 
 Builds an image dataset from crops of real photos (scikit-image / scikit-learn sample images)
 and a text dataset from Python's own library sources with a real pretrained tokenizer (MiniLM's
-tokenizer.json), through the real `packer` command; opens both; then times the product path,
+tokenizer.json), through `packer.build` (what the `packer` command runs); opens both; then times the product path,
 `Loader` (whole shuffled batches, warm page cache), against what training does without mmpack,
 decoding and resizing the same files with Pillow, each in this one process, in the same run.
 Everything it writes goes into a temporary dir that it removes at the end (unless --work).
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench import data
 from loaders import Loader, MMapDataset, TokenWindows
-from packer.cli import main as packer
+import packer
 from packer.builder.images import decode_image
 
 
@@ -49,14 +49,15 @@ def run(work: Path, args) -> int:
     data.make_image_folders(raw_img, args.images)
     data.make_text(raw_txt, int(args.text_mb * 1024**2))
     print("== packer build (images, 224x224)")
-    if packer(["build", str(raw_img), str(out_img), "-q"]):
-        return 1
+    packer.build(raw_img, out_img)
     print("== packer build (text, MiniLM tokenizer, EOS appended)")
-    if packer(["build", str(raw_txt), str(out_txt), "--tokenizer", str(data.minilm_tokenizer()), "--append-eos", "-q"]):
-        return 1
+    packer.build(raw_txt, out_txt, tokenizer=data.minilm_tokenizer(), append_eos="auto")
     for out in (out_img, out_txt):
-        print(f"== packer info {out.name}")
-        packer(["info", str(out)])
+        d = packer.info(out)
+        c = d["counts"]
+        print(f"== packer info {out.name}: {d['kind']}, {d['num_samples']:,} samples in {d['num_shards']} shards "
+              f"(found {c['found']:,} = packed {c['packed']:,} + skipped {c['skipped']:,}); columns "
+              + ", ".join(f"{n} {col['dtype']} {tuple(col['shape'])}" for n, col in d["columns"].items()))
 
     images = MMapDataset(out_img, columns=["image", "label"])
     loader = Loader(images, 256, seed=0)

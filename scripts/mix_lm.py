@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from bench import data
 from loaders import Loader, Mixture, TokenWindows
-from packer.cli import main as packer
+import packer
 
 WEIGHTS = {"code": 0.7, "prose": 0.3}
 
@@ -37,8 +37,7 @@ def build(work: Path, tokenizer: Path) -> dict[str, Path]:
             f.write(json.dumps({"text": line}) + "\n")
     outs = {"code": work / "code", "prose": work / "prose"}
     for name, raw in (("code", code_raw), ("prose", prose_raw)):
-        if packer(["build", str(raw), str(outs[name]), "--tokenizer", str(tokenizer), "--append-eos", "-q"]):
-            raise SystemExit(f"packer build {name} failed")
+        packer.build(raw, outs[name], tokenizer=tokenizer, append_eos="auto")
     return outs
 
 

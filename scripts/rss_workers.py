@@ -11,7 +11,6 @@ would grow with the worker count; with maps it stays flat.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import random
 import sys
@@ -22,7 +21,7 @@ import torch
 from bench import data
 from bench.measure import rollup, tree_pids
 from loaders import MMapDataset
-from packer.cli import main as packer
+import packer
 
 
 def tree() -> list[dict]:
@@ -45,8 +44,7 @@ def main() -> int:
         with open(raw / "docs.jsonl", "w") as f:
             for _ in range(args.docs):
                 f.write(json.dumps({"text": rng.choice(lines)}) + "\n")
-        with contextlib.redirect_stdout(sys.stderr):  # stdout is for the JSON report alone
-            packer(["build", str(raw), str(out), "--tokenizer", str(data.minilm_tokenizer()), "-q", "--overwrite"])
+        packer.build(raw, out, tokenizer=data.minilm_tokenizer(), overwrite=True)
     ds = MMapDataset(out, columns=["tokens"])
     loader = torch.utils.data.DataLoader(ds, batch_size=512, shuffle=True, num_workers=args.workers,
                                          collate_fn=lambda b: len(b), persistent_workers=True)

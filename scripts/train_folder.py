@@ -20,7 +20,8 @@ import torch.nn.functional as F
 
 from loaders import Loader, MMapDataset
 from loaders.augment import normalize, random_flip
-from packer.cli import main as packer
+import packer
+from packer.errors import MmpackError
 
 
 def small_cnn(num_classes: int) -> torch.nn.Module:
@@ -93,8 +94,13 @@ def main(argv: list[str] | None = None) -> int:
         return on_the_fly(args)
     out = args.out or args.raw.with_name(args.raw.name + ".mmpack")
     if not (out / "manifest.json").exists():
-        if packer(["build", str(args.raw), str(out), "--image-size", str(args.image_size)]) != 0:
+        try:
+            m = packer.build(args.raw, out, image_size=args.image_size)
+        except MmpackError as exc:
+            print(f"packer build: error: {exc}", file=sys.stderr)
             return 2
+        print(f"packed {args.raw} -> {out}: found {m.counts['found']} = packed {m.counts['packed']} + skipped "
+              f"{m.counts['skipped']}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ds = MMapDataset(out)
     loader = Loader(ds, args.batch_size, seed=0, columns=["image", "label"], device=device)

@@ -25,15 +25,19 @@ import torch.nn.functional as F
 
 from loaders import Loader, MMapDataset
 from loaders.augment import eval_transform, train_transform
-from packer.cli import main as packer
+import packer
 
 
 def packed(folder: Path) -> Path:
     """folder/ packed once beside it as folder.mmpack (keep-aspect, shorter side 256)."""
     out = folder.with_name(folder.name + ".mmpack")
-    if not (out / "manifest.json").exists() and packer(["build", str(folder), str(out), "--image-size", "256",
-                                                        "--keep-aspect", "-q"]) != 0:
-        raise SystemExit(2)
+    if not (out / "manifest.json").exists():
+        try:
+            m = packer.build(folder, out, image_size=256, keep_aspect=True)
+        except packer.MmpackError as exc:
+            raise SystemExit(f"packer build: error: {exc}") from None
+        print(f"packed {folder} -> {out}: found {m.counts['found']} = packed {m.counts['packed']} + skipped "
+              f"{m.counts['skipped']}", file=sys.stderr)
     return out
 
 

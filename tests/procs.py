@@ -17,7 +17,7 @@ def kill_mid_build(raw: Path, out: Path, args: list[str], *, settle: bool = True
     """SIGKILL the build once one shard is whole in staging and another is being written (the
     build process alone, or with `group` its whole process group). `settle`: wait for its pool
     workers to go too (see the end)."""
-    proc = subprocess.Popen([sys.executable, "-m", "packer.cli", "build", str(raw), str(out), "-q", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "packer", "build", str(raw), str(out), "-q", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=group)
     staging, deadline = out / fmt.STAGING_DIR, time.time() + 120
     while time.time() < deadline and proc.poll() is None:

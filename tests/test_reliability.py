@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def packer(*args, script: str | None = None, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     """`packer ARGS` in a new process (through `script`, a file run as __main__, when given)."""
-    cmd = [sys.executable, script] if script else [sys.executable, "-m", "packer.cli"]
+    cmd = [sys.executable, script] if script else [sys.executable, "-m", "packer"]
     return subprocess.run([*cmd, *map(str, args)], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, **(env or {})}, timeout=300, **kw)
 
@@ -74,7 +74,7 @@ def test_two_builds_started_together_publish_one_whole_dataset(tmp_path, image_r
     assert main(["build", str(image_raw), str(tmp_path / "clean"), *args]) == 0
     for attempt in range(3):
         out = tmp_path / f"out{attempt}"
-        cmd = [sys.executable, "-m", "packer.cli", "build", str(image_raw), str(out), *args]
+        cmd = [sys.executable, "-m", "packer", "build", str(image_raw), str(out), *args]
         procs = [subprocess.Popen(cmd, cwd=ROOT, stderr=subprocess.PIPE, text=True) for _ in range(2)]
         results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
         # the one that comes second is refused while the first writes, or, on a machine fast enough
@@ -220,7 +220,7 @@ def test_killing_the_build_stops_every_worker_within_a_second(tmp_path, text_raw
     out = tmp_path / "out"
     extra = (["--tokenizer", minilm, "--shard-size", "64KB"] if kind == "text"
              else ["--image-size", "96", "--shard-size", "4"])
-    cmd = [sys.executable, "-m", "packer.cli", "build", str(text_raw if kind == "text" else image_raw), str(out),
+    cmd = [sys.executable, "-m", "packer", "build", str(text_raw if kind == "text" else image_raw), str(out),
            "-q", "--workers", "2", *map(str, extra)]
     proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     staging = out / fmt.STAGING_DIR

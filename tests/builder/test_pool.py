@@ -201,7 +201,7 @@ def _blas_threads_setting() -> str | None:
 def test_workers_fork_only_from_a_single_thread_and_never_for_a_tokenizer():
     """A fork copies no lock that another thread holds only where there is no other thread; a
     build with a tokenizer never forks (its Rust pool can deadlock the child)."""
-    code = ("import threading, packer.cli; from packer.builder.pool import start_method; "
+    code = ("import packer._one_blas_thread, threading, packer.cli; from packer.builder.pool import start_method; "
             "a = start_method(tokenizer=False), start_method(tokenizer=True); "
             "e = threading.Event(); t = threading.Thread(target=e.wait); t.start(); "
             "b = start_method(tokenizer=False); e.set(); t.join(); print(*a, b)")
@@ -218,9 +218,9 @@ def test_an_image_build_forked_from_the_command_gives_the_same_bytes(tmp_path, i
     here with numpy's OpenBLAS threads)."""
     build(image_raw, tmp_path / "one", *IMG, "--workers", 1)
     argv = ["build", str(image_raw), str(tmp_path / "forked"), "-q", *IMG, "--workers", str(workers)]
-    code = ("import os, sys, packer.cli; forks = []; "
+    code = ("import os, sys; from packer import __main__ as command; forks = []; "
             "os.register_at_fork(before=lambda: forks.append(len(os.listdir('/proc/self/task')))); "
-            f"rc = packer.cli.main({argv!r}); print(forks); sys.exit(rc)")
+            f"sys.argv = ['packer', *{argv!r}]; rc = command.main(); print(forks); sys.exit(rc)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.splitlines()[-1]) == [1] * workers  # threads at each fork
     assert tree(tmp_path / "forked") == tree(tmp_path / "one")
@@ -293,14 +293,21 @@ def test_pool_workers_and_their_server_run_openblas_on_one_thread():
 def test_the_packer_command_runs_openblas_on_one_thread_unless_told(setting):
     """The build process never calls BLAS, but numpy's import starts OpenBLAS threads that spin
     for about 0.1 s of a core each, beside the first lane or the tokenizer threads. The command
-    sets one thread before numpy is imported (a thread count, so an import moved above it fails
-    here on any machine with 2+ cores); a user's own setting stays."""
+    (`packer.__main__`) sets one thread before numpy is imported (a thread count, so an import
+    moved above it fails here on any machine with 2+ cores); a user's own setting stays; and
+    importing the CLI or the API sets nothing in the importer's environment."""
     env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
     if setting:
         env["OPENBLAS_NUM_THREADS"] = setting
-    code = "import os, packer.cli; print(len(os.listdir('/proc/self/task')), os.environ['OPENBLAS_NUM_THREADS'])"
+    code = ("import os, sys, types; from packer import __main__ as command; "
+            "report = lambda: print(len(os.listdir('/proc/self/task')), os.environ['OPENBLAS_NUM_THREADS']) or 0; "
+            "sys.modules['packer.cli'] = types.SimpleNamespace(main=lambda: __import__('numpy') and report()); "
+            "sys.exit(command.main())")
     threads, value = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                                     check=True).stdout.split()
     assert value == (setting or "1")
     if setting is None:
         assert threads == "1"
+    code = "import os, packer.cli, packer.api; print(os.environ.get('OPENBLAS_NUM_THREADS'))"
+    imported = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert imported.stdout.split() == [setting or "None"]

@@ -52,7 +52,7 @@ report = {}
 for workers in ("1", "2"):
     out, filler = mnt / f"ds{workers}", mnt / "filler"
     filler.write_bytes(b"\0" * filler_bytes)  # tmpfs: really takes the space
-    cmd = [sys.executable, "-m", "packer.cli", "build", raw, str(out), "-q", *args, "--workers", workers]
+    cmd = [sys.executable, "-m", "packer", "build", raw, str(out), "-q", *args, "--workers", workers]
     full = subprocess.run(cmd, capture_output=True, text=True)
     try:
         load_manifest(out)

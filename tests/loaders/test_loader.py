@@ -491,14 +491,14 @@ def test_string_column_gather_keeps_non_ascii_keys(tmp_path):
     import shutil
 
     from bench import data
-    from packer import BuildConfig, build
+    import packer
 
     photos = sorted(data.fetch(data.SKLEARN).glob("*.jpg"))
     names = ["a/plain.jpg", "café/crème brûlée.jpg", "a/after.jpg", "日本/写真.jpg", "a/zz.jpg", "ünï/x.jpg"]
     for i, name in enumerate(names):
         (tmp_path / "raw" / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(photos[i % len(photos)], tmp_path / "raw" / name)
-    build(BuildConfig(tmp_path / "raw", tmp_path / "out", image_size=16, shard_rows=2, shard_bytes=None, workers=1))
+    packer.build(tmp_path / "raw", tmp_path / "out", image_size=16, shard_size="2", workers=1)
     ds = MMapDataset(tmp_path / "out")
     assert len(ds.reader.shard_ends) > 1  # the gather crosses shards
     for shuffle, seed in [(False, 0), (True, 1), (True, 2)]:

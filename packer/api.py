@@ -1,0 +1,247 @@
+"""What the `packer` command does, as Python functions: `build`, `commit`, `push`, `pull`,
+`verify`, `info`, `merge`, `pack`, `unpack` and `sizes`, each with the command's options as
+keywords (the flags' names in snake case, their values as the flags take them or as Python
+values) and URLs wherever the command takes them. The CLI (`packer.cli`) parses flags into these
+calls and prints what they return; they print nothing.
+
+    import packer
+    packer.build("raw/", "out/", image_size=256, keep_aspect=True)
+    packer.build("raw/", "s3://bucket/photos", zstd=3)   # built in a local dir, then pushed
+    packer.verify("out/"); packer.info("s3://bucket/photos")["num_samples"]
+
+A build with workers, from a script: call it under `if __name__ == "__main__":` (the pool's
+workers start from the script's process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from packer.builder.config import BuildConfig, parse_part, parse_shard_size
+from packer.builder.run import PartReport
+from packer.dataset import format as fmt
+from packer.dataset.archive import Transfer
+from packer.dataset.reader import DatasetReader
+from packer.errors import ConfigError
+
+Progress = Callable[[int, int], None]
+_DEFAULT_SHARD_SIZE = "256MB"
+
+
+def build(raw: str | Path, out: str | Path, *, kind: str | None = BuildConfig.kind,
+          image_size: int | str | None = BuildConfig.image_size, keep_aspect: bool = BuildConfig.keep_aspect,
+          max_side: int | None = BuildConfig.max_side, background: str | tuple[int, int, int] | None = None,
+          tokenizer: str | Path | None = BuildConfig.tokenizer, text_key: str = BuildConfig.text_key,
+          max_doc_bytes: int = BuildConfig.max_doc_bytes, append_eos: str | int | None = BuildConfig.append_eos,
+          special_tokens: bool = BuildConfig.special_tokens, shard_size: str | int = _DEFAULT_SHARD_SIZE,
+          overwrite: bool = BuildConfig.overwrite, strict: bool = BuildConfig.strict,
+          max_skipped: float | None = BuildConfig.max_skipped, workers: int | None = BuildConfig.workers,
+          engine: str = BuildConfig.engine, ray_address: str | None = BuildConfig.ray_address,
+          part: str | tuple[int, int] | None = None, append: bool = BuildConfig.append,
+          allow_changed: bool = BuildConfig.allow_changed, zstd: int | None = None,
+          on_progress: Progress | None = None) -> fmt.Manifest | PartReport:
+    """`packer build RAW OUT [flags]`: pack RAW into the dataset dir OUT, or into a local dir and
+    then to OUT in object storage when OUT is a URL (`zstd`: pushed compressed, at that level).
+    `image_size`: S, or "keep"/None for each image's own size; `shard_size`: "256MB", "1000"
+    rows, or an int of rows; `background`: "R,G,B" or a tuple; `part`: "i/N" or (i, N), a share
+    of the build that publishes nothing (then `commit`). Run again after a kill, the same call
+    goes on where it stopped. `on_progress(done, total)` is called as records are packed.
+    Returns the published manifest (a `part` run: what it built, `PartReport`)."""
+    config = build_config(raw, out, kind=kind, image_size=image_size, keep_aspect=keep_aspect, max_side=max_side,
+                          background=background, tokenizer=tokenizer, text_key=text_key, max_doc_bytes=max_doc_bytes,
+                          append_eos=append_eos, special_tokens=special_tokens, shard_size=shard_size,
+                          overwrite=overwrite, strict=strict, max_skipped=max_skipped, workers=workers, engine=engine,
+                          ray_address=ray_address, part=part, append=append, allow_changed=allow_changed)
+    url = None if str(config.out) == str(out) else str(out)
+    if zstd is not None and url is None:
+        raise ConfigError(f"{out}: --zstd compresses what a build pushes to a URL; for a local dataset, packer pack it")
+    from packer.builder.run import build as run_build, build_part
+
+    if config.part is not None:
+        return build_part(config, on_progress=on_progress)
+    manifest = run_build(config, on_progress=on_progress)
+    if url is not None:
+        push(config.out, url, zstd=zstd)
+    return manifest
+
+
+def build_config(raw: str | Path, out: str | Path, *, image_size: int | str | None, shard_size: str | int,
+                 background: str | tuple[int, int, int] | None, part: str | tuple[int, int] | None,
+                 **same) -> BuildConfig:
+    """The BuildConfig of `build`'s options: the flags that are fields as they are, the others
+    parsed from the command line's spelling (or taken as Python values); a URL OUT built in the
+    node's build dir for it."""
+    if isinstance(image_size, str):
+        if image_size == "keep":
+            image_size = None
+        else:
+            try:
+                image_size = int(image_size)
+            except ValueError:
+                raise ConfigError(f"--image-size: {image_size!r} is neither a number nor 'keep'") from None
+    rows, nbytes = parse_shard_size(str(shard_size))
+    if isinstance(background, str):
+        try:
+            background = tuple(int(v) for v in background.split(","))
+        except ValueError:
+            raise ConfigError(f"--background: {background!r} is not R,G,B (e.g. 255,255,255)") from None
+    if isinstance(part, str):
+        part = parse_part(part)
+    return BuildConfig(raw=Path(raw), out=_build_dir(out, append=same.get("append", False), part=part),
+                       image_size=image_size, shard_rows=rows, shard_bytes=nbytes,
+                       background=tuple(background) if background is not None else None,
+                       part=tuple(part) if part is not None else None, **same)
+
+
+def where_built(out: str | Path) -> Path:
+    """OUT, or for a URL the local dir the build runs in (kept: the same call run again after a
+    kill resumes there), pushed once the build is published."""
+    from packer import remote
+
+    return remote.build_dir(str(out)) if remote.is_url(out) else Path(out)
+
+
+def _build_dir(out: str | Path, *, append: bool, part) -> Path:
+    if (append or part) and str(where_built(out)) != str(out):
+        raise ConfigError(f"{out}: --append and --part build into a local dir; pull the dataset, build there, "
+                          "then packer push")
+    return where_built(out)
+
+
+def commit(out: str | Path, *, max_skipped: float | None = None) -> fmt.Manifest:
+    """`packer commit OUT`: publish a build made of `part` runs once every shard is there."""
+    from packer.builder.publish import commit as commit_parts
+
+    return commit_parts(out, max_skipped=max_skipped)
+
+
+def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
+    """`packer push OUT URL`: every file of the dataset dir (or archive dir) OUT, checked after
+    upload, the manifest last; `zstd`: compressed at that level."""
+    from packer import remote
+
+    return remote.push(out, url, zstd=zstd)
+
+
+def pull(url: str, out: str | Path) -> fmt.Manifest:
+    """`packer pull URL OUT`: the dataset at URL into the new dir OUT, every file verified (a
+    no-op when OUT holds that very build already)."""
+    from packer import remote
+    from packer.dataset.outdir import check_out
+
+    published = remote.read_published(url)
+    mine = Path(out) / fmt.MANIFEST_NAME
+    if mine.is_file() and fmt.Manifest.from_json(mine.read_text(encoding="utf-8"), where=str(mine)) == published[0]:
+        return published[0]
+    check_out(Path(out), append=False, overwrite=False)
+    return remote.pull(url, out, published=published)
+
+
+def local(path: str | Path) -> Path:
+    """A dataset dir or archive as a Path; a URL as the whole dataset in the node's cache
+    (downloaded and verified once), and that dir."""
+    from packer import remote
+
+    return remote.materialize(str(path)) if remote.is_url(path) else Path(path)
+
+
+def verify(path: str | Path, *, on_progress: Progress | None = None) -> dict:
+    """`packer verify PATH`: every file of a dataset dir, archive or URL re-hashed and checked;
+    {"files", "size_bytes", "num_samples"}, or an IntegrityError naming the first damage."""
+    from packer.dataset.archive import is_archive, verify_archive
+    from packer.dataset.verify import verify as verify_dir
+
+    root = local(path)
+    return (verify_archive if is_archive(root) else verify_dir)(root, on_progress=on_progress)
+
+
+def info(path: str | Path) -> dict:
+    """`packer info PATH --json --skipped`: what a dataset dir, archive or URL holds (an
+    archive's classes with no sample are not known without unpacking its labels: None)."""
+    from packer.dataset.archive import is_archive, read_archive
+
+    root = local(path)
+    archived = is_archive(root)
+    if archived:
+        m, files = read_archive(root)
+        reader, extra = None, {"archive_bytes": sum(f.size_bytes for f in files)}
+    else:
+        reader, extra = DatasetReader(root), {}
+        m = reader.manifest
+    return {
+        "path": str(root),
+        "format": f"{fmt.FORMAT_NAME} {m.version}" + (" (zstd archive)" if archived else ""),
+        "kind": m.kind,
+        "num_samples": m.num_samples,
+        "num_shards": len(m.shards),
+        "size_bytes": m.size_bytes,
+        "columns": {c.name: {"dtype": c.dtype, "shape": list(c.shape), "ragged": c.ragged} for c in m.columns},
+        "classes": list(m.classes) if m.classes is not None else None,
+        "empty_classes": empty_classes(reader) if reader is not None else None,
+        "counts": m.counts,
+        "tokenizer": m.tokenizer,
+        "images": _image_policy(m),
+        "skipped": [{"key": k.key, "stage": k.stage, "reason": k.reason} for k in m.skipped],
+        **extra,
+    }
+
+
+def empty_classes(reader: DatasetReader) -> list[str]:
+    """The classes no packed sample has (an empty folder, or only files that were skipped)."""
+    counts = reader.class_counts()
+    return [] if counts is None else [reader.manifest.classes[i] for i in np.flatnonzero(counts == 0)]
+
+
+def _image_policy(m: fmt.Manifest) -> str | None:
+    """How the build sized its images, in the flags' words (None: no image column)."""
+    if not any(c.name == "image" for c in m.columns) or "image_size" not in m.build:
+        return None  # no images, or a build that did not record how (a merge)
+    size, cap = m.build.get("image_size"), m.build.get("max_side")
+    if size is None:
+        return "--image-size keep: each image at its own size"
+    if cap:
+        return f"--image-size {size} --keep-aspect: whole images, shorter side {size}, longer <= {cap}"
+    return f"--image-size {size}: {size} x {size} centre crops"
+
+
+def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
+          allow_duplicate_keys: bool = False) -> fmt.Manifest:
+    """`packer merge A B ... OUT`: datasets with the same columns joined, no re-encoding."""
+    from packer.dataset.merge import merge as merge_dirs
+
+    return merge_dirs(inputs, out, overwrite=overwrite, allow_duplicate_keys=allow_duplicate_keys)
+
+
+def pack(out: str | Path, archive: str | Path, *, level: int = 3, threads: int | None = None,
+         overwrite: bool = False) -> Transfer:
+    """`packer pack OUT ARCHIVE`: a zstd archive dir of the dataset dir OUT."""
+    from packer.dataset.archive import pack as pack_dir
+
+    return pack_dir(out, archive, level=level, threads=threads, overwrite=overwrite)
+
+
+def unpack(archive: str | Path, out: str | Path, *, threads: int | None = None, overwrite: bool = False) -> Transfer:
+    """`packer unpack ARCHIVE OUT`: the dataset dir restored, both checksums of every file checked."""
+    from packer.dataset.archive import unpack as unpack_dir
+
+    return unpack_dir(archive, out, threads=threads, overwrite=overwrite)
+
+
+def sizes(raw: str | Path, *, image_size: int = 256, max_side: int | None = None, kind: str | None = None,
+          sample: int | None = None, on_progress: Progress | None = None) -> dict:
+    """`packer sizes RAW --json`: the bytes RAW's images would take under each --image-size
+    policy, from the headers of `sample` images spread over RAW (default 2,000; None or 0: all)."""
+    from packer.builder.plan import SIZES_SAMPLE, size_report
+    from packer.builder.scan import scan
+
+    cap = max_side or 2 * image_size
+    if not 1 <= image_size <= cap:
+        raise ConfigError(f"--image-size {image_size} and --max-side {cap}: need 1 <= S <= N")
+    found = scan(raw, kind)
+    if found.kind == "text":
+        raise ConfigError(f"{raw}: holds text ({found.why}); 'packer sizes' compares image storage")
+    return size_report(found, image_size, cap, sample=SIZES_SAMPLE if sample is None else (sample or None),
+                       on_progress=on_progress)
