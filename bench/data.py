@@ -113,12 +113,13 @@ def fetch(package: Package) -> Path:
         return dest
     download = cache_dir() / "downloads" / name
     download.mkdir(parents=True, exist_ok=True)
-    archives = list(download.iterdir())
+    archives = [a for a in download.iterdir() if not a.name.startswith(".")]  # not a part file
     if not archives:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(download),
-               "--only-binary=:all:" if package.binary else "--no-binary=:all:", package.requirement]
-        subprocess.run(cmd, check=True)
-        archives = list(download.iterdir())
+        if package.binary or not _download_sdist(package.requirement, download):
+            cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(download),
+                   "--only-binary=:all:" if package.binary else "--no-binary=:all:", package.requirement]
+            subprocess.run(cmd, check=True)
+        archives = [a for a in download.iterdir() if not a.name.startswith(".")]  # not a part file
     dest.mkdir(parents=True, exist_ok=True)
     for member, data in _members(archives[0], package):
         expected = package.files[member]
@@ -129,6 +130,37 @@ def fetch(package: Package) -> Path:
     if missing:
         raise RuntimeError(f"{archives[0]}: lacks {', '.join(missing)}")
     return dest
+
+
+def _download_sdist(requirement: str, folder: Path) -> bool:
+    """The source archive of `requirement` (name==version) into `folder` straight from the package
+    index (PIP_INDEX_URL, else PyPI; its simple API's JSON), checked against the index's sha256:
+    `pip download --no-binary` would first build the package's metadata, installing its build
+    dependencies (minutes, for Pillow). False where the index cannot be read that way."""
+    import urllib.request
+
+    name, version = requirement.split("==")
+    index = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
+    want = f"{name.lower()}-{version}.tar.gz"
+    try:
+        request = urllib.request.Request(f"{index}/{name.lower()}/",
+                                         headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            files = json.load(reply)["files"]
+        entry = next(f for f in files if f["filename"].lower() == want)
+        part = folder / f".{entry['filename']}.part"
+        digest = hashlib.sha256()
+        with urllib.request.urlopen(entry["url"], timeout=120) as reply, open(part, "wb") as f:
+            while chunk := reply.read(1 << 20):
+                digest.update(chunk)
+                f.write(chunk)
+    except (OSError, ValueError, KeyError, StopIteration):
+        return False
+    if digest.hexdigest() != entry["hashes"].get("sha256"):
+        part.unlink()
+        return False
+    part.rename(folder / entry["filename"])
+    return True
 
 
 def _members(archive: Path, package: Package):
