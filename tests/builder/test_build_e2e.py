@@ -24,7 +24,7 @@ from bench.measure import evict
 from loaders import MMapDataset
 from packer.dataset import format as fmt
 from packer.builder import scan as sources
-from packer.cli import main
+from packer.cli import DISK_BOUND, main
 from packer.dataset.reader import load_manifest
 
 from ..conftest import PLANTED_IMAGE_SKIPS, PLANTED_TEXT_SKIPS
@@ -286,15 +286,17 @@ def test_a_build_on_a_slow_disk_says_the_workers_waited_on_it(tmp_path, image_ra
         "def fsync(fd):\n    time.sleep(0.3)\n    _fsync(fd)\nos.fsync = fsync\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])}
     raw, extra = (image_raw, ["--image-size", "32"]) if layout == "images" else (text_raw, ["--tokenizer", str(minilm)])
-    res = subprocess.run([sys.executable, "-m", "packer.cli", "build", str(raw), str(tmp_path / "o"), "--workers", "2",
+    res = subprocess.run([sys.executable, "-m", "packer", "build", str(raw), str(tmp_path / "o"), "--workers", "2",
                           *extra], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
+    waited = json.loads((tmp_path / "o" / "manifest.json").read_text())["build"]["disk_wait"]
+    # a build of a second or two with 0.3 s fsyncs waits on them a large share on any machine; on
+    # a loaded one its decoding takes longer, so the share is bounded loosely and the line is
+    # checked against it
+    assert 0.1 < waited <= 1, waited
     summary = res.stdout.strip().splitlines()[-1]
-    assert "the workers spent " in summary, summary
-    share = int(summary.split("the workers spent ")[1].split("%")[0])
-    assert 25 <= share <= 100
-    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
-    assert manifest["build"]["disk_wait"] == pytest.approx(share / 100, abs=0.01)
+    said = f"the workers spent {100 * waited:.0f}% of their time waiting on the disk"
+    assert (said in summary) == (waited >= DISK_BOUND), summary
 
 
 def test_a_workers_last_progress_is_counted_when_it_arrives_after_its_result(tmp_path, text_raw, minilm):
@@ -316,7 +318,7 @@ def test_a_workers_last_progress_is_counted_when_it_arrives_after_its_result(tmp
         "    return _send(self, *a, **k)\n"
         "os.fsync, c.Connection.send_bytes = fsync, send_bytes\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    res = subprocess.run([sys.executable, "-m", "packer.cli", "build", str(text_raw), str(tmp_path / "o"), "--workers", "1",
+    res = subprocess.run([sys.executable, "-m", "packer", "build", str(text_raw), str(tmp_path / "o"), "--workers", "1",
                           "--tokenizer", str(minilm)], capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["build"]["disk_wait"] > 0.1, res.stdout
