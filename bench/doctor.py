@@ -703,90 +703,130 @@ def _rates(r: dict) -> list[dict]:
 
 
 def _verdict(r: dict) -> tuple[str, list[dict]]:
+    """The verdict on a watched loop, and the fixes to try: the largest gain first; unmeasured,
+    unestimated ones last."""
     alone = (r.get("loader_alone") or {}).get("samples_per_s")
-    rates = (f"; the loader alone makes {alone:,.0f} samples/s" if alone else "") + (
-        f", the model takes {r['model_samples_per_s']:,.0f}/s" if r.get("model_samples_per_s") else "")
-    wait = r["wait"]
-    gpu = (r.get("gpu") or {}).get("util_mean_pct")
-    events = r.get("cuda_events") or {}
-    copies = r.get("copies") or {}
-    waited = (f"{100 * r['wait_share']:.0f}% of the loop waiting for the next batch"
-              + (f" (p50 {wait['p50_ms']:.1f} ms, p95 {wait['p95_ms']:.1f} ms)" if wait.get("n") else "")
-              + (f", the GPU busy {gpu:.0f}% of the time (NVML)" if gpu is not None else "")
-              + (f", its stream idle {100 * events['gap_share']:.0f}% of the loop between steps (CUDA events)"
-                 if events else "")
-              + (f"; {copies['bytes_per_batch'] / 1e6:,.1f} MB copied to the GPU a batch, "
-                 f"{100 * copies['pinned_share']:.0f}% of it from pinned memory" if copies else ""))
-    fixes = []
-    if copies and copies["pinned_share"] < 0.5 and copies["blocked_s"] > 0.05 * (r.get("step") or {}).get("total_s", 0):
-        fixes.append({"fix": "pin_memory=True and .to(device, non_blocking=True)",
-                      "expected": f"the {copies['blocked_s']:.2f} s the loop spent blocked in copies from "
-                                  "pageable memory, overlapped", "how": "estimated from the copies seen"})
+    seen = _waited(r) + _rates_said(r, alone)
+    fixes = [fix for fix in [_copies_fix(r)] if fix]
     # the GPU's own clock decides where there is one: a script that queues its steps ahead waits
     # on the host while its GPU still works
+    events = r.get("cuda_events") or {}
     bound = events["gap_share"] if events else r["wait_share"]
     if bound <= DATA_BOUND:
-        return f"compute-bound: {waited}{rates}: the data is not what the step waits for", fixes
+        return f"compute-bound: {seen}: the data is not what the step waits for", fixes
     ps = r.get("per_sample") or {}
-    cores = r.get("cores") or 1
-    work = "the dataset's iterator" if ps.get("iterable") else "__getitem__"
     if "getitem_ms" in ps:
-        workers = ps["num_workers"]
-        wider = r.get("more_workers") or {}
-        if wider.get("samples_per_s") and alone:  # measured: named only where it is faster
-            if wider["samples_per_s"] > NAMED_GAIN * alone:
-                fixes.append({"fix": f"num_workers={wider['num_workers']} (now {workers})",
-                              "expected": f"{wider['samples_per_s'] / alone:.1f}x the data rate "
-                                          f"({wider['samples_per_s']:,.0f} samples/s alone)",
-                              "how": "measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
-                              "gain": wider["samples_per_s"] / alone})
-        elif workers < cores:  # not measured for an iterable dataset: more workers may each yield all of it
-            gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
-            fixes.append({"fix": f"num_workers={cores} (now {workers})", "expected": f"up to {gain:.1f}x the data rate",
-                          "how": "estimated: the per-sample work spread over more processes" + (
-                              "; each worker must take its own part of the stream (get_worker_info())"
-                              if ps.get("iterable") else ""), "gain": gain})
-        packed = (r.get("packed") or {}).get("samples_per_s")
-        if packed and alone:
-            fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
-                          "expected": f"{packed / alone:.1f}x the data rate ({packed:,.0f} samples/s alone)",
-                          "how": f"measured: {r['packed']['files']} of its files packed at "
-                                 f"{r['packed']['image_size']} px, then Loader alone", "gain": packed / alone})
-        else:
-            fixes.append({"fix": "pack the data once (packer build RAW OUT) and read it with loaders.Loader",
-                          "expected": f"no decode per sample: the {ps['getitem_ms']:.2f} ms a sample {work} takes, gone",
-                          "how": f"estimated from {work} timed here; bench loaders measures it on sample data"})
-        steady = (r.get("persistent") or {}).get("samples_per_s")
-        if steady and alone and steady > NAMED_GAIN * alone:
-            fixes.append({"fix": "persistent_workers=True", "expected": f"{steady / alone:.1f}x the data rate "
-                          f"({steady:,.0f} samples/s alone): its workers start once, not every epoch",
-                          "how": "measured: the same loader so, alone, over as many epochs", "gain": steady / alone})
-        deeper = next((x for x in r.get("workers_sweep") or [] if x.get("prefetch_factor") and x.get("samples_per_s")),
-                      None)
-        if deeper and alone and deeper["samples_per_s"] > NAMED_GAIN * max(alone, wider.get("samples_per_s") or 0):
-            fixes.append({"fix": f"prefetch_factor=4 with num_workers={deeper['num_workers']}",
-                          "expected": f"{deeper['samples_per_s'] / alone:.1f}x the data rate",
-                          "how": "measured: the same loader so, alone", "gain": deeper["samples_per_s"] / alone})
-        if not ps.get("pin_memory") and r.get("cuda") and not any(f["fix"].startswith("pin_memory") for f in fixes):
-            fixes.append({"fix": "pin_memory=True", "expected": "faster host-to-GPU copies",
-                          "how": "estimated"})
-    why = (f"; {work} takes {ps['getitem_ms']:.2f} ms a sample and the collate "
-           f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""
+        fixes += _dataloader_fixes(r, ps, alone)
+        fixes += [fix for fix in [_pin_fix(r, ps, fixes)] if fix]
     alt = r.get("loader_alternatives") or {}
     if alt:
-        why = f"; a Loader with {alt['num_threads']} gather thread(s)" + (
-            f", {100 * alt['padding']:.0f}% of its canvas padding" if "padding" in alt else "")
         fixes += _loader_fixes(alt, alone)
-    procs = r.get("processes") or {}
-    if procs.get("worker_cpu_busy") is not None and "getitem_ms" in ps:  # a DataLoader's workers, not a
-        why += f" at {100 * procs['worker_cpu_busy']:.0f}% CPU each"     # script's other child processes
+    fixes.sort(key=lambda f: -f.get("gain", 0.0))
+    return f"data-bound: {seen}{_why(r, ps, alt, alone)}", fixes
+
+
+def _waited(r: dict) -> str:
+    """How long the loop waited, as the host's clock, NVML and the GPU's clock saw it, and what it
+    copied to the GPU."""
+    wait, events, copies = r["wait"], r.get("cuda_events") or {}, r.get("copies") or {}
+    gpu = (r.get("gpu") or {}).get("util_mean_pct")
+    return (f"{100 * r['wait_share']:.0f}% of the loop waiting for the next batch"
+            + (f" (p50 {wait['p50_ms']:.1f} ms, p95 {wait['p95_ms']:.1f} ms)" if wait.get("n") else "")
+            + (f", the GPU busy {gpu:.0f}% of the time (NVML)" if gpu is not None else "")
+            + (f", its stream idle {100 * events['gap_share']:.0f}% of the loop between steps (CUDA events)"
+               if events else "")
+            + (f"; {copies['bytes_per_batch'] / 1e6:,.1f} MB copied to the GPU a batch, "
+               f"{100 * copies['pinned_share']:.0f}% of it from pinned memory" if copies else ""))
+
+
+def _rates_said(r: dict, alone: float | None) -> str:
     model = r.get("model_samples_per_s")
-    if alone and model and alone > AHEAD_OF_MODEL * model:
-        why += (f"; alone it makes {alone / model:.0f}x what the model takes, so the wait is not its rate but "
-                f"what changes beside the step: the {r.get('cores') or 1} core(s) it shares with the step, "
-                "epoch starts, the hand-over of each batch")
-    fixes.sort(key=lambda f: -f.get("gain", 0.0))  # the largest gain first; unmeasured, unestimated ones last
-    return f"data-bound: {waited}{rates}{why}", fixes
+    return (f"; the loader alone makes {alone:,.0f} samples/s" if alone else "") + (
+        f", the model takes {model:,.0f}/s" if model else "")
+
+
+def _copies_fix(r: dict) -> dict | None:
+    """Copies from pageable memory that blocked the loop a twentieth of its steps' time or more."""
+    copies = r.get("copies") or {}
+    if not (copies and copies["pinned_share"] < 0.5
+            and copies["blocked_s"] > 0.05 * (r.get("step") or {}).get("total_s", 0)):
+        return None
+    return {"fix": "pin_memory=True and .to(device, non_blocking=True)",
+            "expected": f"the {copies['blocked_s']:.2f} s the loop spent blocked in copies from pageable memory, "
+                        "overlapped", "how": "estimated from the copies seen"}
+
+
+def _work(ps: dict) -> str:
+    """What makes one sample: a map-style dataset's __getitem__, an iterable one's iterator."""
+    return "the dataset's iterator" if ps.get("iterable") else "__getitem__"
+
+
+def _dataloader_fixes(r: dict, ps: dict, alone: float | None) -> list[dict]:
+    """A DataLoader's fixes: more workers, packing, persistent workers, a deeper prefetch."""
+    fixes = [_workers_fix(r, ps, alone), _pack_fix(r, ps, alone), _persistent_fix(r, alone), _prefetch_fix(r, alone)]
+    return [fix for fix in fixes if fix]
+
+
+def _workers_fix(r: dict, ps: dict, alone: float | None) -> dict | None:
+    """More workers: measured where the sweep ran (named only where faster), else estimated."""
+    workers, cores = ps["num_workers"], r.get("cores") or 1
+    wider = (r.get("more_workers") or {}).get("samples_per_s")
+    if wider and alone:
+        if wider <= NAMED_GAIN * alone:
+            return None
+        return {"fix": f"num_workers={r['more_workers']['num_workers']} (now {workers})",
+                "expected": f"{wider / alone:.1f}x the data rate ({wider:,.0f} samples/s alone)",
+                "how": "measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
+                "gain": wider / alone}
+    if workers >= cores:
+        return None
+    # not measured for an iterable dataset: more workers may each yield all of it
+    gain = min(cores / max(workers, 1), 1 / max(1 - r["wait_share"], 1e-3))
+    return {"fix": f"num_workers={cores} (now {workers})", "expected": f"up to {gain:.1f}x the data rate",
+            "how": "estimated: the per-sample work spread over more processes" + (
+                "; each worker must take its own part of the stream (get_worker_info())" if ps.get("iterable") else ""),
+            "gain": gain}
+
+
+def _pack_fix(r: dict, ps: dict, alone: float | None) -> dict:
+    """Packing the data: measured on a sample of its files where that ran, else estimated."""
+    fix = "pack the data once (packer build RAW OUT) and read it with loaders.Loader"
+    packed = (r.get("packed") or {}).get("samples_per_s")
+    if packed and alone:
+        return {"fix": fix, "expected": f"{packed / alone:.1f}x the data rate ({packed:,.0f} samples/s alone)",
+                "how": f"measured: {r['packed']['files']} of its files packed at {r['packed']['image_size']} px, "
+                       "then Loader alone", "gain": packed / alone}
+    work = _work(ps)
+    return {"fix": fix, "expected": f"no decode per sample: the {ps['getitem_ms']:.2f} ms a sample {work} takes, gone",
+            "how": f"estimated from {work} timed here; bench loaders measures it on sample data"}
+
+
+def _persistent_fix(r: dict, alone: float | None) -> dict | None:
+    steady = (r.get("persistent") or {}).get("samples_per_s")
+    if not (steady and alone and steady > NAMED_GAIN * alone):
+        return None
+    return {"fix": "persistent_workers=True", "expected": f"{steady / alone:.1f}x the data rate "
+            f"({steady:,.0f} samples/s alone): its workers start once, not every epoch",
+            "how": "measured: the same loader so, alone, over as many epochs", "gain": steady / alone}
+
+
+def _prefetch_fix(r: dict, alone: float | None) -> dict | None:
+    """A deeper prefetch, named where it beats both the loader alone and the most workers."""
+    deeper = next((x for x in r.get("workers_sweep") or [] if x.get("prefetch_factor") and x.get("samples_per_s")),
+                  None)
+    wider = (r.get("more_workers") or {}).get("samples_per_s") or 0
+    if not (deeper and alone and deeper["samples_per_s"] > NAMED_GAIN * max(alone, wider)):
+        return None
+    return {"fix": f"prefetch_factor=4 with num_workers={deeper['num_workers']}",
+            "expected": f"{deeper['samples_per_s'] / alone:.1f}x the data rate",
+            "how": "measured: the same loader so, alone", "gain": deeper["samples_per_s"] / alone}
+
+
+def _pin_fix(r: dict, ps: dict, fixes: list[dict]) -> dict | None:
+    """Pinned memory where there is a GPU to copy to and no fix named pins already."""
+    if ps.get("pin_memory") or not r.get("cuda") or any(f["fix"].startswith("pin_memory") for f in fixes):
+        return None
+    return {"fix": "pin_memory=True", "expected": "faster host-to-GPU copies", "how": "estimated"}
 
 
 def _loader_fixes(alt: dict, alone: float | None) -> list[dict]:
@@ -803,6 +843,30 @@ def _loader_fixes(alt: dict, alone: float | None) -> list[dict]:
                       f"({grouped:,.0f} samples/s alone): batches of one aspect, a canvas of less padding",
                       "how": "measured: a Loader so over the same dataset, alone", "gain": grouped / alone})
     return fixes
+
+
+def _why(r: dict, ps: dict, alt: dict, alone: float | None) -> str:
+    """Why the data is late: the sample's cost (a DataLoader) or the Loader's set-up, its workers'
+    CPU, and whether the loader's rate alone is even the cause."""
+    why = (f"; {_work(ps)} takes {ps['getitem_ms']:.2f} ms a sample and the collate "
+           f"{ps['collate_ms_per_sample']:.2f} ms, on {ps['num_workers']} worker(s)") if "getitem_ms" in ps else ""
+    if alt:
+        why = f"; a Loader with {alt['num_threads']} gather thread(s)" + (
+            f", {100 * alt['padding']:.0f}% of its canvas padding" if "padding" in alt else "")
+    busy = (r.get("processes") or {}).get("worker_cpu_busy")
+    if busy is not None and "getitem_ms" in ps:  # a DataLoader's workers, not a script's other child processes
+        why += f" at {100 * busy:.0f}% CPU each"
+    return why + _ahead(r, alone)
+
+
+def _ahead(r: dict, alone: float | None) -> str:
+    """A loader far faster alone than the model: the wait is what runs beside the step, not its rate."""
+    model = r.get("model_samples_per_s")
+    if not (alone and model and alone > AHEAD_OF_MODEL * model):
+        return ""
+    return (f"; alone it makes {alone / model:.0f}x what the model takes, so the wait is not its rate but "
+            f"what changes beside the step: the {r.get('cores') or 1} core(s) it shares with the step, "
+            "epoch starts, the hand-over of each batch")
 
 
 def text(r: dict) -> str:
