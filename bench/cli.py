@@ -189,8 +189,8 @@ def _doctor(args) -> int:
     result = doctor.run(command, steps=args.steps)
     print(doctor.text(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1, default=str))
-    if args.plot and result.get("per_step"):
+        doctor.write_report(result, args.json, indent=1)
+    if args.plot and result.loop and result.loop.per_step:
         doctor.plot(result, args.plot)
         print(f"plot: {args.plot}")
     return 0

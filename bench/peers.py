@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import sys
-import io
 import multiprocessing
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ._peer_classes import decode_bytes, lit_jpeg, mds_jpeg
 from .measure import dir_bytes
 
 # DataLoaders here use the platform's default start method (fork on Linux) explicitly: some
@@ -63,12 +63,6 @@ class PeerSystem:
     jpeg: bool
 
 
-def _decode_bytes(raw: bytes, size: int) -> np.ndarray:
-    from packer.builder.images import decode_image
-
-    return decode_image(io.BytesIO(raw), size)
-
-
 class DecodePair:
     """(jpeg bytes or pixels, label) -> (uint8 HWC tensor, int); picklable for any start method."""
 
@@ -77,7 +71,7 @@ class DecodePair:
 
     def __call__(self, pair):
         image, label = pair
-        pixels = _decode_bytes(image, self.size) if self.size else image
+        pixels = decode_bytes(image, self.size) if self.size else image
         return torch.from_numpy(pixels), int(label)
 
 
@@ -88,7 +82,7 @@ class DecodeBatch:
         self.size = size
 
     def __call__(self, batch):
-        return {"image": [torch.from_numpy(_decode_bytes(im["bytes"], self.size)) for im in batch["image"]],
+        return {"image": [torch.from_numpy(decode_bytes(im["bytes"], self.size)) for im in batch["image"]],
                 "label": batch["label"]}
 
 
@@ -157,8 +151,6 @@ class _LitSource:
 def litdata_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
     import litdata
 
-    from ._peer_classes import lit_jpeg
-
     JpegStreaming = lit_jpeg()
 
     def convert(jpeg: bool):
@@ -182,8 +174,6 @@ def litdata_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
 # -- MosaicML Streaming (MDS) ----------------------------------------------------------------
 def streaming_systems(src: Source, bs: int, workers: int) -> list[PeerSystem]:
     import streaming
-
-    from ._peer_classes import mds_jpeg
 
     s, JpegMDS = src.size, mds_jpeg()
 

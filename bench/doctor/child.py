@@ -1,0 +1,109 @@
+"""The script run in a child process: `run` starts it and reads back its report; `child_main`,
+in the child, runs it as python would, as __main__, with its loaders watched, and writes the report."""
+
+from __future__ import annotations
+
+import builtins
+import importlib.util
+import io
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+import types
+import zipfile
+from pathlib import Path
+
+from .command import interpreter, python_command
+from .hooks import loader_classes, patched
+from .report import Report, read_report, write_report
+from .watching import Stop, Watch
+
+REPORT_ENV = "MMPACK_DOCTOR_REPORT"
+STEPS_ENV = "MMPACK_DOCTOR_STEPS"
+
+
+def run(command: list[str], *, steps: int | None) -> Report:
+    """`command` (`python [OPTIONS] script.py ARGS`, `python -m MODULE ARGS`) in a child process
+    with its loaders watched."""
+    given, options, target = python_command(command)
+    python, note = interpreter(given)
+    if note:
+        print(f"bench doctor: {note}", file=sys.stderr)
+    with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
+        out = Path(tmp) / "report.json"
+        env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or "")}
+        started = time.perf_counter()
+        proc = subprocess.run([python, *options, "-c", "import sys; from bench.doctor import child_main; "
+                               "child_main(sys.argv[1:])", *target], env=env)
+        if not out.exists():
+            return Report(wall_s=time.perf_counter() - started, exit_code=proc.returncode,
+                          verdict=f"the script ended (exit {proc.returncode}) before a report could be made")
+        r = read_report(out)
+    r.command, r.exit_code, r.python, r.note = command, proc.returncode, python, note
+    return r
+
+
+def child_main(argv: list[str]) -> None:
+    """In the child: run the script (`SCRIPT ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) as
+    __main__, as `python` would, with its loaders watched, then write the report."""
+    steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
+    w = Watch(steps)
+    with patched(w, loader_classes()):
+        try:
+            _run_main(argv)
+        except Stop:
+            pass
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                w.error = f"exit {exc.code}"
+        except BaseException as exc:  # noqa: BLE001 - the script's failure is part of the report
+            w.error = f"{type(exc).__name__}: {exc}"[:300]
+    write_report(w.diagnose(), Path(os.environ[REPORT_ENV]))
+
+
+def _run_main(argv: list[str]) -> None:
+    """`argv` run as `python ARGV` runs it: sys.argv, sys.path[0] and the __main__ module as that
+    interpreter sets them. The script's module stays __main__ after it ends, as it does in python:
+    the loader measured alone afterwards pickles the script's classes for its workers (spawn,
+    forkserver) by their names in __main__."""
+    if argv[0] == "-m":  # sys.path[0] is the working directory, argv[0] the module's file
+        _path_first(os.getcwd())
+        spec = importlib.util.find_spec(argv[1])
+        if spec is not None and spec.submodule_search_locations is not None:  # a package: its __main__
+            spec = importlib.util.find_spec(f"{argv[1]}.__main__")
+        if spec is None or spec.loader is None or spec.origin is None:
+            raise ImportError(f"No module named {argv[1]}")
+        sys.argv = [spec.origin, *argv[2:]]
+        _exec_as_main(spec.loader.get_code(spec.name), spec.origin, spec)
+    elif argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        _exec_as_main(compile(argv[1], "<string>", "exec"), None, None)
+    else:  # not the working directory: the script's own folder comes first on the path
+        sys.argv = argv
+        _path_first(str(Path(argv[0]).resolve().parent))
+        if os.path.isfile(argv[0]) and not zipfile.is_zipfile(argv[0]):
+            path = os.path.abspath(argv[0])  # __main__.__file__ is absolute from Python 3.9 on
+            with io.open_code(path) as f:
+                _exec_as_main(compile(f.read(), path, "exec"), path, None)
+        else:  # a folder or zip with a __main__.py
+            runpy.run_path(argv[0], run_name="__main__")
+
+
+def _exec_as_main(code, file: str | None, spec) -> None:
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=file, __spec__=spec, __loader__=spec.loader if spec else None, __cached__=None,
+                         __package__=spec.parent if spec else None, __builtins__=builtins)
+    if file is None:
+        del main.__file__
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)  # noqa: S102 - the user's own script, as python runs it
+
+
+def _path_first(folder: str) -> None:
+    """sys.path[0] as python sets it for what it runs: the child's own, from `-c`, is "" (the
+    working directory); in safe-path mode (-P, -I) there is none, and none is added."""
+    if sys.path[:1] == [""]:
+        sys.path[0] = folder

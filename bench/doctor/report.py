@@ -1,0 +1,275 @@
+"""The doctor's report as typed parts: the run, the loop's waits and steps, the probes, the
+trials, the verdict and its fixes. `write_report` is the one writer of its JSON file and
+`read_report` the one reader; the keys are those of bench/results/doctor-*.json."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from .codec import flat, from_json, omitted, to_json
+
+# -- figures of the loop ----------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Stats:
+    """Durations of one kind (waits, steps, the GPU's gaps): only `n` where there are none."""
+
+    n: int
+    total_s: float | None = omitted()
+    p50_ms: float | None = omitted()
+    p95_ms: float | None = omitted()
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        if not values:
+            return cls(n=0)
+        ordered = sorted(values)
+        return cls(n=len(values), total_s=sum(values), p50_ms=1e3 * ordered[len(ordered) // 2],
+                   p95_ms=1e3 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))])
+
+
+def share(wait: float, work: float) -> float:
+    """The share of the loop spent waiting for the next batch."""
+    return wait / (wait + work) if wait + work > 0 else 0.0
+
+
+@dataclass(kw_only=True)
+class StepTime:
+    """One step of the loop: the wait for its batch, then the work on it."""
+
+    wait_ms: float
+    step_ms: float
+
+
+@dataclass(kw_only=True)
+class ProcessFigures:
+    """CPU and disk of the script's process and of the workers it started while watched."""
+
+    worker_processes: int
+    workers_at_once: int
+    cpu_s_workers: float
+    started: int
+    worker_cpu_busy: float | None  # CPU seconds a second of each worker alive at once
+    cpu_s_main_total: float
+    read_bytes: int
+
+
+@dataclass(kw_only=True)
+class GpuUtil:
+    """NVML's utilisation over the loop (`util_*`) and over the whole run (`run_*`)."""
+
+    samples: int
+    util_mean_pct: float | None
+    util_p50_pct: float | None
+    run_samples: int
+    run_util_mean_pct: float | None
+    readings: list[list[float]]  # (seconds into the loop, %)
+
+
+@dataclass(kw_only=True)
+class CudaEvents:
+    """The loop on the GPU's clock: `gap_share` the share its stream sat idle between steps."""
+
+    steps: int
+    step: Stats
+    gap: Stats
+    gap_share: float
+
+
+@dataclass(kw_only=True)
+class CopyFigures:
+    """Host-to-GPU copies made in the loop."""
+
+    copies: int
+    bytes: int
+    bytes_per_batch: float
+    pinned_share: float | None
+    blocked_s: float
+
+
+# -- probes and trials ------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Failure:
+    """A probe or trial that raised: said in the report, not raised."""
+
+    error: str
+    samples_per_s: ClassVar[None] = None  # a measure that failed has no rate
+
+    @classmethod
+    def of(cls, exc: BaseException) -> Failure:
+        return cls(error=f"{type(exc).__name__}: {exc}"[:200])
+
+
+@dataclass(kw_only=True)
+class Ceiling:
+    """A loader alone: `batches` timed after its first, with nothing done between them."""
+
+    batches: int
+    samples_per_s: float | None
+    first_batch_s: float
+
+
+Measured = Ceiling | Failure
+
+
+@dataclass(kw_only=True)
+class SampleCost:
+    """A DataLoader's work per sample in the doctor's process: one item, and the collate."""
+
+    getitem_ms: float
+    collate_ms_per_sample: float
+    iterable: bool
+    num_workers: int
+    pin_memory: bool
+    batch_size: int | None
+    dataset: str
+
+
+class _Trial:
+    """A loader measured alone with a setting changed: the setting's keys, then the measure's."""
+
+    measured: Measured
+
+    @property
+    def samples_per_s(self) -> float | None:
+        return self.measured.samples_per_s
+
+
+@dataclass(kw_only=True)
+class SweepRun(_Trial):
+    """The script's DataLoader with `num_workers` (and `prefetch_factor` where not the default)."""
+
+    num_workers: int
+    prefetch_factor: int | None
+    measured: Measured = flat()
+
+
+@dataclass(kw_only=True)
+class PersistentRun(_Trial):
+    """The script's DataLoader with persistent_workers=True."""
+
+    num_workers: int
+    measured: Measured = flat()
+
+
+@dataclass(kw_only=True)
+class ThreadsRun(_Trial):
+    """A Loader with a gather thread per core."""
+
+    num_threads: int
+    measured: Measured = flat()
+
+
+@dataclass(kw_only=True)
+class PackedRun(_Trial):
+    """`files` of the script's image folder packed at `image_size`, read by a Loader."""
+
+    files: int
+    image_size: int
+    measured: Measured = flat()
+
+
+@dataclass(kw_only=True)
+class LoaderAlternatives:
+    """A `loaders.Loader` as it is, and measured as it could be set."""
+
+    num_threads: int
+    more_threads: ThreadsRun | None = omitted()
+    padding: float | None = omitted()  # the share of its canvas that is padding
+    bucketed: Measured | None = omitted()
+
+
+# -- the report -------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Fix:
+    """Something to try: what, what it should give, and how the doctor knows (measured or estimated)."""
+
+    fix: str
+    expected: str
+    how: str
+    gain: float | None = omitted()  # the data rate it gives over the loader's now
+
+
+@dataclass(kw_only=True)
+class Rate:
+    """One bar of the plot's second panel."""
+
+    what: str
+    samples_per_s: float
+
+
+@dataclass(kw_only=True)
+class Run:
+    """The run around the loop: the machine, the script's failure, its processes, the GPU."""
+
+    cuda: bool | None = None
+    cpu_s_main: float | None = None
+    error: str | None = None
+    cores: int | None = None
+    processes: ProcessFigures | None = None
+    gpu: GpuUtil | None = None
+
+
+@dataclass(kw_only=True)
+class Loop:
+    """The loop of the loader iterated most: each next() a wait, each gap between batches a step."""
+
+    loader: str
+    wait: Stats
+    step: Stats
+    cuda_events: CudaEvents | None
+    copies: CopyFigures | None
+    first_batch_s: float | None
+    wait_share: float
+    samples: int
+    model_samples_per_s: float | None
+    per_step: list[StepTime]
+
+
+@dataclass(kw_only=True)
+class Probes:
+    """The loader after the loop: alone, and one sample's work."""
+
+    per_sample: SampleCost | Failure | None = None
+    loader_alone: Measured | None = None
+
+
+@dataclass(kw_only=True)
+class Trials:
+    """The fixes measured for a loop that waited: each setting alone."""
+
+    workers_sweep: list[SweepRun] | None = None
+    more_workers: SweepRun | None = None
+    packed: PackedRun | Failure | None = None
+    persistent: PersistentRun | None = None
+    loader_alternatives: LoaderAlternatives | None = None
+
+
+@dataclass(kw_only=True)
+class Report:
+    """What `bench doctor` found: without a loop, only the run; where the child left no report,
+    only the verdict, its exit code and its time."""
+
+    batches: int | None = omitted()  # of every loader watched
+    wall_s: float
+    run: Run | None = flat(optional=True)
+    loop: Loop | None = flat(optional=True)
+    probes: Probes | None = flat(optional=True)
+    trials: Trials | None = flat(optional=True)
+    verdict: str
+    fixes: list[Fix] | None = omitted()
+    rates: list[Rate] | None = omitted()
+    command: list[str] | None = omitted()  # from here on, `run`'s: the command, how it ended, in which Python
+    exit_code: int | None = omitted()
+    python: str | None = omitted()
+    note: str | None = omitted()
+
+
+def write_report(report: Report, path: Path, *, indent: int | None = None) -> None:
+    path.write_text(json.dumps(to_json(report), indent=indent, default=str))
+
+
+def read_report(path: Path) -> Report:
+    return from_json(Report, json.loads(path.read_text()))

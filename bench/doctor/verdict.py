@@ -1,0 +1,222 @@
+"""The verdict on a watched loop (data-bound or compute-bound, and why) and the fixes to try, from
+the report's figures; and the report said in a few lines, as `bench doctor` prints it."""
+
+from __future__ import annotations
+
+from .codec import from_json, to_json
+from .report import Fix, LoaderAlternatives, Probes, Report, Run, SampleCost, Trials
+
+DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
+AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
+NAMED_GAIN = 1.1  # a measured fix is named where it makes the data at least this much faster: below, runs spread
+
+
+def decide(r: Report) -> tuple[str, list[Fix]]:
+    """The verdict on a watched loop, and the fixes to try: the largest gain first; unmeasured,
+    unestimated ones last."""
+    seen = _waited(r) + _rates_said(r)
+    fixes = [fix for fix in [_copies_fix(r)] if fix]
+    # the GPU's own clock decides where there is one: a script that queues its steps ahead waits
+    # on the host while its GPU still works
+    events = r.loop.cuda_events
+    bound = events.gap_share if events else r.loop.wait_share
+    if bound <= DATA_BOUND:
+        return f"compute-bound: {seen}: the data is not what the step waits for", fixes
+    cost = _cost(r)
+    if cost:
+        fixes += _dataloader_fixes(r, cost)
+        fixes += [fix for fix in [_pin_fix(r, cost, fixes)] if fix]
+    alt = (r.trials or Trials()).loader_alternatives
+    if alt:
+        fixes += _loader_fixes(alt, _alone(r))
+    fixes.sort(key=lambda f: -(f.gain or 0.0))
+    return f"data-bound: {seen}{_why(r, cost, alt)}", fixes
+
+
+def decide_json(r: dict) -> tuple[str, list[dict]]:
+    """`decide` on a report in its JSON form (one read back, or a partial one): the fixes as JSON."""
+    said, fixes = decide(from_json(Report, r))
+    return said, to_json(fixes)
+
+
+def nothing_iterated(run: Run) -> str:
+    """The verdict where no loader was iterated: the script failed, or ran its loops elsewhere."""
+    children = run.processes.started if run.processes else None
+    return "no DataLoader or Loader was iterated" + (
+        f" (the script failed: {run.error})" if run.error else
+        f" in the script's own process; it started {children} process(es), which the doctor does not watch "
+        "(torch.multiprocessing.spawn, a launcher): watch one rank's loop in the script's process, or "
+        "bench.doctor.watch() inside it" if children else "")
+
+
+def text(r: Report) -> str:
+    """The verdict, the fixes numbered, and the loop's figures in a line."""
+    lines = [r.verdict]
+    if r.run and r.run.error:
+        lines.append(f"the script stopped early: {r.run.error} (the report covers what ran)")
+    for i, f in enumerate(r.fixes or [], 1):
+        lines.append(f"  {i}. {f.fix}: {f.expected} ({f.how})")
+    if r.loop:
+        lines.append(f"{r.batches} batches of {r.loop.loader}: step p50 {r.loop.step.p50_ms or 0:.1f} ms, "
+                     f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
+    return "\n".join(lines)
+
+
+def _alone(r: Report) -> float | None:
+    """The loader's rate alone, after the loop."""
+    measured = (r.probes or Probes()).loader_alone
+    return measured.samples_per_s if measured else None
+
+
+def _cost(r: Report) -> SampleCost | None:
+    """A DataLoader's sample cost, where it was timed."""
+    cost = (r.probes or Probes()).per_sample
+    return cost if isinstance(cost, SampleCost) else None
+
+
+def _work(cost: SampleCost) -> str:
+    """What makes one sample: a map-style dataset's __getitem__, an iterable one's iterator."""
+    return "the dataset's iterator" if cost.iterable else "__getitem__"
+
+
+def _waited(r: Report) -> str:
+    """How long the loop waited, as the host's clock, NVML and the GPU's clock saw it, and what it
+    copied to the GPU."""
+    wait, events, copies = r.loop.wait, r.loop.cuda_events, r.loop.copies
+    gpu = (r.run or Run()).gpu
+    busy = gpu.util_mean_pct if gpu else None
+    return (f"{100 * r.loop.wait_share:.0f}% of the loop waiting for the next batch"
+            + (f" (p50 {wait.p50_ms:.1f} ms, p95 {wait.p95_ms:.1f} ms)" if wait.n else "")
+            + (f", the GPU busy {busy:.0f}% of the time (NVML)" if busy is not None else "")
+            + (f", its stream idle {100 * events.gap_share:.0f}% of the loop between steps (CUDA events)"
+               if events else "")
+            + (f"; {copies.bytes_per_batch / 1e6:,.1f} MB copied to the GPU a batch, "
+               f"{100 * copies.pinned_share:.0f}% of it from pinned memory" if copies else ""))
+
+
+def _rates_said(r: Report) -> str:
+    alone, model = _alone(r), r.loop.model_samples_per_s
+    return (f"; the loader alone makes {alone:,.0f} samples/s" if alone else "") + (
+        f", the model takes {model:,.0f}/s" if model else "")
+
+
+def _copies_fix(r: Report) -> Fix | None:
+    """Copies from pageable memory that blocked the loop a twentieth of its steps' time or more."""
+    copies, steps_s = r.loop.copies, r.loop.step.total_s if r.loop.step else None
+    if not (copies and copies.pinned_share < 0.5 and copies.blocked_s > 0.05 * (steps_s or 0)):
+        return None
+    return Fix(fix="pin_memory=True and .to(device, non_blocking=True)",
+               expected=f"the {copies.blocked_s:.2f} s the loop spent blocked in copies from pageable memory, "
+                        "overlapped", how="estimated from the copies seen")
+
+
+def _dataloader_fixes(r: Report, cost: SampleCost) -> list[Fix]:
+    """A DataLoader's fixes: more workers, packing, persistent workers, a deeper prefetch."""
+    fixes = [_workers_fix(r, cost), _pack_fix(r, cost), _persistent_fix(r), _prefetch_fix(r)]
+    return [fix for fix in fixes if fix]
+
+
+def _workers_fix(r: Report, cost: SampleCost) -> Fix | None:
+    """More workers: measured where the sweep ran (named only where faster), else estimated."""
+    workers, cores, alone = cost.num_workers, (r.run or Run()).cores or 1, _alone(r)
+    wider = (r.trials or Trials()).more_workers
+    if wider and wider.samples_per_s and alone:
+        rate = wider.samples_per_s
+        if rate <= NAMED_GAIN * alone:
+            return None
+        return Fix(fix=f"num_workers={wider.num_workers} (now {workers})",
+                   expected=f"{rate / alone:.1f}x the data rate ({rate:,.0f} samples/s alone)",
+                   how="measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
+                   gain=rate / alone)
+    if workers >= cores:
+        return None
+    # not measured for an iterable dataset: more workers may each yield all of it
+    gain = min(cores / max(workers, 1), 1 / max(1 - r.loop.wait_share, 1e-3))
+    return Fix(fix=f"num_workers={cores} (now {workers})", expected=f"up to {gain:.1f}x the data rate",
+               how="estimated: the per-sample work spread over more processes" + (
+                   "; each worker must take its own part of the stream (get_worker_info())" if cost.iterable else ""),
+               gain=gain)
+
+
+def _pack_fix(r: Report, cost: SampleCost) -> Fix:
+    """Packing the data: measured on a sample of its files where that ran, else estimated."""
+    fix, alone = "pack the data once (packer build RAW OUT) and read it with loaders.Loader", _alone(r)
+    packed = (r.trials or Trials()).packed
+    if packed and packed.samples_per_s and alone:
+        rate = packed.samples_per_s
+        return Fix(fix=fix, expected=f"{rate / alone:.1f}x the data rate ({rate:,.0f} samples/s alone)",
+                   how=f"measured: {packed.files} of its files packed at {packed.image_size} px, then Loader alone",
+                   gain=rate / alone)
+    work = _work(cost)
+    return Fix(fix=fix, expected=f"no decode per sample: the {cost.getitem_ms:.2f} ms a sample {work} takes, gone",
+               how=f"estimated from {work} timed here; bench loaders measures it on sample data")
+
+
+def _persistent_fix(r: Report) -> Fix | None:
+    steady, alone = (r.trials or Trials()).persistent, _alone(r)
+    rate = steady.samples_per_s if steady else None
+    if not (rate and alone and rate > NAMED_GAIN * alone):
+        return None
+    return Fix(fix="persistent_workers=True", expected=f"{rate / alone:.1f}x the data rate "
+               f"({rate:,.0f} samples/s alone): its workers start once, not every epoch",
+               how="measured: the same loader so, alone, over as many epochs", gain=rate / alone)
+
+
+def _prefetch_fix(r: Report) -> Fix | None:
+    """A deeper prefetch, named where it beats both the loader alone and the most workers."""
+    trials, alone = r.trials or Trials(), _alone(r)
+    deeper = next((x for x in trials.workers_sweep or [] if x.prefetch_factor and x.samples_per_s), None)
+    wider = (trials.more_workers.samples_per_s if trials.more_workers else None) or 0
+    if not (deeper and alone and deeper.samples_per_s > NAMED_GAIN * max(alone, wider)):
+        return None
+    return Fix(fix=f"prefetch_factor={deeper.prefetch_factor} with num_workers={deeper.num_workers}",
+               expected=f"{deeper.samples_per_s / alone:.1f}x the data rate",
+               how="measured: the same loader so, alone", gain=deeper.samples_per_s / alone)
+
+
+def _pin_fix(r: Report, cost: SampleCost, fixes: list[Fix]) -> Fix | None:
+    """Pinned memory where there is a GPU to copy to and no fix named pins already."""
+    if cost.pin_memory or not (r.run or Run()).cuda or any(f.fix.startswith("pin_memory") for f in fixes):
+        return None
+    return Fix(fix="pin_memory=True", expected="faster host-to-GPU copies", how="estimated")
+
+
+def _loader_fixes(alt: LoaderAlternatives, alone: float | None) -> list[Fix]:
+    """The fixes a Loader's measured alternatives show, where they beat it alone by 10% or more."""
+    fixes = []
+    more = alt.more_threads.samples_per_s if alt.more_threads else None
+    if more and alone and more > NAMED_GAIN * alone:
+        fixes.append(Fix(fix=f"num_threads={alt.more_threads.num_threads} (now {alt.num_threads})",
+                         expected=f"{more / alone:.1f}x the data rate ({more:,.0f} samples/s alone)",
+                         how="measured: the same Loader so, alone", gain=more / alone))
+    grouped = alt.bucketed.samples_per_s if alt.bucketed else None
+    if grouped and alone and grouped > NAMED_GAIN * alone:
+        fixes.append(Fix(fix='bucket_by="aspect"', expected=f"{grouped / alone:.1f}x the data rate "
+                         f"({grouped:,.0f} samples/s alone): batches of one aspect, a canvas of less padding",
+                         how="measured: a Loader so over the same dataset, alone", gain=grouped / alone))
+    return fixes
+
+
+def _why(r: Report, cost: SampleCost | None, alt: LoaderAlternatives | None) -> str:
+    """Why the data is late: the sample's cost (a DataLoader) or the Loader's set-up, its workers'
+    CPU, and whether the loader's rate alone is even the cause."""
+    why = (f"; {_work(cost)} takes {cost.getitem_ms:.2f} ms a sample and the collate "
+           f"{cost.collate_ms_per_sample:.2f} ms, on {cost.num_workers} worker(s)") if cost else ""
+    if alt:
+        why = f"; a Loader with {alt.num_threads} gather thread(s)" + (
+            f", {100 * alt.padding:.0f}% of its canvas padding" if alt.padding is not None else "")
+    processes = (r.run or Run()).processes
+    busy = processes.worker_cpu_busy if processes else None
+    if busy is not None and cost:  # a DataLoader's workers, not a script's other child processes
+        why += f" at {100 * busy:.0f}% CPU each"
+    return why + _ahead(r)
+
+
+def _ahead(r: Report) -> str:
+    """A loader far faster alone than the model: the wait is what runs beside the step, not its rate."""
+    alone, model = _alone(r), r.loop.model_samples_per_s
+    if not (alone and model and alone > AHEAD_OF_MODEL * model):
+        return ""
+    return (f"; alone it makes {alone / model:.0f}x what the model takes, so the wait is not its rate but "
+            f"what changes beside the step: the {(r.run or Run()).cores or 1} core(s) it shares with the step, "
+            "epoch starts, the hand-over of each batch")

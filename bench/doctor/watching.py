@@ -1,0 +1,117 @@
+"""The watch over a loop: each next() a wait, each gap between batches a step, per loader, with
+the run's processes, GPU and copies beside; `watch()` for a loop in this process. Its figures go
+to `diagnosis.diagnose` for the report."""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from .codec import to_json
+from .diagnosis import diagnose
+from .gpu import Copies, CudaMarks, Nvml
+from .hooks import loader_classes, patched
+from .probes import batch_len
+from .processes import Processes
+from .report import Loop, Report, Run, Stats, StepTime, share
+
+
+class Stop(BaseException):
+    """Raised in the script at the step limit: a BaseException, so its own `except Exception`
+    does not swallow it."""
+
+
+class Watch:
+    """The waits and steps of the loaders iterated while it is active."""
+
+    def __init__(self, steps: int | None = None, *, processes: bool = True):
+        self.steps, self.by_loader = steps, {}
+        self.started = time.perf_counter()
+        self.cpu_started = time.process_time()
+        self.error: str | None = None
+        self.processes = Processes() if processes and Path("/proc/self/stat").exists() else None
+        self.nvml = Nvml.start() if processes else None
+        self.copies = Copies()
+
+    def iterate(self, loader, it):
+        """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
+        handed over and the next asked for is a step."""
+        rec = self.by_loader.setdefault(id(loader), {"loader": loader, "waits": [], "steps": [], "samples": 0,
+                                                     "cuda": CudaMarks()})
+        last = None
+        while True:
+            asked = time.perf_counter()
+            rec["cuda"].mark("end")
+            if last is not None:
+                rec["steps"].append(asked - last)
+                rec["last_asked_at"] = asked
+            if self.steps is not None and self.batches() >= self.steps:
+                raise Stop
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            last = time.perf_counter()
+            rec.setdefault("first_batch_at", last)  # the loop's window, for the GPU's samples
+            rec["cuda"].mark("start")
+            self.copies.active = True
+            rec["waits"].append(last - asked)
+            rec["samples"] += batch_len(batch)
+            yield batch
+
+    def batches(self) -> int:
+        return sum(len(r["waits"]) for r in self.by_loader.values())
+
+    def main(self) -> dict | None:
+        """The record of the loader iterated most."""
+        return max(self.by_loader.values(), key=lambda r: len(r["waits"]), default=None)
+
+    def report(self, *, ceiling: bool = True) -> dict:
+        """`diagnose`'s report in its JSON form, as `bench doctor --json` writes it."""
+        return to_json(self.diagnose(ceiling=ceiling))
+
+    def diagnose(self, *, ceiling: bool = True) -> Report:
+        """The report on what was watched; `ceiling`: with the loader measured alone after it."""
+        main = self.main()
+        wall = time.perf_counter() - self.started
+        loop_s = sum(main["waits"]) + sum(main["steps"]) if main else wall  # before the measures that follow
+        run = Run(cuda=_cuda(), cpu_s_main=time.process_time() - self.cpu_started, error=self.error,
+                  cores=os.cpu_count(), processes=self.processes.report(loop_s) if self.processes else None,
+                  gpu=self.nvml.report(*_window(main)) if self.nvml else None)
+        return diagnose(main["loader"] if main else None, loop=self._loop(main) if main else None, run=run,
+                        batches=self.batches(), wall_s=wall, measure=ceiling)
+
+    def _loop(self, main: dict) -> Loop:
+        waits, steps = main["waits"][1:], main["steps"]  # the first wait is the loader's start-up
+        work, batches = sum(steps), len(main["waits"])
+        per_batch = main["samples"] / batches if batches else 0
+        return Loop(loader=type(main["loader"]).__name__, wait=Stats.of(waits), step=Stats.of(steps),
+                    cuda_events=main["cuda"].report(), copies=self.copies.report(batches),
+                    first_batch_s=main["waits"][0] if main["waits"] else None, wait_share=share(sum(waits), work),
+                    samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
+                    per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)])
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _window(main: dict | None) -> tuple[float | None, float | None]:
+    """The watched loop's first batch and last ask (perf_counter); None where it has none."""
+    return (main.get("first_batch_at"), main.get("last_asked_at")) if main else (None, None)
+
+
+@contextmanager
+def watch(loader=None, *, steps: int | None = None):
+    """Watch the loaders iterated inside the block (`loader`: only to name what is watched);
+    `w.report()` afterwards gives the same report as `bench doctor`."""
+    w = Watch(steps)
+    with patched(w, loader_classes()):
+        try:
+            yield w
+        except Stop:
+            pass
