@@ -31,7 +31,7 @@ from loaders import Loader, MMapDataset
 from loaders import augment
 from loaders.augment import IMAGENET_MEAN, IMAGENET_STD, eval_transform, rrc_boxes, train_transform
 from packer.cli import main
-from packer.builder.images import keep_aspect_size
+from packer.dataset.geometry import keep_aspect_size
 
 MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
 STD = torch.tensor(IMAGENET_STD).view(3, 1, 1)
