@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from loaders.batch.fetch import check_first_batches
-from loaders.batch.source import as_source, epochs_of
+from loaders.source import as_source, epochs_of
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 
 
