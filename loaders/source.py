@@ -15,7 +15,7 @@ import torch
 
 from packer.errors import ConfigError
 
-from loaders.batch.gather import Memory
+from loaders.batch.buffers import Memory
 from loaders.order.buckets import Bucketed, aspect_bucket
 from loaders.order.sampler import Epochs
 
