@@ -22,7 +22,7 @@ CANVAS_BUFFER_BYTES = 512 << 20  # an image canvas buffer: B x the dataset's lar
 CANVAS_RAM_SHARE = 4  # a batch's canvas may take at most 1/this of the machine's memory
 
 
-def canvas_copy(name, arrays: list[ColumnArrays], addresses, shard, rows, order, buffers, where: str):
+def canvas_copy(name, arrays: list[ColumnArrays], regions, shard, rows, order, buffers, where: str):
     """A batch of a ragged column of 2 or more axes (images): (fill, {name: canvas [B, *largest
     of each axis], name_size: [B, 2] (first two axes)}), the canvas in the batch's buffer when it
     holds it, fill(a, b) copying the samples order[a:b] into their slots' top-left corners and
@@ -53,11 +53,11 @@ def canvas_copy(name, arrays: list[ColumnArrays], addresses, shard, rows, order,
     size.numpy()[:] = shapes[:, :2]
     dst = canvas.numpy()
     fixed_tail = bool((shapes[:, 2:] == top[2:]).all())  # images: every sample has the canvas' channels
-    if addresses is not None and fixed_tail and n:
-        starts = spans(arrays, shard, rows)[0].astype(np.uint64)
-        sources = (addresses[shard] + starts * np.uint64(dtype.itemsize))[order]
+    if regions is not None and fixed_tail and n:
+        starts = spans(arrays, shard, rows)[0]
         sizes = np.ascontiguousarray(shapes[order, :2])
-        job = native.Job(dst, sources, order, sizes=sizes, pixel_bytes=int(np.prod(top[2:])) * dtype.itemsize)
+        job = native.Job(dst, regions, shard[order], starts[order] * dtype.itemsize, order, sizes=sizes,
+                         pixel_bytes=int(np.prod(top[2:])) * dtype.itemsize)
         return job, {name: canvas, f"{name}_size": size}
     sources = [(arrays[k], r) for k, r in zip(shard.tolist(), rows.tolist())]
     positions = order.tolist()

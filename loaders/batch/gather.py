@@ -65,7 +65,7 @@ class ColumnGather:
         self._index_of: dict[str, list[ColumnArrays]] = {}
         self._longest_of: dict[str, int] = {}
         self._largest_of: dict[str, tuple[int, ...]] = {}
-        self._addresses_of: dict[str, np.ndarray | None] = {}
+        self._regions_of: dict[str, np.ndarray | None] = {}
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -156,9 +156,9 @@ class ColumnGather:
             self._live.add(g)
             for name, arrays in self._by_column.items():
                 arrays[g] = r.column(k, name)
-                addresses = self._addresses_of.get(name)
-                if addresses is not None:
-                    addresses[g] = arrays[g].values.ctypes.data
+                regions = self._regions_of.get(name)
+                if regions is not None:
+                    regions[g] = native.region_of(arrays[g].values)
 
     def all_mapped(self) -> bool:
         """Every shard of a remote dataset is mapped here (in its cache, nothing to fetch)."""
@@ -169,9 +169,9 @@ class ColumnGather:
         self._live.discard(g)
         for name, arrays in self._by_column.items():
             arrays[g] = None
-            addresses = self._addresses_of.get(name)
-            if addresses is not None:
-                addresses[g] = 0
+            regions = self._regions_of.get(name)
+            if regions is not None:
+                regions[g] = native.region_of(None)
         if pinned:
             r.release(k, soften)
 
@@ -220,17 +220,19 @@ class ColumnGather:
             self._largest_of[name] = tuple(int(v) for v in np.max(tops, axis=0)) if tops else (0,)
         return self._largest_of[name]
 
-    def _addresses(self, name: str) -> np.ndarray | None:
-        """Where each shard's values of a column start in memory (uint64), for the native copies;
-        None without them, or when a shard's values are not one contiguous block."""
+    def _regions(self, name: str) -> np.ndarray | None:
+        """Where each shard's values of a column lie in memory ([start, end) addresses, int64
+        [shards, 2]; (0, 0) for a shard not mapped now), for the native copies, which check every
+        sample against them; None without them, or when a shard's values are not one
+        contiguous block."""
         if native.LIB is None:
             return None
-        if name not in self._addresses_of:
+        if name not in self._regions_of:
             arrays = [a for a in self._arrays(name) if a is not None]
             ok = all(a.values.flags.c_contiguous for a in arrays)  # a remote shard mapped later is a whole file too
-            self._addresses_of[name] = np.array([a.values.ctypes.data if a is not None else 0
-                                                 for a in self._arrays(name)], np.uint64) if ok else None
-        return self._addresses_of[name]
+            self._regions_of[name] = native.regions([a.values if a is not None else None
+                                                     for a in self._arrays(name)]) if ok else None
+        return self._regions_of[name]
 
     def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor],
                pool: native.Pool | ThreadPoolExecutor | None = None, num_threads: int = 1) -> dict:
@@ -245,10 +247,10 @@ class ColumnGather:
         for col in self.columns:
             if not col.ragged and not col.encoding and (col.sample_nbytes or 0) >= BIG_SAMPLE_BYTES:
                 out[col.name] = buffers[col.name][:n]
-                copies.append(rows_copy(out[col.name].numpy(), self._arrays(col.name), self._addresses(col.name),
+                copies.append(rows_copy(out[col.name].numpy(), self._arrays(col.name), self._regions(col.name),
                                     shard, rows, order))
             elif col.ragged and len(col.shape) > 1:
-                fill, batch = canvas_copy(col.name, self._arrays(col.name), self._addresses(col.name), shard, rows,
+                fill, batch = canvas_copy(col.name, self._arrays(col.name), self._regions(col.name), shard, rows,
                                       order, buffers, f"{self.reader.root}: column {col.name}")
                 out.update(batch)
                 copies.append(fill)

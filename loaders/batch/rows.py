@@ -17,13 +17,14 @@ from loaders.batch import native
 from loaders.batch.buffers import values_dtype
 
 
-def rows_copy(dst: np.ndarray, arrays: list[ColumnArrays], addresses, shard, rows, order):
+def rows_copy(dst: np.ndarray, arrays: list[ColumnArrays], regions, shard, rows, order):
     """copy(a, b): the samples order[a:b] of a fixed-shape column into their slots of dst: in
-    one native call (its whole share, the GIL released), else a numpy copy each."""
-    if addresses is not None and arrays and dst.dtype == values_dtype(arrays):  # not widened (token ids)
+    one native call (its whole share, the GIL released; `regions`: each shard's values in memory,
+    `native.regions`), else a numpy copy each."""
+    if regions is not None and arrays and dst.dtype == values_dtype(arrays):  # not widened (token ids)
         nbytes = int(np.prod(dst.shape[1:])) * dst.itemsize
-        sources = (addresses[shard] + rows.astype(np.uint64) * np.uint64(nbytes))[order]
-        return native.Job(dst, sources, order, nbytes=nbytes, stream=dst.nbytes >= native.STREAM_FROM)
+        return native.Job(dst, regions, shard[order], rows[order] * nbytes, order, nbytes=nbytes,
+                          stream=dst.nbytes >= native.STREAM_FROM)
     values = [a.values if a is not None else None for a in arrays]
     shard, rows, order = shard.tolist(), rows.tolist(), order.tolist()
 

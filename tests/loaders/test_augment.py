@@ -442,10 +442,10 @@ def test_any_ragged_column_of_two_or_more_axes_gathers_into_a_canvas(tmp_path, d
                "x_size": torch.empty(4, 2, dtype=torch.int64)}  # a reused buffer, not zero
     if copies == "native" and native.LIB is None:
         pytest.skip("the native copies were not built (no C compiler at install time)")
-    addresses = np.array([a.values.ctypes.data for a in arrays], np.uint64) if copies == "native" else None
+    regions = native.regions([a.values for a in arrays]) if copies == "native" else None
     rows = np.array([3, 2, 1, 0])
     for bufs in ({}, buffers):
-        fill, out = canvas_copy("x", arrays, addresses, np.zeros(4, np.int64), rows, np.argsort(rows), bufs, "test")
+        fill, out = canvas_copy("x", arrays, regions, np.zeros(4, np.int64), rows, np.argsort(rows), bufs, "test")
         fill(0, 4)
         canvas, sizes = out["x"], out["x_size"]
         assert canvas.dtype == torch.from_numpy(samples[0]).dtype

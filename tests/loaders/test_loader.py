@@ -686,13 +686,13 @@ def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, thr
     # fixed-shape rows, as the gather of an image column
     shape = data.draw(st.tuples(st.integers(1, 40), st.integers(1, 9), st.sampled_from([1, 3])))
     fixed = [ColumnArrays(rng.integers(0, 100, (m, *shape)).astype(dtype)) for m in per_shard]
-    addresses = np.array([a.values.ctypes.data for a in fixed], np.uint64)
+    regions = native.regions([a.values for a in fixed])
     want, got = np.full((n, *shape), 7, dtype), np.full((n, *shape), 7, dtype)
     run(rows_copy(want, fixed, None, shard, rows, order))
     saved = native.STREAM_FROM
     native.STREAM_FROM = 0 if stream else 1 << 62
     try:
-        run(rows_copy(got, fixed, addresses, shard, rows, order))
+        run(rows_copy(got, fixed, regions, shard, rows, order))
     finally:
         native.STREAM_FROM = saved
     assert np.array_equal(want, got)
@@ -706,9 +706,9 @@ def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, thr
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         values = np.concatenate([s.reshape(-1) for s in samples]) if sum(lengths) else np.zeros(0, dtype)
         ragged.append(ColumnArrays(values, offsets, np.column_stack([sizes, np.full(m, channels)]).astype(np.int64)))
-    addresses = np.array([a.values.ctypes.data for a in ragged], np.uint64)
+    regions = native.regions([a.values for a in ragged])
     canvases = []
-    for addr in (None, addresses):
+    for addr in (None, regions):
         fill, out = canvas_copy("x", ragged, addr, shard, rows, order, {}, "test")
         out["x"].fill_(7)  # stale bytes, which the fill must overwrite
         run(fill)
