@@ -53,7 +53,8 @@ def epochs_of(source: BatchSource, batch_size: int, *, bucket_by: str | None = N
             raise ConfigError(f"bucket_by must be 'aspect' or None, not {bucket_by!r}")
         if stream is not None or not hasattr(source, "shapes_of"):
             raise ConfigError("bucket_by='aspect' groups the images of one MMapDataset (not a Mixture or a view)")
-        stream = Bucketed(AspectOf(source, source.image_column()), batch_size)
+        column = source.image_column()
+        stream = Bucketed(AspectOf(source, column), batch_size, bucket_by=bucket_by, column=column)
     return Epochs(len(source), batch_size, source=source.source_id, stream=stream, **kwargs)
 
 
