@@ -173,7 +173,8 @@ class Job:
         if self.sizes is None:
             row = math.prod(dst.shape[1:]) * dst.itemsize
             if self.nbytes != row:
-                raise ValueError(f"native copy: rows of {self.nbytes} bytes into a destination whose rows are {row} bytes")
+                raise ValueError(f"native copy: rows of {self.nbytes} bytes into a destination whose rows are "
+                                 f"{row} bytes")
             return self.nbytes
         pixel = math.prod(dst.shape[3:]) * dst.itemsize
         if dst.ndim < 3 or self.pixel_bytes != pixel:
@@ -216,7 +217,8 @@ def _ints(name: str, values, ndim: int, shape: tuple | None = None) -> np.ndarra
     """`values` as a C-contiguous int64 array (no copy when it is one), refused when it is not
     integers of `ndim` axes (and `shape`)."""
     values = np.asarray(values)
-    if values.dtype.kind not in "iu" and values.size or values.ndim != ndim or shape is not None and values.shape != shape:
+    integers = values.dtype.kind in "iu" or not values.size
+    if not integers or values.ndim != ndim or shape is not None and values.shape != shape:
         raise ValueError(f"native copy: {name} must be integers of shape {shape or ndim * ('n',)}, "
                          f"not {values.dtype} {values.shape}")
     return np.ascontiguousarray(values, dtype=np.int64)

@@ -101,7 +101,8 @@ def test_a_grouped_state_resumes_only_in_a_loader_grouped_the_same(built):
             (StatefulDataLoader(ds.batched(4, seed=4, bucket_by="aspect")), state, "batch_size 8, this loader's 4"),
             (Loader(ds, 8, seed=4), state, "bucket_by='aspect'.* this loader has bucket_by=None"),
             (StatefulDataLoader(ds.batched(8, seed=4)), state, "bucket_by='aspect'.* this loader has bucket_by=None"),
-            (Loader(ds, 8, seed=4, bucket_by="aspect"), plain.state_dict(), "bucket_by=None, this loader has bucket_by='aspect'")):
+            (Loader(ds, 8, seed=4, bucket_by="aspect"), plain.state_dict(),
+             "bucket_by=None, this loader has bucket_by='aspect'")):
         with pytest.raises(ConfigError, match=differs) as got:
             loading.load_state_dict(saved)
         assert "\n" not in str(got.value)

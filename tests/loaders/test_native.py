@@ -49,9 +49,9 @@ def _canvas_sources():
 
 def canvas_job(sources, **change):
     """The two images and an empty one into a uint8 canvas [3, 4, 5, 2]."""
-    args = dict(dst=np.full((3, 4, 5, 2), 7, np.uint8), regions=native.regions(sources), shard=np.zeros(3, np.int64),
-                offsets=np.array([0, 30, 46]), positions=np.array([1, 0, 2]), sizes=np.array([[3, 5], [4, 2], [0, 3]]),
-                pixel_bytes=2)
+    args = dict(dst=np.full((3, 4, 5, 2), 7, np.uint8), regions=native.regions(sources),
+                shard=np.zeros(3, np.int64), offsets=np.array([0, 30, 46]), positions=np.array([1, 0, 2]),
+                sizes=np.array([[3, 5], [4, 2], [0, 3]]), pixel_bytes=2)
     args.update(change)
     return native.Job(args.pop("dst"), args.pop("regions"), args.pop("shard"), args.pop("offsets"),
                       args.pop("positions"), **args)
@@ -76,7 +76,8 @@ def test_good_jobs_copy_rows_and_canvas_slots():
 
 
 BAD_ROWS = [
-    ("past its source's end", dict(offsets=np.array([0, 5, 0, 1]) * ROW), r"reads bytes \[60, 72\) of source region 0 of 60 bytes"),
+    ("past its source's end", dict(offsets=np.array([0, 5, 0, 1]) * ROW),
+     r"reads bytes \[60, 72\) of source region 0 of 60 bytes"),
     ("past a smaller source's end", dict(offsets=np.array([0, 4, 0, 2]) * ROW), r"sample 3 .* region 1 of 24 bytes"),
     ("before its source", dict(offsets=np.array([-ROW, 0, 0, 0])), r"reads bytes \[-12, 0\)"),
     ("between two rows", dict(offsets=np.array([0, 4 * ROW - 4, 0, ROW])), "not at a multiple of 12"),
@@ -85,7 +86,8 @@ BAD_ROWS = [
     ("to a slot past the destination", dict(positions=np.array([2, 0, 4, 1])), "slot 4, outside the destination's 4"),
     ("to a negative slot", dict(positions=np.array([2, 0, -1, 1])), "slot -1, outside"),
     ("to a slot another sample writes", dict(positions=np.array([2, 0, 2, 1])), "slot 2 .* written by two samples"),
-    ("rows longer than the destination's", dict(nbytes=ROW + 4), "rows of 16 bytes into a destination whose rows are 12"),
+    ("rows longer than the destination's", dict(nbytes=ROW + 4),
+     "rows of 16 bytes into a destination whose rows are 12"),
     ("rows of a negative size", dict(nbytes=-1), "rows of -1 bytes"),
     ("into a strided destination", dict(dst=np.zeros((4, 6), np.float32)[:, ::2]), "C-contiguous"),
     ("into a read-only destination", "read-only", "writeable"),
@@ -110,15 +112,18 @@ def test_a_wrong_job_of_rows_is_refused_before_the_copy(no_c_calls, what, change
 
 
 BAD_CANVAS = [
-    ("taller than the canvas", dict(sizes=np.array([[5, 5], [4, 2], [0, 3]])), "sample 0 is 5 x 5 pixels, which a canvas slot of 4 x 5"),
+    ("taller than the canvas", dict(sizes=np.array([[5, 5], [4, 2], [0, 3]])),
+     "sample 0 is 5 x 5 pixels, which a canvas slot of 4 x 5"),
     ("of a negative side", dict(sizes=np.array([[3, 5], [-1, 2], [0, 3]])), "sample 1 is -1 x 2 pixels"),
-    ("longer than its source", dict(sizes=np.array([[3, 5], [4, 4], [0, 3]])), r"sample 1 .* reads bytes \[30, 62\) of source region 0 of 46"),
+    ("longer than its source", dict(sizes=np.array([[3, 5], [4, 4], [0, 3]])),
+     r"sample 1 .* reads bytes \[30, 62\) of source region 0 of 46"),
     ("past its source's end", dict(offsets=np.array([0, 32, 46])), r"reads bytes \[32, 48\)"),
     ("between two values", "odd", "not at a multiple of 2"),
     ("of pixels not the canvas'", dict(pixel_bytes=3), "pixels of 3 bytes into a canvas of shape"),
     ("into a canvas of one axis", dict(dst=np.zeros((3, 40), np.uint8)), "pixels of 2 bytes into a canvas of shape"),
     ("to a slot another sample writes", dict(positions=np.array([1, 1, 2])), "slot 1 .* written by two samples"),
-    ("with fewer sizes than samples", dict(sizes=np.array([[3, 5], [4, 2]])), r"sizes must be integers of shape \(3, 2\)"),
+    ("with fewer sizes than samples", dict(sizes=np.array([[3, 5], [4, 2]])),
+     r"sizes must be integers of shape \(3, 2\)"),
 ]
 
 
@@ -127,8 +132,8 @@ def test_a_wrong_job_of_canvas_slots_is_refused_before_the_copy(no_c_calls, what
     sources = _canvas_sources()[0]
     if change == "odd":  # a 16-bit canvas, its second image one byte into a value
         wide = [sources[0].view(np.uint16)]
-        change = dict(dst=np.zeros((3, 4, 5, 1), np.uint16), regions=native.regions(wide), offsets=np.array([0, 31, 44]),
-                      sizes=np.array([[3, 5], [1, 2], [0, 3]]))
+        change = dict(dst=np.zeros((3, 4, 5, 1), np.uint16), regions=native.regions(wide),
+                      offsets=np.array([0, 31, 44]), sizes=np.array([[3, 5], [1, 2], [0, 3]]))
     with pytest.raises(ValueError, match=message) as got:
         canvas_job(sources, **change)
     assert str(got.value).startswith("native copy: ") and "\n" not in str(got.value)

@@ -143,7 +143,8 @@ def test_every_view_refuses_a_state_of_another_drop_last(built, reader):
 
     def make(drop_last: bool):
         if reader == "StatefulDataLoader(MMapIterableDataset)":
-            return StatefulDataLoader(MMapIterableDataset(paths["images"], chunk=4, columns=["key"], drop_last=drop_last))
+            iterable = MMapIterableDataset(paths["images"], chunk=4, columns=["key"], drop_last=drop_last)
+            return StatefulDataLoader(iterable)
         view = {"Loader(TokenWindows)": lambda: TokenWindows(paths["text"], 64),
                 "Loader(PackedDocuments)": lambda: PackedDocuments(paths["text"], 128),
                 "Loader(Mixture)": lambda: contract.mixture(paths)}[reader]()
