@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from packer.builder.images import keep_aspect_size
+from packer.dataset.geometry import keep_aspect_size
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

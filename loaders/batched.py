@@ -9,7 +9,7 @@ import torch
 
 from packer.remote import check_first_batches
 
-from loaders.batch.source import as_source, epochs_of
+from loaders.source import as_source, epochs_of
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 
 

@@ -23,7 +23,7 @@ from packer.system import available_cores
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
-from loaders.batch.source import as_source, epochs_of
+from loaders.source import as_source, epochs_of
 from loaders.cuda import to_device
 from loaders.order.sampler import Order, Pass, Resumable, check_int
 from loaders.producer import made_ahead, stop_all

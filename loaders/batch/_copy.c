@@ -5,8 +5,9 @@
  *
  * With `stream` set, copies write with non-temporal stores: a batch far larger than the cache
  * goes to memory without first reading every destination line into the cache (what glibc's
- * memcpy does for copies above its threshold, and never for one 150 KB sample). Every address
- * here comes from arrays the reader validated (loaders/batch/gather.py). */
+ * memcpy does for copies above its threshold, and never for one 150 KB sample). Nothing here
+ * checks a range: native.Job checks every sample's source and destination range against its
+ * buffers before it calls in (loaders/batch/native.py). */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>

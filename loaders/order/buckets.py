@@ -86,10 +86,13 @@ class ShapeBuckets:
 class Bucketed:
     """What `Epochs` orders an epoch by when batches are grouped by shape: `ShapeBuckets` of one
     batch each, dealt to ranks a whole batch at a time (so a rank's batch is one group, and the
-    order does not depend on the rank count)."""
+    order does not depend on the rank count, but does on the batch size). `buckets` says what
+    the order depends on, for the resume state: what grouped (`bucket_by`, the user's option, of
+    `column`) and the batch size."""
 
-    def __init__(self, bucket_of, batch_size: int):
+    def __init__(self, bucket_of, batch_size: int, *, bucket_by: str, column: str):
         self.bucket_of, self.deal_block = bucket_of, batch_size
+        self.buckets = {"bucket_by": bucket_by, "column": column, "batch_size": batch_size}
 
     def order_for(self, *, order: str, seed: int, epoch: int, num_samples: int) -> ShapeBuckets:
         return ShapeBuckets(num_samples, self.bucket_of, group=self.deal_block, seed=seed, epoch=epoch, order=order)

@@ -8,8 +8,10 @@ only: on a node with its own cache a rank fetches the shards of its part of the 
 `cursor` counts the positions of the global order already consumed by all ranks together. From
 any cursor the remaining positions are dealt to ranks interleaved (rank r takes
 remaining[r::W]), so a resumed run, with the same or another world size, batch size, worker or
-thread count, covers each remaining sample once. Nothing here is O(N): a batch's ids are
-computed from its positions.
+thread count, covers each remaining sample once (batches grouped by shape are an order of their
+batch size: they resume with the same one). Everything else the order depends on is in the
+resume state and compared when it is loaded. Nothing here is O(N): a batch's ids are computed
+from its positions.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from packer.errors import ConfigError
 from loaders.order.orders import ORDERS, Order, Permutation
 
 CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
-STATE_VERSION = 3  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
-READS = (2, 3)  # 2: no slices (the global order was the epoch's order: one slice)
+STATE_VERSION = 4  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
+READS = (2, 3, 4)  # 2: no slices (the global order was the epoch's order: one slice); 2, 3: no drop_last, buckets
+REBUILD = "load it into a loader built like the one that saved it"
 KEY_LIMIT = 1 << 64  # seeds and epochs key the orders as 64-bit integers: larger ones would wrap
 
 
@@ -151,6 +154,7 @@ class Epochs:
         # a Mixture's blend, or batches grouped by shape: what orders an epoch instead of a permutation
         self.stream = stream
         self.block = getattr(stream, "deal_block", 1)
+        self.buckets = getattr(stream, "buckets", None)  # batches grouped by shape: what their order depends on
         self.epoch = 0
         self.cursor = 0
         self.slices = self.fresh_slices()  # of the epoch in progress
@@ -260,14 +264,16 @@ class Epochs:
         """A few integers and the identity of what they index: enough to resume exactly in a
         fresh process, whatever the worker, thread or rank count."""
         state = {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
-                 "order": self.order, "seed": self.seed, "epoch": self.epoch, "cursor": self.cursor,
-                 "slices": self.slices}
+                 "order": self.order, "seed": self.seed, "drop_last": bool(self.drop_last),
+                 "buckets": dict(self.buckets) if self.buckets is not None else None, "epoch": self.epoch,
+                 "cursor": self.cursor, "slices": self.slices}
         if hasattr(self.stream, "source_state"):  # a mixture's sources' own epochs and cursors, for the record
             state["sources"] = self.stream.source_state(self.epoch, self.cursor)
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Take a saved state; a state of another dataset, view, size, order or seed is refused."""
+        """Take a saved state; a state of another dataset, view, size, order, seed, drop_last or
+        grouping by shape (`check_grouping`) is refused."""
         if not isinstance(state, dict) or state.get("version") not in READS:
             raise ConfigError(f"not a loader state of this mmpack (version {state.get('version') if isinstance(state, dict) else None!r}, "
                               f"expected one of {READS}); states of mmpack 0.3 and earlier used other orders "
@@ -282,8 +288,8 @@ class Epochs:
                                   "reweighted_from=state, then load it")
             if state.get(name) != mine[name]:
                 raise ConfigError(f"the state is for {name} {state.get(name)!r}, this loader has {mine[name]!r}: "
-                                  "it was saved over another dataset, view or order; load it into a loader "
-                                  "built like the one that saved it")
+                                  f"it was saved over another dataset, view or order; {REBUILD}")
+        self.check_grouping(state)
         epoch, cursor = state.get("epoch"), state.get("cursor")
         if type(epoch) is not int or type(cursor) is not int or not 0 <= epoch < KEY_LIMIT or not 0 <= cursor <= self.num_samples:
             raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "
@@ -292,6 +298,43 @@ class Epochs:
         if type(slices) is not int or not 1 <= slices < 1 << 31 or (slices > 1 and self.stream is not None):
             raise ConfigError(f"the state's slices {slices!r} are not valid for this loader")
         self.epoch, self.cursor, self.slices, self.resuming, self.partial = epoch, cursor, slices, True, False
+
+    def check_grouping(self, state: dict) -> None:
+        """A ConfigError, naming what differs, when the state's batches were made otherwise than
+        this loader's are: with another drop_last (where the epoch ends), or grouped by shape
+        otherwise (another order: none, another kind, or another batch size). States before
+        version 4 record neither: taken as saved without buckets (version 2, mmpack 0.4.0's, had
+        none), their drop_last unchecked."""
+        recorded = state["version"] >= 4
+        theirs = state.get("drop_last")
+        if recorded and (type(theirs) is not bool or theirs != bool(self.drop_last)):
+            raise ConfigError(f"the state was saved with drop_last={theirs!r}, this loader has "
+                              f"drop_last={bool(self.drop_last)}: {REBUILD}")
+        theirs, mine = state.get("buckets") if recorded else None, self.buckets
+        if theirs == mine:
+            return
+        if not recorded:
+            raise ConfigError(f"the state (version {state['version']}) records neither bucket_by nor a batch size, "
+                              f"this loader has {_grouping(mine)} and batch_size {mine['batch_size']}: batches "
+                              "grouped by shape resume from states of version 4 on; start the state's epoch over "
+                              "with set_epoch")
+        if isinstance(theirs, dict) and mine is not None and \
+                {**theirs, "batch_size": mine["batch_size"]} == mine:
+            raise ConfigError(f"the state's batches were grouped by shape (bucket_by={mine['bucket_by']!r}) with "
+                              f"batch_size {theirs.get('batch_size')!r}, this loader's {mine['batch_size']}: batches "
+                              "grouped by shape are an order of their size, and resume only with the batch size "
+                              "that saved them")
+        raise ConfigError(f"the state was saved with {_grouping(theirs)}, this loader has {_grouping(mine)}: "
+                          f"its order is another; {REBUILD}")
+
+
+def _grouping(buckets) -> str:
+    """Batches grouped by shape as the user asked for them (`bucket_by`), for a message."""
+    if buckets is None:
+        return "bucket_by=None"
+    if isinstance(buckets, dict):
+        return f"bucket_by={buckets.get('bucket_by')!r} of column {buckets.get('column')!r}"
+    return f"buckets {buckets!r}"
 
 
 class Resumable:

@@ -19,7 +19,8 @@ import torch
 
 from packer.errors import ConfigError
 
-from loaders.batch.gather import ColumnGather, Memory, empty
+from loaders.batch.buffers import Memory, empty
+from loaders.batch.gather import ColumnGather
 from loaders.order.blend import Blend
 from loaders.order.orders import Order
 from loaders.views.dataset import MMapDataset

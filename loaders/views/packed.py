@@ -23,7 +23,8 @@ import torch
 from packer.dataset.reader import DatasetReader
 
 from loaders.views.dataset import resolve_root
-from loaders.batch.gather import Memory, _ranges, empty
+from loaders.batch.buffers import Memory, empty
+from loaders.batch.ragged import ranges
 
 Policy = Literal["best-fit", "in-order"]
 POLICIES = ("best-fit", "in-order")
@@ -207,7 +208,7 @@ class PackedDocuments:
         rows = np.asarray(ids, dtype=np.int64)
         first = pk.row_ptr[rows]
         per_row = pk.row_ptr[rows + 1] - first
-        p = _ranges(first, per_row)  # the batch's pieces, row after row
+        p = ranges(first, per_row)  # the batch's pieces, row after row
         length = pk.length[p]
         dst = np.repeat(np.arange(0, B * L, L, dtype=np.int64), per_row) + self._within[p]  # in the flat [B, L]
         used = self._row_used[rows]
@@ -228,8 +229,8 @@ class PackedDocuments:
             short = np.flatnonzero(~long)
             for k in np.unique(shard[short]).tolist():
                 sel = short[shard[short] == k]
-                t[_ranges(dst[sel], length[sel])] = values[k][_ranges(src[sel], length[sel])]
-            pos[_ranges(dst[short], length[short])] = _ranges(np.zeros(len(short), np.int64), length[short])
+                t[ranges(dst[sel], length[sel])] = values[k][ranges(src[sel], length[sel])]
+            pos[ranges(dst[short], length[short])] = ranges(np.zeros(len(short), np.int64), length[short])
 
         out_lengths = buffers["lengths"][:B]
         out_lengths.numpy()[:] = used

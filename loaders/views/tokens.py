@@ -20,7 +20,7 @@ from packer.errors import ConfigError
 from packer.dataset.reader import DatasetReader
 
 from loaders.views.dataset import resolve_root
-from loaders.batch.gather import Memory, empty
+from loaders.batch.buffers import Memory, empty
 from loaders.order.orders import Order, Permutation
 
 ITER_CHUNK = 4096  # windows whose ids are computed at once when a TokenWindows is iterated directly

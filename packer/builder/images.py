@@ -3,7 +3,7 @@
 Policy (FORMAT.md, "Image pixels"): EXIF orientation applied; any mode becomes RGB, with
 16-bit and 32-bit integer data rescaled to 8 bits by their real bit depth (never clipped); the shorter side resized to
 S with Pillow's antialiased bilinear filter, then a centre crop of S x S (or, keep-aspect, the
-whole image with its longer side capped: `keep_aspect_size`). JPEGs are decoded in
+whole image with its longer side capped: `packer.dataset.geometry.keep_aspect_size`). JPEGs are decoded in
 draft mode at the smallest DCT scale that still leaves both sides >= 2*S (Pillow's own
 `reducing_gap` for thumbnails: at 1*S the DCT-scaled pixels alias visibly, 22 dB vs 34 dB). Pillow's
 decompression-bomb warning is an error for that file.
@@ -17,6 +17,7 @@ import warnings
 import numpy as np
 from PIL import Image, ImageOps
 
+from packer.dataset.geometry import keep_aspect_size
 from packer.errors import SourceError
 from packer.internals import raw_encoder
 
@@ -54,18 +55,6 @@ def _to_rgb(img: Image.Image, background: tuple[int, int, int] | None = None) ->
         data = np.nan_to_num(np.asarray(img, dtype=np.float64))
         img = Image.fromarray(np.clip(np.rint(data), 0, 255).astype(np.uint8), mode="L")
     return img if img.mode == "RGB" else img.convert("RGB")
-
-
-def keep_aspect_size(w: int, h: int, size: int, max_side: int | None = None) -> tuple[int, int]:
-    """(width, height) of a keep-aspect sample: torchvision's `Resize(size, max_size=max_side)`
-    rule, shorter side to `size`, the longer one int(size * long / short), and when that exceeds
-    `max_side` the longer side `max_side` and the shorter int(max_side * size / that), at least 1.
-    Also what `eval_transform` resizes to (no cap)."""
-    short, long_ = (w, h) if w <= h else (h, w)
-    new_short, new_long = size, int(size * long_ / short)
-    if max_side is not None and new_long > max_side:
-        new_short, new_long = max(1, int(max_side * new_short / new_long)), max_side
-    return (new_short, new_long) if w <= h else (new_long, new_short)
 
 
 def resize_box(img: Image.Image, size: int) -> tuple[Image.Image, tuple[int, int, int, int]]:

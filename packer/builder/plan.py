@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 
 from packer.errors import ConfigError
 from packer.dataset.format import Skip
-from packer.builder.images import keep_aspect_size
+from packer.dataset.geometry import keep_aspect_size
 from packer.builder.scan import JSONL, PARQUET, Record, Scan
 from packer.builder.text import MAX_DOC_BYTES, read_lines
 

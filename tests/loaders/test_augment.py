@@ -31,7 +31,7 @@ from loaders import Loader, MMapDataset
 from loaders import augment
 from loaders.augment import IMAGENET_MEAN, IMAGENET_STD, eval_transform, rrc_boxes, train_transform
 from packer.cli import main
-from packer.builder.images import keep_aspect_size
+from packer.dataset.geometry import keep_aspect_size
 
 MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
 STD = torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -405,10 +405,10 @@ def test_loader_canvas_holds_each_sample_top_left_with_zeros_around(aspect_out, 
 
 
 def test_a_canvas_too_large_for_the_machine_is_refused_with_a_reason(aspect_out, monkeypatch):
-    from loaders.batch import gather
+    from loaders.batch import canvas
     from packer.errors import ConfigError
 
-    monkeypatch.setattr(gather, "CANVAS_RAM_SHARE", 10 ** 12)  # as if the batch's sides were enormous
+    monkeypatch.setattr(canvas, "CANVAS_RAM_SHARE", 10 ** 12)  # as if the batch's sides were enormous
     with pytest.raises(ConfigError, match="use a smaller batch, or a dataset built with --keep-aspect"):
         next(iter(Loader(MMapDataset(aspect_out), 8)))
 
@@ -420,7 +420,7 @@ def test_any_ragged_column_of_two_or_more_axes_gathers_into_a_canvas(tmp_path, d
     too), zeros elsewhere, and its first two sides in `_size`; the same with the native copies
     and with numpy's."""
     from loaders.batch import native
-    from loaders.batch.gather import _canvas
+    from loaders.batch.canvas import canvas_copy
     from packer.dataset import format as fmt
     from packer.dataset.reader import map_column
     from packer.dataset.writer import ShardWriter
@@ -442,10 +442,10 @@ def test_any_ragged_column_of_two_or_more_axes_gathers_into_a_canvas(tmp_path, d
                "x_size": torch.empty(4, 2, dtype=torch.int64)}  # a reused buffer, not zero
     if copies == "native" and native.LIB is None:
         pytest.skip("the native copies were not built (no C compiler at install time)")
-    addresses = np.array([a.values.ctypes.data for a in arrays], np.uint64) if copies == "native" else None
+    regions = native.regions([a.values for a in arrays]) if copies == "native" else None
     rows = np.array([3, 2, 1, 0])
     for bufs in ({}, buffers):
-        fill, out = _canvas("x", arrays, addresses, np.zeros(4, np.int64), rows, np.argsort(rows), bufs, "test")
+        fill, out = canvas_copy("x", arrays, regions, np.zeros(4, np.int64), rows, np.argsort(rows), bufs, "test")
         fill(0, 4)
         canvas, sizes = out["x"], out["x_size"]
         assert canvas.dtype == torch.from_numpy(samples[0]).dtype

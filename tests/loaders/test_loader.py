@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from packer.errors import ConfigError
 from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, StatefulDataLoader, TokenWindows, to_device
-from loaders.batch.gather import SHORT_PIECES
+from loaders.batch.ragged import SHORT_PIECES
 
 
 def pass_ids(loader) -> np.ndarray:
@@ -654,14 +654,15 @@ def test_the_native_copies_are_built_where_a_c_compiler_is():
 @settings(max_examples=60, deadline=None)
 @given(data=st.data(), threads=st.integers(1, 4), stream=st.booleans(), on_pool=st.booleans())
 def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, threads, stream, on_pool):
-    """`_rows` and `_canvas` with the native copies and with numpy's: the same bytes, for any
+    """`rows_copy` and `canvas_copy` with the native copies and with numpy's: the same bytes, for any
     sample size (odd ones too: rows that straddle cache lines), dtype, shard split, repeated ids
     and thread count, streamed or not, on a C pool or range by range on Python threads. The
     numpy copies are the oracle."""
     from concurrent.futures import ThreadPoolExecutor
 
     from loaders.batch import native
-    from loaders.batch.gather import _canvas, _rows, _split
+    from loaders.batch.canvas import canvas_copy
+    from loaders.batch.rows import in_shares, rows_copy
     from packer.dataset.reader import ColumnArrays
 
     if native.LIB is None:
@@ -679,19 +680,19 @@ def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, thr
         if on_pool and isinstance(copy, native.Job):
             with copiers.running(copy, threads):
                 return
-        for f in _split(copy, n, pool, threads):
+        for f in in_shares(copy, n, pool, threads):
             f.result()
 
     # fixed-shape rows, as the gather of an image column
     shape = data.draw(st.tuples(st.integers(1, 40), st.integers(1, 9), st.sampled_from([1, 3])))
     fixed = [ColumnArrays(rng.integers(0, 100, (m, *shape)).astype(dtype)) for m in per_shard]
-    addresses = np.array([a.values.ctypes.data for a in fixed], np.uint64)
+    regions = native.regions([a.values for a in fixed])
     want, got = np.full((n, *shape), 7, dtype), np.full((n, *shape), 7, dtype)
-    run(_rows(want, fixed, None, shard, rows, order))
+    run(rows_copy(want, fixed, None, shard, rows, order))
     saved = native.STREAM_FROM
     native.STREAM_FROM = 0 if stream else 1 << 62
     try:
-        run(_rows(got, fixed, addresses, shard, rows, order))
+        run(rows_copy(got, fixed, regions, shard, rows, order))
     finally:
         native.STREAM_FROM = saved
     assert np.array_equal(want, got)
@@ -705,10 +706,10 @@ def test_the_native_copies_equal_numpys_for_any_shapes_ids_and_threads(data, thr
         offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
         values = np.concatenate([s.reshape(-1) for s in samples]) if sum(lengths) else np.zeros(0, dtype)
         ragged.append(ColumnArrays(values, offsets, np.column_stack([sizes, np.full(m, channels)]).astype(np.int64)))
-    addresses = np.array([a.values.ctypes.data for a in ragged], np.uint64)
+    regions = native.regions([a.values for a in ragged])
     canvases = []
-    for addr in (None, addresses):
-        fill, out = _canvas("x", ragged, addr, shard, rows, order, {}, "test")
+    for addr in (None, regions):
+        fill, out = canvas_copy("x", ragged, addr, shard, rows, order, {}, "test")
         out["x"].fill_(7)  # stale bytes, which the fill must overwrite
         run(fill)
         canvases.append(out)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
+from loaders import Loader, MMapDataset, MMapIterableDataset, PackedDocuments, StatefulDataLoader, TokenWindows
+from packer.errors import ConfigError
 from tests import contract
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,3 +86,71 @@ def test_a_state_saved_on_two_ranks_resumes_on_one_and_on_three(built, reader):
         got = Counter(epoch0)
         assert set(got) == set(everything) and sum(got.values()) - len(everything) < world
         assert max(got.values()) <= 2
+
+
+# (what the saving loader had, what the loading one has, what the one-line error says)
+REFUSED = [
+    (dict(seed=1), dict(seed=2), "seed 1, this loader has 2"),
+    (dict(order="random"), dict(order="block"), "order 'random', this loader has 'block'"),
+    (dict(drop_last=True), dict(), "drop_last=True, this loader has drop_last=False"),
+    (dict(), dict(drop_last=True), "drop_last=False, this loader has drop_last=True"),
+    (dict(bucket_by="aspect"), dict(), "bucket_by='aspect'.* this loader has bucket_by=None"),
+    (dict(), dict(bucket_by="aspect"), "bucket_by=None, this loader has bucket_by='aspect'"),
+    (dict(bucket_by="aspect"), dict(bucket_by="aspect", batch_size=5), "batch_size 8, this loader's 5"),
+]
+# what a state resumes across (exactly: the contract tests above and tests/loaders/test_sampler.py)
+ACCEPTED = [
+    (dict(), dict(batch_size=5, num_threads=1)),
+    (dict(world_size=2, rank=1), dict(world_size=3, rank=0)),
+    (dict(bucket_by="aspect", world_size=2, rank=0), dict(bucket_by="aspect", num_threads=1)),
+    (dict(drop_last=True, order="block"), dict(drop_last=True, order="block", batch_size=3, world_size=2, rank=1)),
+]
+
+
+def _loader(ds, options: dict) -> Loader:
+    options = {"batch_size": 8, "seed": 1, **options}
+    return Loader(ds, options.pop("batch_size"), **options)
+
+
+def _state_after_two_batches(loader) -> dict:
+    it = iter(loader)
+    next(it)
+    next(it)
+    return loader.state_dict()
+
+
+@pytest.mark.parametrize("saved,loading,says", REFUSED, ids=[r[2].split(",")[0] for r in REFUSED])
+def test_a_state_of_another_order_is_refused_saying_what_differs(built, saved, loading, says):
+    """Everything the order depends on is in the state and compared: a loader whose order would
+    differ refuses the state in one line naming the option, rather than resume somewhere else."""
+    ds = MMapDataset(built["aspect"], columns=["image", "key"])
+    state = _state_after_two_batches(_loader(ds, saved))
+    with pytest.raises(ConfigError, match=says) as got:
+        _loader(ds, loading).load_state_dict(state)
+    assert "\n" not in str(got.value)
+
+
+@pytest.mark.parametrize("saved,loading", ACCEPTED)
+def test_a_state_loads_where_only_threads_ranks_or_an_ungrouped_batch_size_differ(built, saved, loading):
+    ds = MMapDataset(built["aspect"], columns=["image", "key"])
+    _loader(ds, loading).load_state_dict(_state_after_two_batches(_loader(ds, saved)))
+
+
+@pytest.mark.parametrize("reader", ["Loader(TokenWindows)", "Loader(PackedDocuments)", "Loader(Mixture)",
+                                    "StatefulDataLoader(MMapIterableDataset)"])
+def test_every_view_refuses_a_state_of_another_drop_last(built, reader):
+    paths = {k: str(v) for k, v in built.items()}
+
+    def make(drop_last: bool):
+        if reader == "StatefulDataLoader(MMapIterableDataset)":
+            iterable = MMapIterableDataset(paths["images"], chunk=4, columns=["key"], drop_last=drop_last)
+            return StatefulDataLoader(iterable)
+        view = {"Loader(TokenWindows)": lambda: TokenWindows(paths["text"], 64),
+                "Loader(PackedDocuments)": lambda: PackedDocuments(paths["text"], 128),
+                "Loader(Mixture)": lambda: contract.mixture(paths)}[reader]()
+        return Loader(view, 4, seed=2, drop_last=drop_last)
+
+    state = _state_after_two_batches(make(True))
+    make(True).load_state_dict(state)
+    with pytest.raises(ConfigError, match="drop_last=True, this loader has drop_last=False"):
+        make(False).load_state_dict(state)

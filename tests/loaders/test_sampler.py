@@ -257,6 +257,25 @@ def test_ranks_read_their_own_part_of_the_epoch_and_a_state_without_slices_resum
     p = plan.start()
     assert p.slices == 1 and plan.ids(p, 0, 4).tolist() == [97, 99, 101, 103]
     plan.taken(p, p.num_batches)
-    assert plan.start().slices == 2 and plan.state_dict()["version"] == 3
+    assert plan.start().slices == 2 and plan.state_dict()["version"] == 4
     with pytest.raises(ConfigError, match="slices"):
         plan.load_state_dict({**plan.state_dict(), "slices": 0})
+
+
+def test_a_state_from_before_drop_last_and_buckets_were_recorded():
+    """States of version 2 (mmpack 0.4.0, which had no bucket_by) and 3 record neither drop_last
+    nor buckets: they load, as before, into loaders without buckets, with either drop_last; a
+    loader with buckets refuses them (their batch size is not known), saying so."""
+    from loaders.order.buckets import Bucketed
+
+    for version in (2, 3):
+        old = {"version": version, "source": "s", "num_samples": 100, "order": "random", "seed": 0, "epoch": 1,
+               "cursor": 40, "slices": 1}
+        for drop_last in (False, True):
+            plan = _epochs(100, 10, drop_last=drop_last)
+            plan.load_state_dict(old)
+            assert plan.start().cursor == 40
+        grouped = Epochs(100, 10, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=1, source="s",
+                         stream=Bucketed(lambda ids: ids % 2, 10, bucket_by="aspect", column="image"))
+        with pytest.raises(ConfigError, match=f"version {version}.* records neither bucket_by nor a batch size"):
+            grouped.load_state_dict(old)

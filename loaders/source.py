@@ -1,6 +1,10 @@
-"""What a Loader or a BatchedDataset reads: a batch source, the one interface every view gives
-(`MMapDataset.batch_source`, `TokenWindows`, `PackedDocuments`): its size, its identity, its
-buffers and a gather of sample ids into them."""
+"""What a Loader or a BatchedDataset reads, and in which order: the glue of the data flow view ->
+order -> gather. A view (`loaders.views`) gives a batch source, the one interface every view
+gives (`MMapDataset.batch_source`, `TokenWindows`, `PackedDocuments`, `Mixture`): its size, its
+identity, its buffers and a gather of sample ids into them (`loaders.batch`); `epochs_of` binds
+it to its epochs (`loaders.order`). The batch and order layers import neither each other nor the
+views: this module, above them, joins them.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import torch
 
 from packer.errors import ConfigError
 
-from loaders.batch.gather import Memory
+from loaders.batch.buffers import Memory
 from loaders.order.buckets import Bucketed, aspect_bucket
 from loaders.order.sampler import Epochs
 
@@ -49,7 +53,8 @@ def epochs_of(source: BatchSource, batch_size: int, *, bucket_by: str | None = N
             raise ConfigError(f"bucket_by must be 'aspect' or None, not {bucket_by!r}")
         if stream is not None or not hasattr(source, "shapes_of"):
             raise ConfigError("bucket_by='aspect' groups the images of one MMapDataset (not a Mixture or a view)")
-        stream = Bucketed(AspectOf(source, source.image_column()), batch_size)
+        column = source.image_column()
+        stream = Bucketed(AspectOf(source, column), batch_size, bucket_by=bucket_by, column=column)
     return Epochs(len(source), batch_size, source=source.source_id, stream=stream, **kwargs)
 
 
