@@ -8,7 +8,7 @@ sides (`loaders.batch.canvas`), by the same per-thread copies. Those start first
 Loader's C pool (`loaders.batch.native`) or a thread pool; meanwhile this thread gathers the
 small columns: labels vectorised per shard, strings as one take per shard, ragged 1-D columns
 (tokens) padded, with their lengths (`loaders.batch.ragged`). A remote dataset's shards are
-mapped while its batches need them (fetched ahead by `loaders.batch.fetch`).
+mapped while its batches need them (fetched ahead by `packer.remote.lookahead`).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ColumnGather:
         self.remote = any(r.cache is not None for r in readers)
         self._live: set[int] = set()
         self._pid = os.getpid()  # a forked child holds none of its parent's pins: it maps afresh
-        self.lookahead = None  # a pass's `loaders.batch.fetch.Lookahead`, while one runs
+        self.lookahead = None  # a pass's `packer.remote.lookahead.Lookahead`, while one runs
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._by_column: dict[str, list[ColumnArrays | None]] = {}
