@@ -98,6 +98,11 @@ def test_loaders_take_from_packer_only_the_reading_side():
         _within(i, p) for p in LOADERS_MAY_IMPORT)) == []
 
 
+def test_inside_loaders_the_batch_and_the_order_layers_import_neither_each_other_nor_the_views():
+    assert _offenders("loaders.batch", lambda i: _within(i, "loaders.order") or _within(i, "loaders.views")) == []
+    assert _offenders("loaders.order", lambda i: _within(i, "loaders.batch") or _within(i, "loaders.views")) == []
+
+
 def test_no_module_of_loaders_imports_a_decoder():
     assert _offenders("loaders", lambda i: any(_within(i, d) for d in DECODERS)) == []
     code = "import sys, loaders, loaders.augment; print(*sorted(m for m in sys.modules if m.split('.')[0] in %r))"
