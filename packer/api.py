@@ -15,12 +15,13 @@ workers start from the script's process).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from packer.builder.config import BuildConfig, parse_part, parse_shard_size
+from packer.builder.config import BuildConfig
 from packer.builder.run import PartReport
 from packer.dataset import format as fmt
 from packer.dataset.archive import Transfer
@@ -28,33 +29,21 @@ from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 
 Progress = Callable[[int, int], None]
-_DEFAULT_SHARD_SIZE = "256MB"
 
 
-def build(raw: str | Path, out: str | Path, *, kind: str | None = BuildConfig.kind,
-          image_size: int | str | None = BuildConfig.image_size, keep_aspect: bool = BuildConfig.keep_aspect,
-          max_side: int | None = BuildConfig.max_side, background: str | tuple[int, int, int] | None = None,
-          tokenizer: str | Path | None = BuildConfig.tokenizer, text_key: str = BuildConfig.text_key,
-          max_doc_bytes: int = BuildConfig.max_doc_bytes, append_eos: str | int | None = BuildConfig.append_eos,
-          special_tokens: bool = BuildConfig.special_tokens, shard_size: str | int = _DEFAULT_SHARD_SIZE,
-          overwrite: bool = BuildConfig.overwrite, strict: bool = BuildConfig.strict,
-          max_skipped: float | None = BuildConfig.max_skipped, workers: int | None = BuildConfig.workers,
-          engine: str = BuildConfig.engine, ray_address: str | None = BuildConfig.ray_address,
-          part: str | tuple[int, int] | None = None, append: bool = BuildConfig.append,
-          allow_changed: bool = BuildConfig.allow_changed, zstd: int | None = None,
-          on_progress: Progress | None = None) -> fmt.Manifest | PartReport:
+def build(raw: str | Path, out: str | Path, *, zstd: int | None = None, on_progress: Progress | None = None,
+          **options) -> fmt.Manifest | PartReport:
     """`packer build RAW OUT [flags]`: pack RAW into the dataset dir OUT, or into a local dir and
     then to OUT in object storage when OUT is a URL (`zstd`: pushed compressed, at that level).
-    `image_size`: S, or "keep"/None for each image's own size; `shard_size`: "256MB", "1000"
-    rows, or an int of rows; `background`: "R,G,B" or a tuple; `part`: "i/N" or (i, N), a share
-    of the build that publishes nothing (then `commit`). Run again after a kill, the same call
-    goes on where it stopped. `on_progress(done, total)` is called as records are packed.
-    Returns the published manifest (a `part` run: what it built, `PartReport`)."""
-    config = build_config(raw, out, kind=kind, image_size=image_size, keep_aspect=keep_aspect, max_side=max_side,
-                          background=background, tokenizer=tokenizer, text_key=text_key, max_doc_bytes=max_doc_bytes,
-                          append_eos=append_eos, special_tokens=special_tokens, shard_size=shard_size,
-                          overwrite=overwrite, strict=strict, max_skipped=max_skipped, workers=workers, engine=engine,
-                          ray_address=ray_address, part=part, append=append, allow_changed=allow_changed)
+    The options are the command's flags, by their names in snake case, as Python values or as
+    the command line spells them (below). Run again after a kill, the same call goes on where it
+    stopped. `on_progress(done, total)` is called as records are packed. Returns the published
+    manifest; a `part` run publishes nothing and returns what it built (`PartReport`).
+"""
+    unknown = sorted(set(options) - set(BUILD_OPTIONS))
+    if unknown:
+        raise ConfigError(f"packer.build: no option {', '.join(unknown)}; the options are {', '.join(BUILD_OPTIONS)}")
+    config = BuildConfig(raw=Path(raw), out=_build_dir(out, options), **options)
     url = None if str(config.out) == str(out) else str(out)
     if zstd is not None and url is None:
         raise ConfigError(f"{out}: --zstd compresses what a build pushes to a URL; for a local dataset, packer pack it")
@@ -68,32 +57,17 @@ def build(raw: str | Path, out: str | Path, *, kind: str | None = BuildConfig.ki
     return manifest
 
 
-def build_config(raw: str | Path, out: str | Path, *, image_size: int | str | None, shard_size: str | int,
-                 background: str | tuple[int, int, int] | None, part: str | tuple[int, int] | None,
-                 **same) -> BuildConfig:
-    """The BuildConfig of `build`'s options: the flags that are fields as they are, the others
-    parsed from the command line's spelling (or taken as Python values); a URL OUT built in the
-    node's build dir for it."""
-    if isinstance(image_size, str):
-        if image_size == "keep":
-            image_size = None
-        else:
-            try:
-                image_size = int(image_size)
-            except ValueError:
-                raise ConfigError(f"--image-size: {image_size!r} is neither a number nor 'keep'") from None
-    rows, nbytes = parse_shard_size(str(shard_size))
-    if isinstance(background, str):
-        try:
-            background = tuple(int(v) for v in background.split(","))
-        except ValueError:
-            raise ConfigError(f"--background: {background!r} is not R,G,B (e.g. 255,255,255)") from None
-    if isinstance(part, str):
-        part = parse_part(part)
-    return BuildConfig(raw=Path(raw), out=_build_dir(out, append=same.get("append", False), part=part),
-                       image_size=image_size, shard_rows=rows, shard_bytes=nbytes,
-                       background=tuple(background) if background is not None else None,
-                       part=tuple(part) if part is not None else None, **same)
+BUILD_OPTIONS = tuple(f.name for f in BuildConfig.options())
+# help(packer.build) and an editor's hints show every option, from the one declaration
+build.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    [inspect.Parameter("raw", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str | Path"),
+     inspect.Parameter("out", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="str | Path"),
+     *(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default) for f in BuildConfig.options()),
+     inspect.Parameter("zstd", inspect.Parameter.KEYWORD_ONLY, default=None),
+     inspect.Parameter("on_progress", inspect.Parameter.KEYWORD_ONLY, default=None)],
+    return_annotation="Manifest | PartReport")
+if build.__doc__:  # None under python -OO
+    build.__doc__ += "".join(f"\n    {f.name}: {f.metadata['help']}" for f in BuildConfig.options())
 
 
 def where_built(out: str | Path) -> Path:
@@ -104,8 +78,8 @@ def where_built(out: str | Path) -> Path:
     return remote.build_dir(str(out)) if remote.is_url(out) else Path(out)
 
 
-def _build_dir(out: str | Path, *, append: bool, part) -> Path:
-    if (append or part) and str(where_built(out)) != str(out):
+def _build_dir(out: str | Path, options: dict) -> Path:
+    if (options.get("append") or options.get("part")) and str(where_built(out)) != str(out):
         raise ConfigError(f"{out}: --append and --part build into a local dir; pull the dataset, build there, "
                           "then packer push")
     return where_built(out)

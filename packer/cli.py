@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import inspect
 import json
 import os
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 from packer import api
 from packer.builder.plan import SIZES_SAMPLE
-from packer.builder.text import MAX_DOC_BYTES
+from packer.builder.config import BuildConfig
 from packer.dataset import format as fmt
 from packer.dataset.reader import DatasetReader
 from packer.errors import IntegrityError, MmpackError
@@ -28,9 +27,6 @@ CLASSES_SHOWN = 5
 # From this share of the workers' time spent waiting on writes (and fsyncs), the build's summary
 # says so: the disk, not the cores, is then much of what sets the pace.
 DISK_BOUND = 0.25
-# `packer build`'s flags are `packer.build`'s keywords: a flag not given is not passed, so the
-# defaults are the API's, in one place
-BUILD_OPTIONS = [name for name, p in inspect.signature(api.build).parameters.items() if p.kind is p.KEYWORD_ONLY]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,46 +90,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _build_parser(b: argparse.ArgumentParser) -> None:
-    """`packer build`'s flags: `packer.build`'s keywords, no defaults of their own (SUPPRESS)."""
+    """`packer build`'s flags: BuildConfig's, from their declarations, with no defaults of their
+    own (SUPPRESS: a flag not given is not passed, so `packer.build`'s default holds)."""
     b.add_argument("raw", type=Path, help="input folder")
     b.add_argument("out", help="dataset dir to create, or s3://BUCKET/PREFIX (built in a local cache, then pushed)")
     b.add_argument("--zstd", type=int, nargs="?", const=3, metavar="LEVEL",
                    help="with a URL for OUT: push it zstd-compressed, as packer push --zstd")
-    b.add_argument("--kind", choices=fmt.KINDS, help="force the layout instead of detecting it")
-    b.add_argument("--image-size", help="shorter side resized to S, centre-cropped SxS (default 224); 'keep' for "
-                                        "own sizes")
-    b.add_argument("--keep-aspect", action="store_true",
-                   help="with --image-size S: the whole image, shorter side S, no centre crop (for training-time crops)")
-    b.add_argument("--max-side", type=int, metavar="N",
-                   help="with --keep-aspect: the longer side at most N (default 2 x S; the image shrinks to fit)")
-    b.add_argument("--background", metavar="R,G,B",
-                   help="composite transparent images over this colour (default: alpha dropped, as Pillow's convert)")
-    b.add_argument("--tokenizer", type=Path, help="Hugging Face tokenizer.json (required for text and pairs)")
-    b.add_argument("--text-key", help="JSONL key / Parquet column holding the text (default text)")
-    b.add_argument("--max-doc-bytes", type=int, metavar="N",
-                   help=f"skip a longer document: a .txt file, JSONL line or caption (default {MAX_DOC_BYTES >> 20} MiB)")
-    b.add_argument("--append-eos", nargs="?", const="auto", metavar="ID",
-                   help="append the tokenizer's end token (or token ID) to each document")
-    b.add_argument("--special-tokens", action="store_true", help="let the tokenizer add its special tokens ([CLS] ...)")
-    b.add_argument("--shard-size", help="rows per shard (1000) or bytes (256MB); default 256MB")
-    b.add_argument("--overwrite", action="store_true", help="rebuild over an existing dataset dir")
-    b.add_argument("--strict", action="store_true", help="fail the build on any skipped record")
-    b.add_argument("--max-skipped", type=float, metavar="FRACTION",
-                   help="fail the build when more than this fraction of the records found are skipped (e.g. 0.05)")
-    b.add_argument("--workers", type=int, help="worker processes (default: every core)")
-    b.add_argument("--engine", choices=("local", "ray"), help="run shards here (a process pool, the default) or as "
-                                                             "Ray tasks")
-    b.add_argument("--ray-address", help="Ray cluster to join (default: a local one)")
-    b.add_argument("--part", metavar="i/N",
-                   help="build only part i (0-based) of N into a shared OUT; then 'packer commit OUT'")
-    b.add_argument("--append", action="store_true", help="add RAW's new records to the dataset in OUT as new shards")
-    b.add_argument("--allow-changed", action="store_true",
-                   help="with --append: keep the samples of RAW files deleted or changed since the build (refused otherwise)")
+    for f in BuildConfig.options():
+        switch = {"action": "store_true"} if f.default is False else {}
+        b.add_argument("--" + f.name.replace("_", "-"), help=f.metadata["help"], **switch, **f.metadata["cli"])
     b.add_argument("-q", "--quiet", action="store_true", default=False, help="no progress, no skip list")
 
 
 def _cmd_build(args) -> int:
-    options = {name: value for name, value in vars(args).items() if name in BUILD_OPTIONS}
+    options = {name: value for name, value in vars(args).items() if name in api.BUILD_OPTIONS or name == "zstd"}
     bar = ProgressBar("packing", enabled=not args.quiet, unit="records")
     started = time.perf_counter()
     try:

@@ -2,9 +2,11 @@
 for. Flags the dataset's bytes depend on (`bytes=`) go into the build's fingerprint (the
 manifest's `build`), so a build run again with other ones is refused instead of resumed into a
 mix; flags of how the build runs (workers, engine, part, what to do with an existing OUT) are
-not hashed. A new flag is a field here (with its check in `__post_init__`), its argument in
-`packer.cli`, and the code that uses it: the fingerprint, the --append check and the context
-every shard gets follow from the declaration.
+not hashed. A new flag is a field here with its help text (and its check in `__post_init__`),
+and the code that uses it: the command's flag (`packer.cli`), the option of `packer.build`,
+the fingerprint, the --append check and the context every shard gets follow from the
+declaration. Values come as Python values or as the command line spells them ("keep", "256MB",
+"R,G,B", "i/N").
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ ENGINES = ("local", "ray")
 ALWAYS, UNLESS_DEFAULT = "always", "unless default"
 
 
-def flag(default=None, *, bytes: str | None = None, append: bool = False):
+def flag(default=None, *, bytes: str | None = None, append: bool = False, help: str | None = None, **cli):
     """A build flag. `bytes`: ALWAYS, in every build's fingerprint; UNLESS_DEFAULT, only where
     set, for flags added after datasets were built without them (running such a build's command
     again after an upgrade still finds it done); None, how the build runs, not what it writes.
-    `append`: an --append must use the value the dataset was built with."""
-    return field(default=default, metadata={"bytes": bytes, "append": append})
+    `append`: an --append must use the value the dataset was built with. `help`: what the flag
+    does, in the command's help; with it, the field is `--kebab-case` of `packer build` and a
+    keyword of `packer.build`; `cli`: argparse's own (type, choices, metavar, nargs, const; a
+    bool field is a switch)."""
+    return field(default=default, metadata={"bytes": bytes, "append": append, "help": help, "cli": cli})
 
 
 @dataclass(frozen=True)
@@ -39,33 +44,48 @@ class BuildConfig:
 
     raw: Path = flag(bytes=ALWAYS)  # recorded resolved and printable
     out: Path = flag()
-    kind: str | None = flag(bytes=ALWAYS)  # recorded as the kind the build packs, given or detected
-    image_size: int | None = flag(224, bytes=ALWAYS, append=True)  # None: keep each image's own size
-    tokenizer: Path | None = flag(bytes=ALWAYS)  # recorded as its file's sha256
-    text_key: str = flag("text", bytes=ALWAYS, append=True)
-    append_eos: str | None = flag(bytes=ALWAYS, append=True)  # None, "auto" or an id
-    special_tokens: bool = flag(False, bytes=ALWAYS, append=True)
-    shard_rows: int | None = flag(bytes=ALWAYS)
-    shard_bytes: int | None = flag(DEFAULT_SHARD_BYTES, bytes=ALWAYS)
-    overwrite: bool = flag(False)
-    strict: bool = flag(False, bytes=ALWAYS)
-    workers: int | None = flag()  # None: every core this process may use
-    engine: str = flag("local")  # "local": a process pool; "ray": Ray tasks
-    ray_address: str | None = flag()  # None: start or join a local Ray instance
-    part: tuple[int, int] | None = flag()  # (i, N): build only share i (0-based) of N, no publish
-    append: bool = flag(False)
-    allow_changed: bool = flag(False)  # --append: keep the samples of RAW files deleted or changed since
-    max_skipped: float | None = flag()  # fail a build that skips more than this fraction of what it found
-    background: tuple[int, int, int] | None = flag(bytes=ALWAYS)  # composite transparent images over this colour
-    keep_aspect: bool = flag(False)  # shorter side to image_size, the whole image; recorded as max_side
-    max_side: int | None = flag(bytes=UNLESS_DEFAULT, append=True)  # keep-aspect: cap of the longer side
-    max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT)  # a longer document is a skip
+    kind: str | None = flag(bytes=ALWAYS, help="force the layout instead of detecting it",
+                            choices=fmt.KINDS)  # recorded as the kind the build packs, given or detected
+    image_size: int | None = flag(224, bytes=ALWAYS, append=True, help="shorter side resized to S, centre-cropped "
+                                  "SxS (default 224); 'keep' for each image's own size", metavar="S")
+    tokenizer: Path | None = flag(bytes=ALWAYS, help="Hugging Face tokenizer.json (required for text and pairs)",
+                                  type=Path, metavar="PATH")  # recorded as its file's sha256
+    text_key: str = flag("text", bytes=ALWAYS, append=True,
+                         help="JSONL key / Parquet column holding the text (default text)", metavar="KEY")
+    append_eos: str | None = flag(bytes=ALWAYS, append=True, help="append the tokenizer's end token (or token ID) to "
+                                  "each document", nargs="?", const="auto", metavar="ID")  # None, "auto" or an id
+    special_tokens: bool = flag(False, bytes=ALWAYS, append=True,
+                                help="let the tokenizer add its special tokens ([CLS] ...)")
+    shard_rows: int | None = flag(bytes=ALWAYS)  # from shard_size
+    shard_bytes: int | None = flag(DEFAULT_SHARD_BYTES, bytes=ALWAYS)  # from shard_size
+    overwrite: bool = flag(False, help="rebuild over an existing dataset dir")
+    strict: bool = flag(False, bytes=ALWAYS, help="fail the build on any skipped record")
+    workers: int | None = flag(help="worker processes (default: every core)", type=int, metavar="N")
+    engine: str = flag("local", help="run shards here (a process pool, the default) or as Ray tasks", choices=ENGINES)
+    ray_address: str | None = flag(help="Ray cluster to join (default: a local one)", metavar="ADDRESS")
+    part: tuple[int, int] | None = flag(help="build only part i (0-based) of N into a shared OUT; then 'packer commit "
+                                        "OUT'", metavar="i/N")  # (i, N): no publish
+    append: bool = flag(False, help="add RAW's new records to the dataset in OUT as new shards")
+    allow_changed: bool = flag(False, help="with --append: keep the samples of RAW files deleted or changed since the "
+                                           "build (refused otherwise)")
+    max_skipped: float | None = flag(help="fail the build when more than this fraction of the records found are "
+                                          "skipped (e.g. 0.05)", type=float, metavar="FRACTION")
+    background: tuple[int, int, int] | None = flag(bytes=ALWAYS, help="composite transparent images over this colour "
+                                                   "(default: alpha dropped, as Pillow's convert)", metavar="R,G,B")
+    keep_aspect: bool = flag(False, help="with --image-size S: the whole image, shorter side S, no centre crop (for "
+                                         "training-time crops)")  # recorded as max_side
+    max_side: int | None = flag(bytes=UNLESS_DEFAULT, append=True, help="with --keep-aspect: the longer side at most "
+                                "N (default 2 x S; the image shrinks to fit)", type=int, metavar="N")
+    max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT, help="skip a longer document: a .txt file, JSONL "
+                              f"line or caption (default {MAX_DOC_BYTES >> 20} MiB)", type=int, metavar="N")
+    shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB", metavar="SIZE")  # -> shard_*
 
     def __post_init__(self) -> None:
         if self.raw is None or self.out is None:
             raise ConfigError("a build needs RAW and OUT")
         object.__setattr__(self, "raw", Path(self.raw))
         object.__setattr__(self, "out", Path(self.out))
+        self._read_spellings()
         if self.kind is not None and self.kind not in fmt.KINDS:
             raise ConfigError(f"--kind: {self.kind!r} is not one of {', '.join(fmt.KINDS)}")
         if self.image_size is not None and not 1 <= self.image_size <= 16384:
@@ -95,6 +115,38 @@ class BuildConfig:
             raise ConfigError(f"--max-doc-bytes: {self.max_doc_bytes} must lie between 1 and 2**40")
         if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
             raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
+
+    def _read_spellings(self) -> None:
+        """The values the command line spells as text, as the fields hold them."""
+        def put(name, value):
+            object.__setattr__(self, name, value)
+        if isinstance(self.image_size, str):
+            try:
+                put("image_size", None if self.image_size == "keep" else int(self.image_size))
+            except ValueError:
+                raise ConfigError(f"--image-size: {self.image_size!r} is neither a number nor 'keep'") from None
+        if self.shard_size is not None:
+            rows, nbytes = parse_shard_size(str(self.shard_size))
+            put("shard_rows", rows)
+            put("shard_bytes", nbytes)
+        if isinstance(self.background, str):
+            try:
+                put("background", tuple(int(v) for v in self.background.split(",")))
+            except ValueError:
+                raise ConfigError(f"--background: {self.background!r} is not R,G,B (e.g. 255,255,255)") from None
+        elif self.background is not None:
+            put("background", tuple(self.background))
+        if isinstance(self.part, str):
+            put("part", parse_part(self.part))
+        elif self.part is not None:
+            put("part", tuple(self.part))
+        if self.tokenizer is not None:
+            put("tokenizer", Path(self.tokenizer))
+
+    @staticmethod
+    def options() -> tuple:
+        """The fields that are flags of `packer build` and options of `packer.build`."""
+        return tuple(f for f in fields(BuildConfig) if f.metadata["help"])
 
     @property
     def side_cap(self) -> int | None:

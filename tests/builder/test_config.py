@@ -12,8 +12,8 @@ from packer.builder.config import ALWAYS, UNLESS_DEFAULT
 from packer.cli import _parser
 from packer.errors import ConfigError
 
-CONVERTED = {"shard_size": ("shard_rows", "shard_bytes")}  # one option, two fields
-NOT_FLAGS = {"quiet", "cmd", "func", "zstd"}  # how the command prints, argparse's own, how a URL OUT is pushed
+DERIVED = {"shard_rows", "shard_bytes"}  # from shard_size
+NOT_FLAGS = {"quiet", "cmd", "func", "zstd", "raw", "out"}  # how it prints, argparse's, how a URL is pushed, positionals
 
 
 def _build_options() -> set[str]:
@@ -21,13 +21,28 @@ def _build_options() -> set[str]:
     return {a.dest for a in build._actions if a.dest != "help"}
 
 
-def test_every_build_option_is_a_config_field_and_every_field_an_option():
-    names = {f.name for f in fields(BuildConfig)}
-    options = _build_options() - NOT_FLAGS
-    for option in options:
-        assert option in names or option in CONVERTED, f"--{option} is no BuildConfig field"
-    converted = {f for fs in CONVERTED.values() for f in fs}
-    assert names - converted == options - set(CONVERTED)
+def test_every_build_flag_is_a_config_field_and_an_option_of_packer_build():
+    """One declaration: a field with its help is the command's flag and `packer.build`'s keyword."""
+    import inspect
+
+    import packer
+
+    options = {f.name for f in BuildConfig.options()}
+    assert _build_options() - NOT_FLAGS == options
+    assert {f.name for f in fields(BuildConfig)} - options == DERIVED | {"raw", "out"}
+    keywords = {n for n, p in inspect.signature(packer.build).parameters.items() if p.kind is p.KEYWORD_ONLY}
+    assert keywords == options | {"zstd", "on_progress"}
+
+
+def test_packer_build_takes_the_command_lines_spellings_and_refuses_unknown_options(tmp_path):
+    import packer
+
+    config = BuildConfig(tmp_path / "raw", tmp_path / "o", image_size="keep", shard_size="1000",
+                         background="1,2,3", part="1/4")
+    assert (config.image_size, config.shard_rows, config.shard_bytes, config.background, config.part) == \
+        (None, 1000, None, (1, 2, 3), (1, 4))
+    with pytest.raises(ConfigError, match="no option image_sizes"):
+        packer.build(tmp_path / "raw", tmp_path / "o", image_sizes=64)
 
 
 def test_every_field_says_whether_the_bytes_depend_on_it(tmp_path):
