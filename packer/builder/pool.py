@@ -348,6 +348,11 @@ class _Scheduler:
 def _unexplained(ctx: ShardContext, unexplained: list[str]) -> SourceError:
     """The error that ends a build whose workers died RETRIES times, no one item to blame."""
     if not any(unexplained):
+        main = getattr(sys.modules.get("__main__"), "__file__", None)
+        if main is not None and not os.path.isfile(main):  # `python - < script`: nothing to import again
+            return SourceError(f"{ctx.out}: worker processes die before they read anything: they import this "
+                               f"process's __main__ again, and {main} is no file; call packer.build() from a script "
+                               "file (under `if __name__ == \"__main__\":`), or run `packer build`")
         return SourceError(f"{ctx.out}: worker processes die before they read anything; if a script of yours "
                            "calls packer.build(), put the call under `if __name__ == \"__main__\":` (workers that "
                            "start from a forkserver import the script again)")

@@ -311,3 +311,15 @@ def test_the_packer_command_runs_openblas_on_one_thread_unless_told(setting):
     code = "import os, packer.cli, packer.api; print(os.environ.get('OPENBLAS_NUM_THREADS'))"
     imported = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert imported.stdout.split() == [setting or "None"]
+
+
+def test_a_build_from_a_script_on_stdin_says_why_its_workers_die(tmp_path, image_raw):
+    """`python - < script` (or a heredoc): the forkserver's workers import __main__ again, from
+    a file named <stdin>, and die; the error says so and what to do, in one line."""
+    code = ("import packer\ntry:\n"
+            f"    packer.build({str(image_raw)!r}, {str(tmp_path / 'out')!r}, image_size=16, workers=2)\n"
+            "except packer.MmpackError as exc:\n    print(exc)\n")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "4"}  # numpy's threads: the pool's workers come from a forkserver
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, env=env, timeout=300)
+    assert "<stdin> is no file; call packer.build() from a script file" in out.stdout.strip().splitlines()[-1], \
+        out.stdout + out.stderr[-2000:]
