@@ -31,6 +31,7 @@ def check_limit(url: str, room: int, need: int, what: str, *, limit: int, advice
     """A ConfigError when `need` bytes (`what` a reader holds at once) exceed `room`, the share
     of the cache limit `limit` that is left for them."""
     if need > room:
-        left = "" if room == limit else f" ({room:,} for this process, after the index files and the node's other ranks)"
-        raise ConfigError(f"{url}: cache_limit {limit:,} bytes is too small{left}: it must hold {need:,} bytes at once "
-                          f"({what}); raise cache_limit{advice}")
+        left = "" if room == limit else f", and leaves {room:,} to this process (after the index files and the " \
+            "node's other ranks)"
+        raise ConfigError(f"{url}: cache_limit {limit:,} bytes is too small: it must hold {need:,} bytes at once "
+                          f"({what}){left}; raise cache_limit{advice}")
