@@ -7,6 +7,8 @@ stopped goes on with the next batch when started again. Runs on a GPU when there
 `--on-the-fly` trains the same model the way most scripts do instead: a DataLoader whose workers
 decode and resize every image of every epoch (an ImageFolder-like dataset, no packing, no
 resume). `bench doctor -- python scripts/train_folder.py RAW --on-the-fly` says why that waits.
+`--sample N` makes RAW from N crops of the real photos mmpack's tests use, so that this runs
+anywhere.
 """
 
 from __future__ import annotations
@@ -89,7 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--on-the-fly", action="store_true", help="decode every image every epoch in DataLoader "
                     "workers instead of packing once (what bench doctor should find waiting)")
     ap.add_argument("--workers", type=int, default=2, help="DataLoader workers with --on-the-fly")
+    ap.add_argument("--sample", type=int, default=None, metavar="N", help="make RAW from N real photo crops first")
     args = ap.parse_args(argv)
+    if args.sample and not args.raw.exists():
+        from bench import data
+
+        data.make_image_folders(args.raw, args.sample, seed=0)
     if args.on_the_fly:
         return on_the_fly(args)
     out = args.out or args.raw.with_name(args.raw.name + ".mmpack")
