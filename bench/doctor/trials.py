@@ -4,8 +4,6 @@ sample of an image folder packed."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
 import tempfile
 from pathlib import Path
@@ -137,13 +135,10 @@ def packed(loader) -> PackedRun | Failure | None:
         with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
             raw, out = Path(tmp) / "raw", Path(tmp) / "out"
             _link_sample(samples, raw)
-            from packer.cli import main as packer
-
-            with contextlib.redirect_stdout(io.StringIO()):  # the script's output is the user's, not ours
-                built = packer(["build", str(raw), str(out), "--image-size", str(side), "-q"])
-            if built != 0:
-                return Failure(error="packer build of a sample of the folder failed")
+            import packer
             from loaders import Loader, MMapDataset
+
+            packer.build(raw, out, image_size=side)
 
             ds = MMapDataset(out)
             with Loader(ds, loader.batch_size or 64, seed=0, columns=["image", "label"]) as reader:
