@@ -22,6 +22,10 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
 def __getattr__(name: str):
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

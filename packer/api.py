@@ -43,8 +43,10 @@ def build(raw: str | Path, out: str | Path, *, zstd: int | None = None, on_progr
     unknown = sorted(set(options) - set(BUILD_OPTIONS))
     if unknown:
         raise ConfigError(f"packer.build: no option {', '.join(unknown)}; the options are {', '.join(BUILD_OPTIONS)}")
+    from packer import remote
+
     config = BuildConfig(raw=Path(raw), out=_build_dir(out, options), **options)
-    url = None if str(config.out) == str(out) else str(out)
+    url = str(out) if remote.is_url(out) else None
     if zstd is not None and url is None:
         raise ConfigError(f"{out}: --zstd compresses what a build pushes to a URL; for a local dataset, packer pack it")
     from packer.builder.run import build as run_build, build_part
@@ -75,11 +77,13 @@ def where_built(out: str | Path) -> Path:
     kill resumes there), pushed once the build is published."""
     from packer import remote
 
-    return remote.build_dir(str(out)) if remote.is_url(out) else Path(out)
+    return remote.build_dir(str(out)) if remote.is_url(out) else Path(out).expanduser()
 
 
 def _build_dir(out: str | Path, options: dict) -> Path:
-    if (options.get("append") or options.get("part")) and str(where_built(out)) != str(out):
+    from packer import remote
+
+    if (options.get("append") or options.get("part")) and remote.is_url(out):
         raise ConfigError(f"{out}: --append and --part build into a local dir; pull the dataset, build there, "
                           "then packer push")
     return where_built(out)
@@ -158,6 +162,8 @@ def info(path: str | Path) -> dict:
         "counts": m.counts,
         "tokenizer": m.tokenizer,
         "images": _image_policy(m),
+        "input": m.build.get("input"),
+        "flattened": m.build.get("flattened", 0),
         "skipped": [{"key": k.key, "stage": k.stage, "reason": k.reason} for k in m.skipped],
         **extra,
     }

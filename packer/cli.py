@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from packer import api
+from packer.remote import is_url as remote_url
 from packer.builder.plan import SIZES_SAMPLE
 from packer.builder.config import BuildConfig
 from packer.dataset import format as fmt
@@ -118,7 +119,7 @@ def _cmd_build(args) -> int:
         return 0
     local = api.where_built(args.out)
     _summary(result, local, seconds, quiet=args.quiet, appended=getattr(args, "append", False))
-    if str(local) != str(args.out):  # a URL: the built dataset went there
+    if remote_url(args.out):  # the built dataset went there
         zstd = " zstd-compressed" if getattr(args, "zstd", None) is not None else ""
         print(f"pushed -> {args.out}{zstd} (built in {local})")
     return 0
@@ -141,6 +142,8 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
             rate += f"; the workers spent {100 * waited:.0f}% of their time waiting on the disk"
     if not quiet and manifest.build.get("layout") and not appended:
         print(f"layout {manifest.build['layout']}")
+    for line in _input_notes(manifest.build):
+        print(line)
     empty = api.empty_classes(DatasetReader(out)) if manifest.classes is not None else []
     if empty:
         print(_empty_classes_line(empty, len(manifest.classes)))
@@ -155,6 +158,19 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
         f"{len(manifest.shards)} shards, {human_bytes(manifest.size_bytes)} in {seconds:.1f} s "
         f"({rate}) -> {out}"
     )
+
+
+def _input_notes(build: dict) -> list[str]:
+    """What the build left out of its input, and the images whose transparency it dropped."""
+    notes = []
+    left = (build.get("input") or {}).get("not_packed")
+    if left:
+        notes.append(f"not packed: {', '.join(left)} (fields the input has; --image-key, --text-key, --label-key "
+                     "and --id-key choose others)")
+    if build.get("flattened"):
+        notes.append(f"{build['flattened']:,} images had transparency, dropped as Pillow's convert('RGB') does; "
+                     "--background R,G,B composites them over a colour instead")
+    return notes
 
 
 def _cmd_commit(args) -> int:
@@ -208,8 +224,13 @@ def _cmd_info(args) -> int:
     packed = f" ({human_bytes(d['archive_bytes'])} compressed)" if "archive_bytes" in d else ""
     print(f"samples   {d['num_samples']:,} in {d['num_shards']} shards, {human_bytes(d['size_bytes'])}{packed}")
     print(f"columns   {cols}")
+    if d["input"] and d["input"].get("form") != "folder":
+        fields = ", ".join(f"{role}: {name}" for role, name in d["input"]["fields"].items() if name)
+        print(f"input     {d['input']['form']} ({fields})")
     if d["images"]:
         print(f"images    {d['images']}")
+    for line in _input_notes({"input": d["input"], "flattened": d["flattened"]}):
+        print(f"          {line}")
     if d["classes"] is not None:
         shown = ", ".join(d["classes"][:10]) + (" ..." if len(d["classes"]) > 10 else "")
         print(f"classes   {len(d['classes'])}: {shown}")

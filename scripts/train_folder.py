@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sample and not args.raw.exists():
         from bench import data
 
-        data.make_image_folders(args.raw, args.sample, seed=0)
+        data.make_image_folders(args.raw, args.sample, seed=0, min_side=300)  # photos, not thumbnails
     if args.on_the_fly:
         return on_the_fly(args)
     out = args.out or args.raw.with_name(args.raw.name + ".mmpack")

@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from packer.builder.forms import FORMS
+from packer.builder.forms.fields import FieldOptions
+from packer.builder.forms.labels import read_names
 from packer.dataset.format import printable
 from packer.builder.text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer
 from packer.builder.text import resolve_eos, token_dtype
@@ -79,12 +82,29 @@ class BuildConfig:
     max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT, help="skip a longer document: a .txt file, JSONL "
                               f"line or caption (default {MAX_DOC_BYTES >> 20} MiB)", type=int, metavar="N")
     shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB", metavar="SIZE")  # -> shard_*
+    input: str | None = flag(bytes=UNLESS_DEFAULT, help="the input form, detected unless given: folder, parquet "
+                             "(Hugging Face image datasets), tar (WebDataset shards), manifest (JSONL / JSON / CSV / "
+                             "TSV / Parquet naming image files)", choices=FORMS)
+    image_key: str | None = flag(bytes=UNLESS_DEFAULT, help="the field, column or tar member extension "
+                                 "holding the image (default: image, image_path, img, file_name, filepath, path; jpg, "
+                                 "png, webp in a tar)", metavar="KEY")
+    label_key: str | None = flag(bytes=UNLESS_DEFAULT, help="... holding the label (default: label, cls, "
+                                 "labels)", metavar="KEY")
+    id_key: str | None = flag(bytes=UNLESS_DEFAULT, help="... holding the sample's id, its key (default: "
+                              "id, key, __key__)", metavar="KEY")
+    classes: Path | None = flag(bytes=UNLESS_DEFAULT, help="class names, one a line, that integer labels "
+                                "index (tars, manifests; a Hugging Face ClassLabel's names otherwise)", type=Path,
+                                metavar="FILE")  # recorded as its names
+    split: str | None = flag(bytes=UNLESS_DEFAULT, help="build this split of a Hugging Face or WebDataset dataset: "
+                             "its train-*.parquet, train-*.tar, train.jsonl or train/ files", metavar="NAME")
+    no_text: bool = flag(False, bytes=UNLESS_DEFAULT, help="pack the images of an input that has captions without "
+                                                            "them (else --tokenizer is needed)")
 
     def __post_init__(self) -> None:
         if self.raw is None or self.out is None:
             raise ConfigError("a build needs RAW and OUT")
-        object.__setattr__(self, "raw", Path(self.raw))
-        object.__setattr__(self, "out", Path(self.out))
+        object.__setattr__(self, "raw", Path(self.raw).expanduser())  # a shell expands ~; a Python caller's too
+        object.__setattr__(self, "out", Path(self.out).expanduser())
         self._read_spellings()
         if self.kind is not None and self.kind not in fmt.KINDS:
             raise ConfigError(f"--kind: {self.kind!r} is not one of {', '.join(fmt.KINDS)}")
@@ -143,6 +163,12 @@ class BuildConfig:
         if self.tokenizer is not None:
             put("tokenizer", Path(self.tokenizer))
 
+    def form_options(self) -> FieldOptions:
+        """What the input forms' scans read (`packer.builder.forms`)."""
+        return FieldOptions(image=self.image_key, text=self.text_key, label=self.label_key, id=self.id_key,
+                            no_text=self.no_text, classes=read_names(self.classes) if self.classes else None,
+                            split=self.split, max_doc_bytes=self.max_doc_bytes)
+
     @staticmethod
     def options() -> tuple:
         """The fields that are flags of `packer build` and options of `packer.build`."""
@@ -161,6 +187,7 @@ class BuildConfig:
         """The flags the dataset's bytes depend on, by their recorded names and values: what the
         fingerprint hashes and the manifest's `build` records (not workers, engine or part)."""
         recorded = {"raw": ("raw", printable(str(self.raw.resolve()))), "kind": ("kind", kind),
+                    "classes": ("classes", list(read_names(self.classes)) if self.classes else None),
                     "tokenizer": ("tokenizer_sha256", tokenizer.sha256 if tokenizer else None),
                     "background": ("background", list(self.background) if self.background else None),
                     "max_side": ("max_side", self.side_cap)}
@@ -190,8 +217,9 @@ class BuildConfig:
                                   "tokenized; drop the flag, or pass --kind pairs or --kind text if RAW is not images")
             return None
         if self.tokenizer is None:
+            images = "; or --no-text to pack its images without their captions" if kind == "pairs" else ""
             raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind}: RAW {self.raw} holds "
-                              f"{why}; if it is not {kind}, pass --kind")
+                              f"{why}; if it is not {kind}, pass --kind{images}")
         tok = load_tokenizer(self.tokenizer)
         eos_id = resolve_eos(tok, self.append_eos)
         spec = TokenizerSpec(path=str(Path(self.tokenizer).resolve()), sha256=file_sha256(self.tokenizer),

@@ -26,6 +26,14 @@ DRAFT_GAP = 2  # draft to >= DRAFT_GAP * S; see the module docstring
 
 
 DEPTHS = (8, 10, 12, 14, 16, 24, 32)  # bits a high-bit-depth sample may really have
+ALPHA_MODES = ("RGBA", "LA", "PA", "RGBa", "La")
+_flattened = 0  # images of this process whose transparency was dropped: `flattened()`
+
+
+def flattened() -> int:
+    """How many images this process has decoded whose transparency was dropped (no
+    --background): what the build's summary counts."""
+    return _flattened
 
 
 def bit_depth(top: int) -> int:
@@ -41,9 +49,13 @@ def _to_rgb(img: Image.Image, background: tuple[int, int, int] | None = None) ->
     (`bit_depth`): plain convert("RGB") clips 16-bit values to 255, which turns most such images
     white, and a fixed 65535 scale turns 12-bit data black. Transparency is dropped (Pillow's
     convert("RGB")), or, with a `background`, composited over that colour first."""
-    if background is not None and (img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info):
+    global _flattened
+    transparent = img.mode in ALPHA_MODES or "transparency" in img.info
+    if background is not None and transparent:
         rgba = img.convert("RGBA")
         return Image.alpha_composite(Image.new("RGBA", rgba.size, (*background, 255)), rgba).convert("RGB")
+    if transparent and background is None:  # counted only where a pixel was in fact see-through
+        _flattened += "transparency" in img.info or img.getchannel(img.mode[-1]).getextrema()[0] < 255
     if img.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
         data = np.asarray(img, dtype=np.int64)
         if data.size and data.min() < 0:

@@ -17,7 +17,8 @@ from packer.errors import SourceError
 from packer.builder.plan import ShardTask, Span
 from packer.builder.shard import (CRASHED, ShardContext, ShardResult, Ticker, check_strict, finish, image_fields, reusable,
                      shard_lock, tracing)
-from packer.builder.scan import Record
+from packer.builder.images import flattened
+from packer.builder.records import Record
 
 PIECE_ROWS = 128
 MIN_PIECE_ROWS = 16
@@ -50,14 +51,16 @@ def open_pieces(ctx: ShardContext, task: ShardTask) -> ShardResult | None:
 
 
 def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], *, writeback: bool = False,
-              crashed: tuple[int, ...] = ()) -> tuple[dict[int, fmt.Skip], dict[int, bytes]]:
+              crashed: tuple[int, ...] = ()) -> tuple[dict[int, fmt.Skip], dict[int, bytes], int]:
     """Decode records into slots first, first + 1, ... of shard `index`; returns the skips and
-    the written rows' checksum digests (SlotWriter.put), by slot. `writeback`: start writing the
+    the written rows' checksum digests (SlotWriter.put), by slot, and how many of its images
+    had their transparency dropped. `writeback`: start writing the
     rows to disk at once (the build's last shard, whose fsync no decoding overlaps; the other
     shards' rows are written by their fsync, on the side). `crashed`: slots whose decode killed
     the process that tried (skipped here, not decoded again). The slot being decoded is traced
     (`shards.tracing`), so that the build can tell which record killed a process."""
     ticker = Ticker()
+    before = flattened()
     slots = writer.SlotWriter(_image_path(ctx, index), _image_column(ctx))
     skips, digests = {}, {}
     try:
@@ -68,7 +71,7 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
                 else:
                     busy(slot, slot + 1)
                     try:
-                        digests[slot] = slots.put(slot, ctx.decode(record.path))
+                        digests[slot] = slots.put(slot, ctx.decode(record))
                         skip = None
                     except SourceError as exc:
                         skip = fmt.Skip(record.key, "decode", str(exc))
@@ -81,11 +84,11 @@ def run_piece(ctx: ShardContext, index: int, first: int, records: list[Record], 
     finally:
         slots.close()
     ticker.tick(0, flush=True)
-    return skips, {slot: d for slot, d in digests.items() if d is not None}
+    return skips, {slot: d for slot, d in digests.items() if d is not None}, flattened() - before
 
 
 def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Record]],
-                  skips: dict[int, fmt.Skip], digests: dict[int, bytes]) -> ShardResult:
+                  skips: dict[int, fmt.Skip], digests: dict[int, bytes], flat: int = 0) -> ShardResult:
     """Every piece of shard `task` done: labels and keys of the kept records, then close (the
     image rows' digests, from the pieces, give that file's checksum)."""
     with shard_lock(ctx.staging, task.index):
@@ -96,7 +99,7 @@ def finish_pieces(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, 
         except BaseException:
             shard.abort()
             raise
-        return finish(ctx, task.index, shard, [skips[s] for s in sorted(skips)], len(records))
+        return finish(ctx, task.index, shard, [skips[s] for s in sorted(skips)], len(records), flat)
 
 
 def in_pieces(ctx: ShardContext) -> bool:

@@ -118,7 +118,7 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
         _plan_fixed(cutter, len(found.records), _image_bytes(None, image_size))
     elif found.kind in ("images", "pairs"):
         for i, record in enumerate(found.records):
-            cutter.add(Span(i), 1, _image_bytes(record, image_size, max_side))
+            cutter.add(Span(i), 1, _image_bytes(record, image_size, max_side, found))
     else:
         for i, record in enumerate(found.records):
             ext = os.path.splitext(record.path)[1].lower()
@@ -153,25 +153,33 @@ def _plan_fixed(cutter: _Cutter, n: int, nbytes: int) -> None:
         first += take
 
 
-def _image_bytes(record: Record | None, size: int | None, max_side: int | None = None) -> int:
+def _image_bytes(record: Record | None, size: int | None, max_side: int | None = None, found: Scan | None = None) -> int:
     if size is not None and max_side is None:
         return size * size * 3 + _SAMPLE_OVERHEAD
-    dims = header_size(record.path)  # 'keep' and keep-aspect: the header's size, without decoding
+    dims = header_size(record, found)  # 'keep' and keep-aspect: the header's size, without decoding
     if dims is None or 0 in dims:  # unreadable now means skipped later; it costs nothing here
         return _SAMPLE_OVERHEAD
     w, h = keep_aspect_size(*dims, size, max_side) if size is not None else dims
     return w * h * 3 + _SAMPLE_OVERHEAD
 
 
-def header_size(path) -> tuple[int, int] | None:
-    """An image file's (width, height) from its header, without decoding; None when Pillow
-    cannot tell (EXIF rotation may swap them, which changes no size in pixels)."""
+def header_size(record: Record, found: Scan | None = None) -> tuple[int, int] | None:
+    """A record's image's (width, height) from its header, without decoding, wherever its bytes
+    are; None when Pillow cannot tell (EXIF rotation may swap them, which changes no size in
+    pixels)."""
     from PIL import Image
 
+    from packer.builder.forms.read import image_source
+
     try:
-        with Image.open(path) as img:
-            return img.width, img.height
-    except Exception:  # noqa: BLE001 - any file Pillow cannot open: the build skips it later
+        source = image_source(record, found.form, found.fields) if found is not None else record.path
+        try:
+            with Image.open(source) as img:
+                return img.width, img.height
+        finally:
+            if not isinstance(source, str):
+                source.close()
+    except Exception:  # noqa: BLE001 - any image Pillow cannot open: the build skips it later
         return None
 
 
@@ -268,6 +276,14 @@ def records_of(found: Scan, task: ShardTask) -> Iterator[tuple[Span, Record]]:
             yield span, found.records[span.record]
 
 
+def _source_bytes(record: Record, found: Scan) -> int:
+    """The bytes of a record's image as the input holds it (a Parquet row's are not known
+    without reading it: 0)."""
+    if record.at is None:
+        return found.stats.get(record.path, (0, 0))[0]
+    return record.at[1] if found.form == "tar" else 0
+
+
 SIZES_SAMPLE = 2000  # headers read for `packer sizes` by default: a 1% error bar on the mean
 
 
@@ -284,8 +300,8 @@ def size_report(found: Scan, size: int, max_side: int, sample: int | None = SIZE
     total = {"fixed": 0, "keep_aspect": 0, "keep": 0, "source": 0}
     unreadable = 0
     for done, record in enumerate(picked, 1):
-        total["source"] += found.stats.get(record.path, (0, 0))[0]
-        dims = header_size(record.path)
+        total["source"] += _source_bytes(record, found)
+        dims = header_size(record, found)
         if dims is None or 0 in dims:
             unreadable += 1
         else:

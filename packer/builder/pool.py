@@ -217,6 +217,7 @@ class _Open:
     units_left: int = 1
     skips: dict = field(default_factory=dict)  # slot -> Skip, from the pieces back so far
     digests: dict = field(default_factory=dict)  # slot -> the checksum digest of its image row
+    flattened: int = 0  # its images whose transparency was dropped, from the pieces back so far
 
 
 class _Scheduler:
@@ -314,13 +315,14 @@ class _Scheduler:
             return
         shard = self.open[unit.index]
         shard.units_left -= 1
-        skips, digests = value
+        skips, digests, flat = value
         shard.skips.update(skips)
         shard.digests.update(digests)
+        shard.flattened += flat
         if shard.units_left == 0:
             del self.open[unit.index]
             self.pending[self.finisher.submit(finish_pieces, self.ctx, shard.task, shard.records, shard.skips,
-                                              shard.digests)] = None
+                                              shard.digests, shard.flattened)] = None
 
     def _recover(self) -> None:
         """The pool broke: every unit it had runs again in a new pool, less the item that killed

@@ -118,7 +118,8 @@ def _prepare(config: BuildConfig) -> Prepared:
 def _scan_and_plan(config: BuildConfig) -> Prepared:
     existing = DatasetReader(config.out) if config.append else None
     base = existing.manifest if existing else None
-    found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None)
+    found = scan(config.raw, config.kind or (base.kind if base else None), base.classes if base else None,
+                 options=config.form_options(), form=config.input)
     if existing is not None:
         append.check_unchanged(config, existing, found)
         found = append.only_new(found, existing)
@@ -149,12 +150,15 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         "tokenizer": asdict(tokenizer) if tokenizer else None,
         "skipped": [asdict(s) for s in skipped], "shards": [t.index for t in the_plan.tasks],
         "items": the_plan.items, "base": base_sha, "layout": found.why,
+        "input": {"form": found.form, "fields": dict(found.fields), "not_packed": list(found.ignored)}
+        if found.form != "folder" else ({"form": "folder", "not_packed": list(found.ignored)} if found.ignored else None),
     }
     published = staging.claim(config, doc)
     if published is None and not (outdir.staging_dir(config.out) / inputs.STAGED).is_file():
         inputs.write(outdir.staging_dir(config.out), found,
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
-    ctx = ShardContext(config, doc["generation"], fingerprint, found.kind, columns, tokenizer)
+    ctx = ShardContext(config, doc["generation"], fingerprint, found.kind, columns, tokenizer, found.form,
+                       dict(found.fields) if found.fields else None)
     return Prepared(config, found, the_plan, ctx, base, published)
 
 

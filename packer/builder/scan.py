@@ -13,42 +13,20 @@ from __future__ import annotations
 import os
 import stat
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import TypeVar
 
-from packer.errors import SourceError
+from packer.builder.records import (CAPTION_EXTS, IMAGE_EXTS, JSONL, MULTI_DOC_EXTS, PARQUET, TEXT_EXTS, TXT, Record,
+                                    Scan, T)
+from packer.builder import forms
+from packer.builder.forms.fields import FieldOptions
+from packer.errors import ConfigError, SourceError
 from packer.dataset.format import Skip, printable
 
-IMAGE_EXTS = frozenset({".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif", ".tif", ".tiff"})
-TXT, JSONL, PARQUET = ".txt", ".jsonl", ".parquet"  # the text formats, by extension
-CAPTION_EXTS = (TXT, ".json")  # preference order when both exist
-TEXT_EXTS = frozenset({TXT, JSONL, PARQUET})
-MULTI_DOC_EXTS = frozenset({JSONL, PARQUET})  # a document per line / row: sample keys carry ":line" / ":row"
-T = TypeVar("T")
+__all__ = ["CAPTION_EXTS", "IMAGE_EXTS", "JSONL", "MULTI_DOC_EXTS", "PARQUET", "TEXT_EXTS", "TXT", "Record", "Scan",
+           "scan", "list_files", "find_classes", "read_ahead", "prefetch"]
 
-
-@dataclass(frozen=True)
-class Record:
-    """One raw input: an image (with its label or caption) or a text file of documents."""
-
-    key: str  # relative path, "/"-separated
-    path: str  # as the scan found it; a str, not a Path: a Path is slower to make for every file of
-    # RAW and to unpickle in pool workers
-    label: int | None = None
-    caption: str | None = None
-
-
-@dataclass(frozen=True)
-class Scan:
-    kind: str
-    records: tuple[Record, ...]
-    skipped: tuple[Skip, ...]
-    classes: tuple[str, ...] | None = None
-    stats: Mapping[str, tuple[int, int]] = field(default_factory=dict, repr=False, compare=False)
-    """(size, mtime_ns) of each file listed, by its path: taken once, by the scan's stat."""
-    why: str = ""  # what in RAW made the layout this one (for messages)
 
 
 def list_files(raw: Path) -> tuple[list[tuple[str, str]], list[Skip], dict[str, tuple[int, int]]]:
@@ -149,29 +127,66 @@ def detect_kind(files: list[tuple[str, str]]) -> tuple[str, str]:
     return "", ""
 
 
-def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | None = None) -> Scan:
-    """Records of RAW in sorted relative-path order; `kind` forces the layout. `classes`: the
-    class list of a dataset being appended to; new class names are added after it, sorted."""
+def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | None = None, *,
+         options: FieldOptions | None = None, form: str | None = None) -> Scan:
+    """Records of RAW in sorted relative-path order; `kind` forces the layout, `form` the input
+    form (`packer.builder.forms`: detected from the files when None). `classes`: the class list
+    of a dataset being appended to; new class names are added after it, sorted."""
     raw = Path(raw)
+    options = options or FieldOptions()
     if not raw.is_dir():
         raise SourceError(f"{raw}: not a directory")
     files, skipped, stats = list_files(raw)
     if not files:
         raise SourceError(f"{raw}: no input files found (empty RAW)")
+    form = form or (None if kind == "text" else forms.detect(files, options)) or "folder"
+    if form != "folder":
+        if classes is not None:
+            raise ConfigError(f"{raw}: --append adds a folder's new files; {forms.NAMES[form]} is built whole: "
+                              "build it again with --overwrite")
+        return forms.scan(form, raw, files, skipped, stats, options, kind)
+    files = _without_audio(files, skipped)
+    if not files:
+        raise SourceError(f"{raw}: nothing to pack: its audio files are not packed yet (first: {skipped[0].key})")
     detected, why = detect_kind(files)
     kind, why = (kind, "forced with --kind") if kind else (detected, why)
     if not kind:
         exts = sorted({_ext(r) or "(none)" for r, _ in files})[:8]
         raise SourceError(
             f"{raw}: no recognisable layout (found {len(files)} files with extensions "
-            f"{', '.join(exts)}); expected <class>/<image>, <stem>.<image>+<stem>.txt, or "
-            "*.jsonl/*.txt/*.parquet; use --kind to force one"
+            f"{', '.join(exts)}); expected <class>/<image>, <stem>.<image>+<stem>.txt, *.jsonl/*.txt/*.parquet text, "
+            "Hugging Face Parquet, WebDataset tars or a manifest of image files; use --kind or --input to force one"
         )
+    ignored: tuple[str, ...] = ()
+    if kind == "pairs" and options.no_text:
+        kind, ignored = "images", ("captions (--no-text)",)
+        skipped += [Skip(rel, "scan", "a caption, left out (--no-text)") for rel, _ in files if _ext(rel) in CAPTION_EXTS]
+        files = [(rel, path) for rel, path in files if _ext(rel) not in CAPTION_EXTS]
     if kind == "images":
         found = _scan_images(raw, files, skipped, classes)
     else:
         found = {"pairs": _scan_pairs, "text": _scan_text}[kind](files, skipped)
-    return replace(found, stats=stats, why=why)
+    return replace(found, stats=stats, why=why, ignored=ignored)
+
+
+AUDIO_EXTS = frozenset({".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".aac"})
+
+
+def _without_audio(files: list[tuple[str, str]], skipped: list[Skip]) -> list[tuple[str, str]]:
+    """RAW's files less its audio files and their transcripts (`<stem>.txt` / `.json` beside
+    one), which are skips: a folder of audio files with transcripts is not a text dataset."""
+    audio = {_stem(rel): rel for rel, _ in files if _ext(rel) in AUDIO_EXTS}
+    if not audio:
+        return files
+    kept = []
+    for rel, path in files:
+        if _ext(rel) in AUDIO_EXTS:
+            skipped.append(Skip(rel, "scan", "audio: not packed yet (mmpack packs images and text)"))
+        elif _ext(rel) in CAPTION_EXTS and _stem(rel) in audio:
+            skipped.append(Skip(rel, "scan", f"the transcript of {audio[_stem(rel)]}, whose audio is not packed yet"))
+        else:
+            kept.append((rel, path))
+    return kept
 
 
 def _scan_images(raw: Path, files, skipped, known: tuple[str, ...] | None) -> Scan:
@@ -250,8 +265,8 @@ def prefetch(records: Iterable[Record]) -> None:
     which reports it."""
     if not hasattr(os, "posix_fadvise"):
         return
-    paths = [path for record in records for path in (record.path, record.caption)
-             if path is not None and _ext(path) not in MULTI_DOC_EXTS]
+    paths = [path for record in records if record.at is None for path in (record.path, record.caption)
+             if path is not None and _ext(path) not in MULTI_DOC_EXTS]  # a tar's or Parquet's: the kernel's readahead
     if not paths or (_cached(paths[0]) and _cached(paths[-1])):
         return
     for path in paths:

@@ -27,12 +27,13 @@ from packer.dataset import format as fmt
 from packer.dataset import writer
 from packer.errors import SourceError
 from packer.dataset.outdir import write_atomic
-from packer.builder.images import decode_image
+from packer.builder.forms.read import caption_of, image_source
+from packer.builder.images import decode_image, flattened
 from packer.builder.plan import ShardTask, Span
 from packer.builder.scan import Record, read_ahead
 from packer.system import flock
 from packer.builder.config import BuildConfig
-from packer.builder.text import Document, TokenizerSpec, iter_documents, key_bytes, read_caption, tokenized
+from packer.builder.text import Document, TokenizerSpec, iter_documents, key_bytes, tokenized
 
 PROGRESS_EVERY_S = 0.2
 
@@ -48,16 +49,26 @@ class ShardContext:
     kind: str
     columns: tuple[fmt.Column, ...]
     tokenizer: TokenizerSpec | None
+    form: str = "folder"  # where records' bytes are (`packer.builder.forms`)
+    fields: dict | None = None  # the form's field of each role
     # Pillow's decompression-bomb limit in the build process (a script may change it): workers
     # start from a forkserver and would otherwise decode with Pillow's default
     max_image_pixels: int | None = field(default_factory=lambda: Image.MAX_IMAGE_PIXELS)
 
-    def decode(self, path: str):
-        """A record's pixels, as this build decodes them (read-only)."""
+    def decode(self, record: Record):
+        """A record's pixels, as this build decodes them (read-only), wherever its bytes are."""
         if Image.MAX_IMAGE_PIXELS != self.max_image_pixels:
             Image.MAX_IMAGE_PIXELS = self.max_image_pixels
         c = self.config
-        return decode_image(path, c.image_size, writable=False, background=c.background, max_side=c.side_cap)
+        source = image_source(record, self.form, self.fields)
+        try:
+            return decode_image(source, c.image_size, writable=False, background=c.background, max_side=c.side_cap)
+        finally:
+            if not isinstance(source, str):
+                source.close()
+
+    def caption(self, record: Record) -> str:
+        return caption_of(record, self.form, self.fields, self.config.max_doc_bytes)
 
     @property
     def out(self) -> Path:
@@ -79,6 +90,7 @@ class ShardResult:
     skipped: tuple[fmt.Skip, ...]
     items: int
     reused: bool = False
+    flattened: int = 0  # its images whose transparency was dropped (`images.flattened`)
 
 
 # -- progress: a sink set per process (a callback in the build process, a queue in workers) ---
@@ -113,7 +125,7 @@ def sidecar_path(staging: Path, index: int) -> Path:
 
 def _write_sidecar(ctx: ShardContext, result: ShardResult) -> None:
     doc = {"fingerprint": ctx.fingerprint, "shard": asdict(result.shard),
-           "skipped": [asdict(s) for s in result.skipped], "items": result.items}
+           "skipped": [asdict(s) for s in result.skipped], "items": result.items, "flattened": result.flattened}
     write_atomic(sidecar_path(ctx.staging, result.shard.index), json.dumps(doc))
 
 
@@ -129,7 +141,8 @@ def read_sidecar(staging: Path, index: int, fingerprint: str, generation: str) -
         s = doc["shard"]
         files = tuple(fmt.FileEntry(f["path"], f["size_bytes"], f["checksum"], f["algo"]) for f in s["files"])
         shard = fmt.Shard(s["index"], s["num_samples"], files)
-        return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True)
+        return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True,
+                           flattened=doc.get("flattened", 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -191,7 +204,9 @@ def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Reco
         if done is not None:
             Ticker().tick(done.items, flush=True)
             return done
-        result = finish(ctx, task.index, *_fill(ctx, task, records, crashed))
+        before = flattened()
+        shard, skipped, items = _fill(ctx, task, records, crashed)
+        result = finish(ctx, task.index, shard, skipped, items, flattened() - before)
     Ticker().tick(0, flush=True)  # the shard's fsyncs, in the build's disk wait
     return result
 
@@ -264,7 +279,8 @@ def probe(ctx: ShardContext, records: list[tuple[Span, Record]], lo: int, hi: in
         pass
 
 
-def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int) -> ShardResult:
+def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int,
+           flat: int = 0) -> ShardResult:
     """Close a shard whose samples are all added (or drop it: every record skipped), then its
     sidecar: from here on it is whole and reusable."""
     try:
@@ -276,7 +292,7 @@ def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: li
     except BaseException:
         shard.abort()
         raise
-    result = ShardResult(done, tuple(skipped), items)
+    result = ShardResult(done, tuple(skipped), items, flattened=flat)
     _write_sidecar(ctx, result)
     return result
 
@@ -327,7 +343,7 @@ def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, b
 
 def _image_sample(ctx: ShardContext, record: Record):
     try:
-        pixels = ctx.decode(record.path)
+        pixels = ctx.decode(record)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return {"image": pixels, **image_fields(record)}
@@ -341,11 +357,11 @@ def image_fields(record: Record) -> dict:
 
 def _pair_item(ctx: ShardContext, record: Record):
     try:
-        caption = read_caption(record.caption, ctx.config.max_doc_bytes)
+        caption = ctx.caption(record)
     except SourceError as exc:
         return fmt.Skip(record.key, "caption", str(exc))
     try:
-        pixels = ctx.decode(record.path)
+        pixels = ctx.decode(record)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return Document(record.key, caption), {"image": pixels}

@@ -23,7 +23,7 @@ import numpy as np
 from packer.errors import ConfigError, SourceError
 from packer.dataset.format import Skip, choose_token_dtype
 from packer.dataset.writer import file_digest
-from packer.builder.scan import JSONL, PARQUET, TXT, Record
+from packer.builder.records import JSONL, PARQUET, TXT, Record
 
 PARQUET_BATCH_ROWS = 1024
 # A document longer than this (a .txt file, a JSONL line, a Parquet value, a caption) is a skip by

@@ -546,3 +546,18 @@ def test_progress_lines_into_a_pipe(tmp_path, image_raw, capsys, monkeypatch):
     monkeypatch.setenv("CI", "true")
     assert main(["build", str(image_raw), str(tmp_path / "c"), *IMG]) == 0
     assert "packing:" not in capsys.readouterr().err
+
+
+def test_an_out_written_as_a_folder_or_under_home_builds_there(tmp_path, image_raw, monkeypatch, capsys):
+    """`data/photos/` (the README's spelling), `./data/p`, and `~/...` from Python (no shell to
+    expand it): a local dataset dir, never taken for a URL."""
+    import packer
+
+    assert main(["build", str(image_raw), str(tmp_path / "slash") + "/", "--image-size", "8", "-q"]) == 0
+    assert MMapDataset(tmp_path / "slash")[0]["image"].shape == (8, 8, 3)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "raw").symlink_to(image_raw)
+    m = packer.build("~/raw", "~/home-out/", image_size=8, workers=1)
+    assert m.num_samples > 0 and (tmp_path / "home-out" / "manifest.json").is_file()
+    assert "build" in dir(packer) and "verify" in dir(packer)

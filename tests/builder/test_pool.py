@@ -236,7 +236,7 @@ def test_the_collector_skips_the_scan_then_its_objects_and_is_restored(tmp_path,
 
     seen = []
     scan, run = builder.scan, engines.run_pool
-    monkeypatch.setattr(builder, "scan", lambda *a: (seen.append(("scan", gc.isenabled())), scan(*a))[1])
+    monkeypatch.setattr(builder, "scan", lambda *a, **k: (seen.append(("scan", gc.isenabled())), scan(*a, **k))[1])
     frozen = gc.get_freeze_count()  # some interpreters (a distribution's) start with objects frozen
     monkeypatch.setattr(engines, "run_pool",
                         lambda *a: (seen.append(("run", gc.get_freeze_count() > frozen)), run(*a))[1])

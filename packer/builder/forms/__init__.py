@@ -1,0 +1,149 @@
+"""The input forms whose records live inside files: Hugging Face Parquet (`parquet`), WebDataset
+tars (`tar`) and manifests naming image files (`manifest`), beside the folder layouts of
+`packer.builder.scan`. Each is a reader of records plugged in at the scan: detected from RAW's
+files (or named with --input), it yields one record per sample and a skip for everything else
+it found, and every later step (plan, pool, crash isolation, skips, byte-identical output) is
+the folders' own. Workers read a record's bytes through `forms.read`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from packer.builder.forms import labels, manifest, parquet, splits, tar
+from packer.builder.forms.fields import FieldOptions, describe
+from packer.builder.records import IMAGE_EXTS, Record, Scan
+from packer.dataset.format import Skip
+from packer.errors import ConfigError, SourceError
+
+FORMS = ("folder", "parquet", "tar", "manifest")
+NAMES = {"parquet": "Hugging Face Parquet", "tar": "WebDataset tars", "manifest": "a manifest of image files"}
+PROBED = 4  # JSON / CSV / JSONL files looked into to tell a manifest from text
+
+
+def detect(files: list[tuple[str, str]], options: FieldOptions) -> str | None:
+    """The form RAW's files are in, when it is one of these (else None: a folder layout)."""
+    if any(tar.is_tar(rel) for rel, _ in files):
+        return "tar"
+    probed = 0
+    for rel, path in files:
+        ext = os.path.splitext(rel)[1].lower()
+        if ext == ".parquet":
+            pfile = parquet.open_file(path)
+            if not isinstance(pfile, str):
+                if parquet.image_column(pfile, options) is not None:
+                    return "parquet"
+                if parquet.path_column(pfile, options) is not None:
+                    return "manifest"
+        elif ext in manifest.EXTS and probed < PROBED:
+            probed += 1
+            if manifest.fields_of(path, rel, options) is not None:
+                return "manifest"
+    return None
+
+
+def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip], stats: dict,
+         options: FieldOptions, kind: str | None) -> Scan:
+    """The records of RAW in `form`: its samples in file order (sorted relative paths), then
+    row, member or line order; `kind` "images" leaves captions out, "pairs" needs them."""
+    if kind == "text":
+        raise ConfigError(f"--kind text: {raw} is {NAMES[form]}, whose samples are images; drop --kind, or pass "
+                          "--input folder to read its files as text")
+    if kind == "images":
+        options = FieldOptions(**{**options.__dict__, "no_text": True})
+    mine = []
+    for rel, path in files:
+        if _is(form, rel, path, options):
+            mine.append((rel, path))
+        elif not (form == "manifest" and os.path.splitext(rel)[1].lower() in IMAGE_EXTS):  # those: _unnamed
+            skipped.append(Skip(rel, "scan", _not_mine(form, rel)))
+    if not mine:
+        raise SourceError(f"{raw}: holds no {NAMES[form]}")
+    mine, other = splits.pick(mine, options.split, raw)
+    skipped += other
+    fields, ignored, items, met = _read(form, mine, options, stats)
+    names = options.classes if options.classes is not None else fields.pop("class_names", None)
+    if fields["label"] is not None:
+        items, classes = labels.assign(items, met, names)
+    else:
+        classes = None
+    records = _unique([r for r in items if isinstance(r, Record)], skipped)
+    skipped += [s for s in items if isinstance(s, Skip)]
+    if form == "manifest":
+        skipped += _unnamed(files, records, mine)
+    if kind == "pairs" and fields["text"] is None:
+        raise ConfigError(f"--kind pairs: {raw}'s samples have no caption field ({describe(fields)})")
+    why = f"{NAMES[form]} ({describe(fields)})"
+    return Scan("pairs" if fields["text"] else "images", tuple(records), tuple(sorted(skipped, key=lambda s: s.key)),
+                classes, stats, why, form=form, fields=fields, sources=tuple(p for _, p in mine),
+                ignored=tuple(ignored))
+
+
+def _is(form: str, rel: str, path: str, options: FieldOptions) -> bool:
+    ext = os.path.splitext(rel)[1].lower()
+    if form == "tar":
+        return tar.is_tar(rel)
+    if form == "parquet":
+        return ext == ".parquet"
+    return ext in manifest.EXTS and manifest.fields_of(path, rel, options) is not None
+
+
+def _not_mine(form: str, rel: str) -> str:
+    if form == "tar" and rel.lower().endswith(tar.COMPRESSED):
+        return "a compressed tar: its members cannot be read in place; decompress it to a plain .tar"
+    return {"tar": "not a tar shard (the samples are in the .tar files)",
+            "parquet": "not a Parquet file (the samples are in the .parquet files)",
+            "manifest": "neither a manifest nor an image it names"}[form]
+
+
+def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict):
+    """(fields, the input's fields left out, records and skips, the label values met)."""
+    items: list = []
+    met: dict = {}
+    if form == "tar":
+        fields, ignored = tar.fields_of(mine[0][1], mine[0][0], options)
+        for rel, path in mine:
+            items.extend(tar.records(path, rel, fields, met, options.image))
+        return fields, ignored, items, met
+    if form == "parquet":
+        fields = ignored = None
+        for rel, path in mine:
+            pfile = parquet.open_file(path)
+            if isinstance(pfile, str):
+                items.append(Skip(rel, "scan", pfile))
+                continue
+            if fields is None:
+                fields, ignored = parquet.fields_of(pfile, rel, options)
+                names = parquet.class_names(pfile, fields["label"])
+            items.extend(parquet.records(pfile, path, rel, fields, met))
+        if fields is None:
+            raise SourceError(f"{mine[0][0]}: no readable Parquet file ({items[0].reason})")
+        return {**fields, "class_names": names}, ignored, items, met
+    fields = ignored = None
+    for rel, path in mine:
+        found = manifest.fields_of(path, rel, options)
+        if fields is None:
+            fields, ignored = found
+        items.extend(manifest.records(path, rel, fields, options, met, stats))
+    return fields, ignored, items, met
+
+
+def _unique(records: list[Record], skipped: list[Skip]) -> list[Record]:
+    """The records whose key no record before them has (an id given twice is a skip)."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        if r.key in seen:
+            skipped.append(Skip(r.key, "scan", "its key (id) is given by another record before it"))
+        else:
+            seen.add(r.key)
+            out.append(r)
+    return out
+
+
+def _unnamed(files: list[tuple[str, str]], records: list[Record], mine) -> list[Skip]:
+    """The image files under RAW that no record names: found, so said."""
+    named = {os.path.realpath(r.path) for r in records}
+    return [Skip(rel, "scan", "an image no manifest record names") for rel, path in files
+            if os.path.splitext(rel)[1].lower() in IMAGE_EXTS and os.path.realpath(path) not in named]
