@@ -53,3 +53,11 @@ def build(raw, out, *extra) -> None:
 
 
 IMG = ("--image-size", "32", "--shard-size", "8")
+
+
+def one_line_error(capsys, argv) -> str:
+    """`packer ARGV`'s error: exit 2, one line on stderr, no traceback."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err

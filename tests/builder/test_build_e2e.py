@@ -28,7 +28,7 @@ from packer.cli import DISK_BOUND, main
 from packer.dataset.reader import load_manifest
 
 from ..conftest import PLANTED_IMAGE_SKIPS, PLANTED_TEXT_SKIPS
-from ..trees import IMG
+from ..trees import IMG, one_line_error
 
 
 def all_files(raw: Path) -> list[str]:
@@ -221,13 +221,6 @@ def test_keep_size_stores_each_image_at_its_own_size(tmp_path, image_raw):
             np.testing.assert_array_equal(s["image"].numpy(), ref)
         shapes.add(tuple(s["image"].shape))
     assert len(shapes) > 5
-
-
-def one_line_error(capsys, argv) -> str:
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err, err
-    return err
 
 
 def test_user_mistakes_get_one_line_errors(tmp_path, capsys, text_raw, image_raw):
