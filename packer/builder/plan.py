@@ -278,7 +278,7 @@ def records_of(found: Scan, task: ShardTask) -> Iterator[tuple[Span, Record]]:
 
 def _source_bytes(record: Record, found: Scan) -> int:
     """The bytes of a record's image as the input holds it (a Parquet row's are not known
-    without reading it: 0)."""
+    without reading it: 0, and the report takes the files' sizes)."""
     if record.at is None:
         return found.stats.get(record.path, (0, 0))[0]
     return record.at[1] if found.form == "tar" else 0
@@ -312,5 +312,8 @@ def size_report(found: Scan, size: int, max_side: int, sample: int | None = SIZE
         if on_progress is not None:
             on_progress(done, len(picked))
     scale = n / max(len(picked), 1)
+    sizes = {k: round(v * scale) for k, v in total.items()}
+    if found.form == "parquet":  # its rows' image bytes are not known without reading them: the files'
+        sizes["source"] = sum(found.stats[p][0] for p in found.sources)
     return {"records": n, "headers_read": len(picked), "unreadable": unreadable, "size": size,
-            "max_side": max_side, "bytes": {k: round(v * scale) for k, v in total.items()}}
+            "max_side": max_side, "bytes": sizes}
