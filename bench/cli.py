@@ -83,6 +83,9 @@ def _parser() -> argparse.ArgumentParser:
                          "their start-up, without making K times the photos")
     pk.add_argument("--rounds", type=int, default=2,
                     help="timed builds per row, each followed by a raw rate pass (default 2)")
+    pk.add_argument("--input", type=lambda s: s.split(","), default=["folder"], metavar="FORMS",
+                    help="the input forms to build the same photos from: folder, parquet (Hugging Face), tar "
+                         "(WebDataset), manifest (JSONL), comma-separated (default folder)")
     pk.add_argument("--cold", action="store_true",
                     help="also time image builds with the photos evicted from the page cache before each "
                          "(posix_fadvise DONTNEED), against the same cached raw rate")

@@ -10,9 +10,11 @@ from Python's own library sources.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -295,3 +297,51 @@ def make_text(raw: Path, size_bytes: int) -> Path:
     return raw
 
 
+
+
+# -- the same images in the input forms people have (bench packer --input) ---------------------
+def folder_as(form: str, raw: Path, out: Path) -> Path:
+    """RAW's class folders as `form`: a Hugging Face Parquet file (one file: an Image column of
+    {bytes, path} in row groups of 100 rows, a ClassLabel), a WebDataset tar (`key.ext` +
+    `key.cls`), or a JSONL manifest naming the files (RAW linked beside it as `images`). Made
+    once: reused when `out` holds it."""
+    import tarfile
+
+    done = out / ".made"
+    if done.exists():
+        return out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    files = sorted((p for p in raw.rglob("*") if p.is_file()), key=lambda p: p.relative_to(raw).as_posix())
+    classes = sorted(d.name for d in raw.iterdir() if d.is_dir())
+    labels = [classes.index(p.relative_to(raw).parts[0]) for p in files]
+    if form == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        features = {"image": {"_type": "Image"}, "label": {"names": classes, "_type": "ClassLabel"}}
+        schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                            ("label", pa.int64())], metadata={"huggingface": json.dumps({"info": {"features": features}})})
+        (out / "data").mkdir()
+        with pq.ParquetWriter(out / "data" / "train-00000-of-00001.parquet", schema) as w:
+            for i in range(0, len(files), 100):
+                rows = [{"image": {"bytes": p.read_bytes(), "path": p.name}, "label": y}
+                        for p, y in zip(files[i:i + 100], labels[i:i + 100])]
+                w.write_table(pa.Table.from_pylist(rows, schema=schema))
+    elif form == "tar":
+        with tarfile.open(out / "train-000000.tar", "w") as t:
+            for i, (p, y) in enumerate(zip(files, labels)):
+                t.add(p, f"{i:07d}{p.suffix.lower()}")
+                info = tarfile.TarInfo(f"{i:07d}.cls")
+                info.size = len(str(y))
+                t.addfile(info, io.BytesIO(str(y).encode()))
+    elif form == "manifest":
+        (out / "images").symlink_to(raw.resolve())
+        with open(out / "data.jsonl", "w") as f:
+            for p in files:
+                f.write(json.dumps({"image_path": f"images/{p.relative_to(raw).as_posix()}",
+                                    "label": p.relative_to(raw).parts[0]}) + "\n")
+    else:
+        raise ValueError(f"no such input form: {form}")
+    done.touch()
+    return out

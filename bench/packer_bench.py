@@ -93,7 +93,7 @@ def raw_rate(what: str, raw: Path, processes: int = 1) -> float:
 
 
 def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], rounds: int,
-           before: Callable[[], object] = lambda: None) -> dict:
+           before: Callable[[], object] = lambda: None, raw_files: Path | None = None) -> dict:
     """`packer build` as a user runs it, in a fresh process, `rounds` times, with the raw rate
     of a core alone measured before the first build and after every build, and the raw rate of
     a core among the build's cores used all busy after every build (this VM's speed drifts by
@@ -102,11 +102,13 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
     start-up) in a run with nothing else on the cores; peak memory of the build's process tree
     (not this one's) comes from one more run, sampled every 50 ms (the sampling takes CPU from
     a 2-core build, so it never shares a run with the timing). `before()` runs before every build
-    (evicting the inputs from the page cache, for cold builds)."""
+    (evicting the inputs from the page cache, for cold builds). `raw_files`: where the raw rate
+    reads the same inputs as files (RAW in another input form: the images it holds)."""
     from packer import load_manifest
 
+    rated = raw_files or raw
     cmd = [sys.executable, "-m", "packer", "build", str(raw), str(out), "-q", "--workers", str(workers), *extra]
-    alone, busy, seconds, waits = [raw_rate(what, raw)], [], [], []
+    alone, busy, seconds, waits = [raw_rate(what, rated)], [], [], []
     for _ in range(rounds):
         shutil.rmtree(out, ignore_errors=True)
         before()
@@ -114,9 +116,9 @@ def _build(what: str, raw: Path, out: Path, workers: int, extra: list[str], roun
         m = load_manifest(out)
         seconds.append(m.build["seconds"])
         waits.append(m.build.get("disk_wait") or 0.0)
-        alone.append(raw_rate(what, raw))
+        alone.append(raw_rate(what, rated))
         cores = m.build["cores_used"]
-        busy.append(raw_rate(what, raw, cores) if cores > 1 else alone[-1])
+        busy.append(raw_rate(what, rated, cores) if cores > 1 else alone[-1])
     shutil.rmtree(out, ignore_errors=True)
     before()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
@@ -164,7 +166,8 @@ def _row(what: str, workers: int, unit: str, units: int, r: dict, disk: float, i
 
 def _progress(row: dict) -> dict:
     """A line per measured row (a row takes a minute and more on one worker)."""
-    print(f"  measured {row['what']} ({row['inputs']}) on {row['workers']} worker(s): {row['rate']:,.0f} "
+    form = f", {row['input']}" if row.get("input", "folder") != "folder" else ""
+    print(f"  measured {row['what']} ({row['inputs']}{form}) on {row['workers']} worker(s): {row['rate']:,.0f} "
           f"{row['unit']}, {100 * row['efficiency']:.0f}% of the raw rate x cores", file=sys.stderr, flush=True)
     return row
 
@@ -182,17 +185,23 @@ def bench_packer(args) -> dict:
     disk = disk_write_rate(work)  # where the builds write: is the output device their limit?
     shard, text_shard = args.shard_size, args.text_shard_size or args.shard_size
     tokenizer = ["--tokenizer", str(data.minilm_tokenizer()), "--append-eos", "--shard-size", text_shard]
+    forms = {form: raw_img if form == "folder" else data.folder_as(form, raw_img, work / f"raw-{form}-{raw_img.name}")
+             for form in args.input}
     for w in args.workers_list:
-        for inputs in ("cached", "cold") if args.cold else ("cached",):  # cold: evicted before each build
-            before = (lambda: evict(img_files)) if inputs == "cold" else (lambda: None)
-            r = _build("images", raw_img, work / f"pk-images-{w}", w, ["--shard-size", shard], args.rounds, before)
-            rows.append(_progress(_row("images", w, "images/s", r["samples"], r, disk, inputs)))
-        r = _build("tokens", raw_txt, work / f"pk-text-{w}", w, tokenizer, args.rounds)
-        rows.append(_progress(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r, disk)))
+        for form, raw in forms.items():
+            for inputs in ("cached", "cold") if args.cold else ("cached",):  # cold: evicted before each build
+                before = (lambda: evict(img_files)) if inputs == "cold" else (lambda: None)
+                r = _build("images", raw, work / f"pk-images-{form}-{w}", w, ["--shard-size", shard], args.rounds,
+                           before, raw_files=raw_img)
+                rows.append(_progress({**_row("images", w, "images/s", r["samples"], r, disk, inputs), "input": form,
+                                       "input_bytes": sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())}))
+        if args.text_mb:
+            r = _build("tokens", raw_txt, work / f"pk-text-{w}", w, tokenizer, args.rounds)
+            rows.append(_progress(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r, disk)))
     archives = []
     last = args.workers_list[-1]
-    for what in ("images", "text"):
-        src = work / f"pk-{what}-{last}"
+    for what in ("images", "text") if args.text_mb else ("images",):
+        src = work / (f"pk-images-{args.input[0]}-{last}" if what == "images" else f"pk-text-{last}")
         arc, back = work / f"arc-{what}", work / f"unpacked-{what}"
         p = pack(src, arc, level=args.level, overwrite=True)
         u = unpack(arc, back, overwrite=True)

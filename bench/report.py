@@ -122,14 +122,14 @@ def sampler_table(report: dict) -> str:
 
 
 def packer_table(report: dict) -> str:
-    lines = [f"{'build':12} {'workers':>7} {'cores':>5} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'runs':>9} "
+    lines = [f"{'build':16} {'workers':>7} {'cores':>5} {'rate':>14} {'raw/core':>14} {'efficiency':>10} {'runs':>9} "
              f"{'raw scaling':>11} {'vs busy':>7} {'seconds':>8} {'shards':>6} {'out MB':>8} {'MB/s out':>8} {'% disk':>6} "
              f"{'disk wait':>9} {'peak RSS MB':>11}"]
     for r in report["builds"]:
         runs = "/".join(f"{100 * e:.0f}" for e in r.get("efficiency_runs", [r["efficiency"]]))
-        what = r["what"] + (" cold" if r.get("inputs") == "cold" else "")
-        what += "*" if r.get("short") else ""
-        lines.append(f"{what:12} {r['workers']:>7} {r['cores_used']:>5} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
+        what = r["what"] + (f" {r['input']}" if r.get("input", "folder") != "folder" else "")
+        what += (" cold" if r.get("inputs") == "cold" else "") + ("*" if r.get("short") else "")
+        lines.append(f"{what:16} {r['workers']:>7} {r['cores_used']:>5} {r['rate']:>10,.0f} {r['unit'].split('/')[0][:3]:>3} "
                      f"{r['raw_per_core']:>10,.0f}/core {100 * r['efficiency']:>9.0f}% {runs:>8}% "
                      f"{100 * r['raw_scaling']:>10.0f}% {100 * r['efficiency_busy']:>6.0f}% {r['seconds']:>8.1f} "
                      f"{r['shards']:>6} {r['size_bytes'] / 1e6:>8,.1f} {_f(r.get('written_bytes_per_s', 0) / 1e6, '>8,.0f')} "
@@ -149,6 +149,9 @@ def packer_table(report: dict) -> str:
                  f"{report.get('disk_write_bytes_per_s', 0) / 1e6:,.0f} MB/s here (near 100%: the disk is the limit); disk wait "
                  "= the share of the workers' time spent in writes and fsyncs, as the build measures it (the build's "
                  "summary line gives it from 25%)")
+    forms = _by_form(report["builds"])
+    if forms:
+        lines.append(forms)
     short = [r for r in report["builds"] if r.get("short")]
     if short:
         need: dict[str, int] = {}
@@ -164,6 +167,17 @@ def packer_table(report: dict) -> str:
                      f"(ratio {a['ratio']:.2f}x); pack {a['pack_mb_per_s']:,.0f} MB/s, unpack+verify "
                      f"{a['unpack_mb_per_s']:,.0f} MB/s (raw bytes)")
     return "\n".join(lines)
+
+
+def _by_form(builds: list[dict]) -> str:
+    """Each input form's image build rate against the folder's at the same worker count (the
+    target: Parquet and tars within 10%), and its peak memory beside the input's bytes."""
+    folder = {r["workers"]: r["rate"] for r in builds if r["what"] == "images" and r.get("input") == "folder"
+              and r.get("inputs") != "cold"}
+    parts = [f"{r['input']} on {r['workers']}: {100 * r['rate'] / folder[r['workers']]:.0f}% of the folder's rate, "
+             f"peak RSS {r['peak_rss_mb']:,.0f} MB for {r['input_bytes'] / 1e6:,.0f} MB of input"
+             for r in builds if r.get("input", "folder") != "folder" and r["workers"] in folder and r.get("inputs") != "cold"]
+    return "input forms: " + "; ".join(parts) if parts else ""
 
 
 def _tokens_per_mb(report: dict) -> float | None:
