@@ -307,8 +307,8 @@ def folder_as(form: str, raw: Path, out: Path) -> Path:
     once: reused when `out` holds it."""
     import tarfile
 
-    done = out / ".made"
-    if done.exists():
+    done = out.with_name(out.name + ".made")  # beside it: a file inside would be one of its inputs
+    if done.exists() and out.exists():
         return out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -331,7 +331,10 @@ def folder_as(form: str, raw: Path, out: Path) -> Path:
     elif form == "tar":
         with tarfile.open(out / "train-000000.tar", "w") as t:
             for i, (p, y) in enumerate(zip(files, labels)):
-                t.add(p, f"{i:07d}{p.suffix.lower()}")
+                image = tarfile.TarInfo(f"{i:07d}{p.suffix.lower()}")  # addfile: add() writes a file hard-linked
+                image.size = p.stat().st_size  # to one before it (--link-copies) as a link member
+                with open(p, "rb") as f:
+                    t.addfile(image, f)
                 info = tarfile.TarInfo(f"{i:07d}.cls")
                 info.size = len(str(y))
                 t.addfile(info, io.BytesIO(str(y).encode()))

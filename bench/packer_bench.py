@@ -194,7 +194,7 @@ def bench_packer(args) -> dict:
                 r = _build("images", raw, work / f"pk-images-{form}-{w}", w, ["--shard-size", shard], args.rounds,
                            before, raw_files=raw_img)
                 rows.append(_progress({**_row("images", w, "images/s", r["samples"], r, disk, inputs), "input": form,
-                                       "input_bytes": sum(p.stat().st_size for p in raw.rglob("*") if p.is_file())}))
+                                       "input_bytes": _bytes_under(raw)}))
         if args.text_mb:
             r = _build("tokens", raw_txt, work / f"pk-text-{w}", w, tokenizer, args.rounds)
             rows.append(_progress(_row("tokens", w, "tokens/s", _token_count(work / f"pk-text-{w}"), r, disk)))
@@ -231,6 +231,11 @@ def _linked(raw: Path, copies: int) -> Path:
             link_or_copy(f, out / f.relative_to(raw).parent / f"{k}-{f.name}")
     stamp.write_text(json.dumps(made_for))
     return out
+
+
+def _bytes_under(raw: Path) -> int:
+    """The bytes of every file under RAW, links to folders followed (a manifest's images)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(raw, followlinks=True) for f in names)
 
 
 def _token_count(out: Path) -> int:

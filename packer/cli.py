@@ -168,7 +168,8 @@ def _input_notes(build: dict) -> list[str]:
         notes.append(f"not packed: {', '.join(left)} (fields the input has; --image-key, --text-key, --label-key "
                      "and --id-key choose others)")
     if build.get("flattened"):
-        notes.append(f"{build['flattened']:,} images had transparency, dropped as Pillow's convert('RGB') does; "
+        n = build["flattened"]
+        notes.append(f"{n:,} image{'s' if n != 1 else ''} had transparency, dropped as Pillow's convert('RGB') does; "
                      "--background R,G,B composites them over a colour instead")
     return notes
 

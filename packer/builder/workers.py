@@ -33,6 +33,9 @@ def init_worker(queue, rayon_threads: int | None, build_pid: int | None = None, 
         os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     set_progress_sink(queue.put if queue is not None else None)
+    from packer.builder.forms import read
+
+    read.in_worker()
 
 
 _held: list = []  # the workers lock of this worker process, open for its whole life
