@@ -245,19 +245,25 @@ def test_hostile_parquet_files_and_rows_are_skips_or_one_line_errors(photos, tmp
 def test_hostile_tar_members_are_skips_with_their_reasons(photos, tmp_path):
     raw = _tar(photos, tmp_path / "tar")
     path = raw / "train-000000.tar"
-    with tarfile.open(path, "a") as t:  # a link, a FIFO, then a member cut short at the end
+    from bench import data
+
+    bomb = next(p for p in data.hostile_images() if p.name == "decompression_bomb.gif").read_bytes()
+    with tarfile.open(path, "a") as t:  # a bomb, a link, a FIFO, then a member cut short at the end
+        import io
+
+        for name, payload in (("zz0000.gif", bomb), ("zz0000.cls", b"0")):
+            member = tarfile.TarInfo(name)
+            member.size = len(payload)
+            t.addfile(member, io.BytesIO(payload))
         link = tarfile.TarInfo("zz0001.jpg")
         link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
         t.addfile(link)
         fifo = tarfile.TarInfo("zz0002.jpg")
         fifo.type = tarfile.FIFOTYPE
         t.addfile(fifo)
-        data = (photos / next(iter(_classes(photos))) ).glob("*")
-        payload = next(data).read_bytes()
+        payload = next((photos / _classes(photos)[0]).glob("*")).read_bytes()
         last = tarfile.TarInfo("zz0003.jpg")
         last.size = len(payload)
-        import io
-
         t.addfile(last, io.BytesIO(payload))
     with tarfile.open(path) as t:
         cut = t.getmember("zz0003.jpg").offset_data + len(payload) // 2
@@ -267,6 +273,7 @@ def test_hostile_tar_members_are_skips_with_their_reasons(photos, tmp_path):
     assert main(["build", str(raw), str(out), *SIZE]) == 0
     m = MMapDataset(out).manifest
     reasons = {s.key: s.reason for s in m.skipped}
+    assert "decompression bomb" in reasons["train-000000.tar:zz0000"]
     assert "symlink member" in reasons["train-000000.tar:zz0001.jpg"]
     assert "FIFO member" in reasons["train-000000.tar:zz0002.jpg"]
     assert "truncated" in reasons["train-000000.tar:zz0003.jpg"]
@@ -289,3 +296,18 @@ def test_packer_info_names_the_input_form_and_its_fields(photos, tmp_path, capsy
     capsys.readouterr()
     assert main(["info", str(tmp_path / "out")]) == 0
     assert "input     parquet (image: image, label: label)" in capsys.readouterr().out
+
+
+def test_images_whose_transparency_is_dropped_are_counted_in_the_summary(photos, tmp_path, capsys):
+    from PIL import Image
+
+    raw = tmp_path / "alpha"
+    (raw / "a").mkdir(parents=True)
+    Image.new("RGBA", (40, 30), (10, 20, 30, 90)).save(raw / "a" / "see-through.png")
+    Image.new("RGBA", (40, 30), (10, 20, 30, 255)).save(raw / "a" / "opaque-alpha.png")
+    Image.new("RGB", (40, 30), (10, 20, 30)).save(raw / "a" / "plain.png")
+    assert main(["build", str(raw), str(tmp_path / "out"), "--image-size", "16"]) == 0
+    assert "1 image had transparency" in capsys.readouterr().out
+    assert MMapDataset(tmp_path / "out").manifest.build["flattened"] == 1
+    assert main(["build", str(raw), str(tmp_path / "bg"), "--image-size", "16", "--background", "255,255,255"]) == 0
+    assert "had transparency" not in capsys.readouterr().out

@@ -62,7 +62,8 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
         raise SourceError(f"{raw}: holds no {NAMES[form]}")
     mine, other = splits.pick(mine, options.split, raw)
     skipped += other
-    fields, ignored, items, met = _read(form, mine, options, stats)
+    named: set = set()  # (device, inode) of every image a manifest's record names
+    fields, ignored, items, met = _read(form, mine, options, stats, named)
     names = options.classes if options.classes is not None else fields.pop("class_names", None)
     if fields["label"] is not None:
         items, classes = labels.assign(items, met, names)
@@ -71,7 +72,7 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
     records = _unique([r for r in items if isinstance(r, Record)], skipped)
     skipped += [s for s in items if isinstance(s, Skip)]
     if form == "manifest":
-        skipped += _unnamed(files, records, mine)
+        skipped += _unnamed(files, named)
     if kind == "pairs" and fields["text"] is None:
         raise ConfigError(f"--kind pairs: {raw}'s samples have no caption field ({describe(fields)})")
     why = f"{NAMES[form]} ({describe(fields)})"
@@ -97,7 +98,7 @@ def _not_mine(form: str, rel: str) -> str:
             "manifest": "neither a manifest nor an image it names"}[form]
 
 
-def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict):
+def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict, named: set):
     """(fields, the input's fields left out, records and skips, the label values met)."""
     items: list = []
     met: dict = {}
@@ -125,7 +126,7 @@ def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: 
         found = manifest.fields_of(path, rel, options)
         if fields is None:
             fields, ignored = found
-        items.extend(manifest.records(path, rel, fields, options, met, stats))
+        items.extend(manifest.records(path, rel, fields, options, met, stats, named))
     return fields, ignored, items, met
 
 
@@ -142,8 +143,13 @@ def _unique(records: list[Record], skipped: list[Skip]) -> list[Record]:
     return out
 
 
-def _unnamed(files: list[tuple[str, str]], records: list[Record], mine) -> list[Skip]:
-    """The image files under RAW that no record names: found, so said."""
-    named = {os.path.realpath(r.path) for r in records}
-    return [Skip(rel, "scan", "an image no manifest record names") for rel, path in files
-            if os.path.splitext(rel)[1].lower() in IMAGE_EXTS and os.path.realpath(path) not in named]
+def _unnamed(files: list[tuple[str, str]], named: set) -> list[Skip]:
+    """The image files under RAW that no record names (by device and inode: one file however
+    its path is written): found, so said."""
+    out = []
+    for rel, path in files:
+        if os.path.splitext(rel)[1].lower() in IMAGE_EXTS:
+            st = os.stat(path)
+            if (st.st_dev, st.st_ino) not in named:
+                out.append(Skip(rel, "scan", "an image no manifest record names"))
+    return out

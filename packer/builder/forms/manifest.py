@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -116,8 +117,9 @@ def _first(path: str, rel: str, limit: int) -> list:
 
 
 def records(path: str, rel: str, fields: dict, options: FieldOptions, met: dict,
-            stats: dict) -> Iterator[Record | Skip]:
-    """A record per row of one manifest (its image file stat'ed into `stats`), or a Skip."""
+            stats: dict, named: set) -> Iterator[Record | Skip]:
+    """A record per row of one manifest (its image file stat'ed into `stats`, its (device,
+    inode) into `named`), or a Skip."""
     folder = os.path.dirname(path)
     for where, row in rows(path, rel, options.max_doc_bytes):
         key = f"{rel}:{where}"
@@ -139,10 +141,11 @@ def records(path: str, rel: str, fields: dict, options: FieldOptions, met: dict,
         except OSError as exc:
             yield Skip(key, "scan", f"{row[fields['image']]}: {exc.strerror or 'cannot be read'}")
             continue
-        if not os.path.isfile(image):
+        if not stat.S_ISREG(st.st_mode):
             yield Skip(key, "scan", f"{row[fields['image']]}: a folder, not an image file")
             continue
         stats[image] = (st.st_size, st.st_mtime_ns)
+        named.add((st.st_dev, st.st_ino))
         label = row.get(fields["label"]) if fields["label"] else None
         text = row.get(fields["text"]) if fields["text"] else None
         yield Record(key, image, label=None if label is None else met.setdefault(label, len(met)), text=text)
