@@ -302,14 +302,14 @@ def test_an_image_folder_decoded_on_the_fly_is_told_to_pack_and_packed_the_verdi
     # large crops into 16 px on one worker, against a model's step on 16 px: the decoding is
     # several times slower than the model even on a machine that slows both (a busy one slows
     # the model's threads more than a worker's decoding)
-    raw = data.make_image_folders(tmp_path / "raw", 160, seed=2, min_side=300, max_side=800)
+    raw = data.make_image_folders(tmp_path / "raw", 96, seed=2, min_side=300, max_side=800)
     train = ROOT / "scripts" / "train_folder.py"
     args = (raw, "--image-size", 16, "--batch-size", 16)
     report, proc = _doctor(tmp_path, *args, "--on-the-fly", "--workers", 1, script=train)
     assert report["verdict"].startswith("data-bound"), report["verdict"]
     first = report["fixes"][0]
     assert first["fix"].startswith("pack the data") and first["how"].startswith("measured") and first["gain"] > 3
-    assert report["packed"]["files"] == 160 and report["packed"]["image_size"] == 16 and first["fix"] in proc.stdout
+    assert report["packed"]["files"] == 96 and report["packed"]["image_size"] == 16 and first["fix"] in proc.stdout
     report, _ = _doctor(tmp_path, *args, "--out", tmp_path / "packed", script=train)
     assert report["verdict"].startswith("compute-bound"), report["verdict"]
 
