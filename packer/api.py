@@ -45,6 +45,8 @@ def build(raw: str | Path, out: str | Path, *, zstd: int | None = None, on_progr
         raise ConfigError(f"packer.build: no option {', '.join(unknown)}; the options are {', '.join(BUILD_OPTIONS)}")
     from packer import remote
 
+    if remote.is_url(out):
+        remote.Remote(str(out))  # a URL no store of ours serves is refused before the build, not after
     config = BuildConfig(raw=Path(raw), out=_build_dir(out, options), **options)
     url = str(out) if remote.is_url(out) else None
     if zstd is not None and url is None:
@@ -118,37 +120,44 @@ def pull(url: str, out: str | Path) -> fmt.Manifest:
     return remote.pull(url, out, published=published)
 
 
-def local(path: str | Path) -> Path:
-    """A dataset dir or archive as a Path; a URL as the whole dataset in the node's cache
-    (downloaded and verified once), and that dir."""
-    from packer import remote
-
-    return remote.materialize(str(path)) if remote.is_url(path) else Path(path)
-
-
 def verify(path: str | Path, *, on_progress: Progress | None = None) -> dict:
-    """`packer verify PATH`: every file of a dataset dir, archive or URL re-hashed and checked;
-    {"files", "size_bytes", "num_samples"}, or an IntegrityError naming the first damage."""
+    """`packer verify PATH`: every file of a dataset dir, archive or URL re-hashed and checked
+    (a URL's objects as the store holds them, never the node's cache); {"files", "size_bytes",
+    "num_samples"}, or an IntegrityError naming the first damage."""
+    from packer import remote
     from packer.dataset.archive import is_archive, verify_archive
     from packer.dataset.verify import verify as verify_dir
 
-    root = local(path)
+    if remote.is_url(path):
+        from packer.remote.verify import verify as verify_url
+
+        return verify_url(str(path), on_progress=on_progress)
+    root = Path(path).expanduser()
     return (verify_archive if is_archive(root) else verify_dir)(root, on_progress=on_progress)
 
 
 def info(path: str | Path) -> dict:
-    """`packer info PATH --json --skipped`: what a dataset dir, archive or URL holds (an
-    archive's classes with no sample are not known without unpacking its labels: None)."""
+    """`packer info PATH --json --skipped`: what a dataset dir, archive or URL holds (a URL's
+    from its manifest alone, nothing else downloaded; the classes with no sample of an archive
+    or a URL are not known without reading its labels: None)."""
+    from packer import remote
     from packer.dataset.archive import is_archive, read_archive
 
-    root = local(path)
-    archived = is_archive(root)
-    if archived:
-        m, files = read_archive(root)
-        reader, extra = None, {"archive_bytes": sum(f.size_bytes for f in files)}
+    reader, extra = None, {}
+    if remote.is_url(path):
+        m, packed = remote.read_published(str(path))
+        archived, root = packed is not None, str(path)
+        if packed:
+            extra = {"archive_bytes": sum(f.size_bytes for f in packed.values())}
     else:
-        reader, extra = DatasetReader(root), {}
-        m = reader.manifest
+        root = Path(path).expanduser()
+        archived = is_archive(root)
+        if archived:
+            m, files = read_archive(root)
+            extra = {"archive_bytes": sum(f.size_bytes for f in files)}
+        else:
+            reader = DatasetReader(root)
+            m = reader.manifest
     return {
         "path": str(root),
         "format": f"{fmt.FORMAT_NAME} {m.version}" + (" (zstd archive)" if archived else ""),

@@ -39,16 +39,22 @@ def fork_safe() -> bool:
     return not _forked_after_use
 
 
+def obstore(remote: Remote):
+    """The client library, or one line saying how to install it."""
+    try:
+        import obstore as obs
+    except ImportError:
+        raise ConfigError(f"{remote.url}: {remote.scheme} datasets need obstore: pip install 'mmpack[remote]'") from None
+    return obs
+
+
 def store(remote: Remote):
     """A client for `remote`'s bucket, made in this process."""
     global _used
     _used = True
-    try:
-        from obstore.store import AzureStore, S3Store
-    except ImportError:
-        raise ConfigError(f"{remote.scheme} datasets need obstore: pip install 'mmpack[remote]'") from None
-    if not remote.bucket:
-        raise ConfigError(f"{remote.url}: no bucket ({remote.scheme}BUCKET/PREFIX)")
+    obstore(remote)
+    from obstore.store import AzureStore, S3Store
+
     # timeouts, resets and 5xx retried with exponential backoff and full jitter (the client's own)
     retry = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=3),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}

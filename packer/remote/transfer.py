@@ -4,7 +4,9 @@ one, and fetch one file verified (what the node cache does per shard).
 The object layout is the dataset dir's own (FORMAT.md): every file the manifest lists under its
 generation dirs, the generation's copy of the manifest, and `manifest.json` at the prefix, put
 last, so a reader sees the old dataset or the new one. Every file is verified: after an upload
-by its size, after a download by the manifest's checksum (fetched once more on a mismatch, then
+by its size and the checksum recorded with it as the object's metadata (`mmpack-checksum`:
+what a push run again compares, so it repairs an object that differs), after a download by the
+manifest's checksum (fetched once more on a mismatch, then
 an IntegrityError naming the URL), and it lands by rename, so a kill leaves nothing partial that
 a later reader would use. A reader pins the generation of the manifest it read.
 
@@ -40,9 +42,18 @@ DOWNLOADS = 8  # files fetched at once: one GET's latency hidden behind the othe
 RANGE_BYTES = 32 * 2**20  # a larger file comes in ranges of this size, RANGES at once: a single
 RANGES = 4  # stream's rate is often a fraction of the link's (the first batch of a large shard waits on it)
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmpack" / "remote"
+CHECKSUM_KEY = "mmpack-checksum"  # the object's user metadata: the checksum of what was pushed, algo:hex
 
 
-def _files(manifest: fmt.Manifest) -> list[fmt.FileEntry]:
+def _whole(path: Path) -> tuple[int, str]:
+    """(size, checksum) of a small file read whole (a generation's copy of the manifest)."""
+    data = path.read_bytes()
+    digest = fmt.new_checksum()
+    digest.update(data)
+    return len(data), f"xxh3_128:{digest.hexdigest()}"
+
+
+def files_of(manifest: fmt.Manifest) -> list[fmt.FileEntry]:
     files = [f for s in manifest.shards for f in s.files]
     return files + ([manifest.inputs] if manifest.inputs is not None else [])
 
@@ -53,9 +64,11 @@ def push_staging(url: str) -> Path:
 
 
 def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
-    """Upload the dataset dir `out` to `url`: its files (those of the same size there already
-    kept: a killed push run again goes on), each checked after upload, then the manifest last.
+    """Upload the dataset dir `out` to `url`: its files (those the store holds with the same
+    content kept: a killed push run again goes on, and one run again repairs any object that
+    differs), each checked after upload, then the manifest last.
     `zstd` (a level), or `out` an archive dir: the archive form (see the module)."""
+    Remote(url)  # a URL no store of ours serves is refused before anything is packed or read
     if (Path(out) / fmt.ARCHIVE_NAME).is_file():
         return _push_archive(Path(out), url)
     if zstd is not None:  # packed where a killed push run again packs it anew, then removed
@@ -72,9 +85,9 @@ def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
         return pushed
     reader = DatasetReader(out)
     manifest, root = reader.manifest, reader.root
-    generations = sorted({f.path.split("/", 1)[0] for f in _files(manifest) if "/" in f.path})
-    uploads = [(f.path, f.size_bytes) for f in _files(manifest)]
-    uploads += [(f"{g}/{fmt.MANIFEST_NAME}", (root / g / fmt.MANIFEST_NAME).stat().st_size) for g in generations
+    generations = sorted({f.path.split("/", 1)[0] for f in files_of(manifest) if "/" in f.path})
+    uploads = [(f.path, f.size_bytes, f"{f.algo}:{f.checksum}") for f in files_of(manifest)]
+    uploads += [(f"{g}/{fmt.MANIFEST_NAME}", *_whole(root / g / fmt.MANIFEST_NAME)) for g in generations
                 if (root / g / fmt.MANIFEST_NAME).is_file()]
     _publish(Remote(url), root, uploads, fmt.MANIFEST_NAME, manifest.to_json())
     return manifest
@@ -83,24 +96,37 @@ def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
 def _push_archive(root: Path, url: str) -> fmt.Manifest:
     raw = archive._description(root)  # read once: parsed here, pushed as it is
     manifest, files = archive._parse(root, raw)
-    _publish(Remote(url), root, [(f.path, f.size_bytes) for f in files], fmt.ARCHIVE_NAME, raw.decode("utf-8"))
+    _publish(Remote(url), root, [(f.path, f.size_bytes, f"xxh3_128:{f.xxh3_128}") for f in files], fmt.ARCHIVE_NAME,
+             raw.decode("utf-8"))
     return manifest
 
 
-def _publish(remote: Remote, root: Path, uploads: list[tuple[str, int]], pointer: str, doc: str) -> None:
-    """`uploads` (path, size) from `root`, each checked after upload, then `doc` as `pointer`,
-    then the other form's pointer removed: a reader sees the old dataset or the new one."""
-    import obstore as obs
+def _holds(obs, store, key: str, size: int, checksum: str) -> bool:
+    """Whether the store holds `key` with these bytes: its size, and the checksum recorded with
+    it when it was pushed (an object pushed without one, or damaged since, is pushed again)."""
+    try:
+        got = obs.get(store, key, options={"head": True})
+    except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
+        if client.not_found(exc):
+            return False
+        raise
+    return got.meta["size"] == size and got.attributes.get(CHECKSUM_KEY) == checksum
 
+
+def _publish(remote: Remote, root: Path, uploads: list[tuple[str, int, str]], pointer: str, doc: str) -> None:
+    """`uploads` (path, size, checksum) from `root`, each unless the store holds it with that
+    content already and checked after upload, then `doc` as `pointer`, then the other form's
+    pointer removed: a reader sees the old dataset or the new one."""
+    obs = client.obstore(remote)
     store = client.store(remote)
-    for path, size in uploads:
+    for path, size, checksum in uploads:
         with client.errors(remote, f"upload {path}"):
-            if client.size(obs, store, remote.key(path)) == size:
+            if _holds(obs, store, remote.key(path), size, checksum):
                 continue
             with open(root / path, "rb") as f:
-                obs.put(store, remote.key(path), f)
-            if client.size(obs, store, remote.key(path)) != size:
-                raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another size; push again")
+                obs.put(store, remote.key(path), f, attributes={CHECKSUM_KEY: checksum})
+            if not _holds(obs, store, remote.key(path), size, checksum):
+                raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another object; push again")
     with client.errors(remote, f"upload {pointer}"):
         obs.put(store, remote.key(pointer), doc.encode())
     other = fmt.ARCHIVE_NAME if pointer == fmt.MANIFEST_NAME else fmt.MANIFEST_NAME
@@ -130,8 +156,7 @@ def read_published(url: str) -> tuple[fmt.Manifest, dict | None]:
 
 def read_pointer(remote: Remote) -> tuple[str, str]:
     """(name, text) of `manifest.json`, else of `archive.json`."""
-    import obstore as obs
-
+    obs = client.obstore(remote)
     store = client.store(remote)
 
     def text(name: str) -> str:
@@ -164,9 +189,9 @@ def pull(url: str, out: str | Path, *, published: tuple[fmt.Manifest, dict | Non
     store = functools.cache(functools.partial(client.store, Remote(url)))
     with ThreadPoolExecutor(DOWNLOADS) as pool:  # obstore's GETs release the GIL while they wait
         for done in [pool.submit(fetch_file, store, url, entry, out / entry.path, packed=(packed or {}).get(entry.path))
-                     for entry in (_files(manifest) if files is None else files)]:
+                     for entry in (files_of(manifest) if files is None else files)]:
             done.result()
-    for g in sorted({e.path.split("/", 1)[0] for e in _files(manifest) if "/" in e.path}):
+    for g in sorted({e.path.split("/", 1)[0] for e in files_of(manifest) if "/" in e.path}):
         (out / g).mkdir(parents=True, exist_ok=True)
         write_atomic(out / g / fmt.MANIFEST_NAME, manifest.to_json())
         (out / g / fmt.READERS_LOCK).touch()
@@ -257,9 +282,7 @@ def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None
     """`fetch_verified` here (`store_of()`: this process's client), or, in a process forked after
     a request, by the helper."""
     if client.fork_safe():
-        import obstore as obs
-
-        fetch_verified(obs, store_of(), Remote(url), entry, target, temp=temp, packed=packed)
+        fetch_verified(client.obstore(Remote(url)), store_of(), Remote(url), entry, target, temp=temp, packed=packed)
     else:
         client.Helper.get().call({"op": "fetch", "url": url, "entry": entry.to_json(), "target": str(target),
                                   "temp": temp.name if temp is not None else None,

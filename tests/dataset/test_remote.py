@@ -607,3 +607,93 @@ def test_az_a_wrong_key_and_a_missing_dataset_are_one_line_errors(az, built, mon
     assert main(["push", str(built["images"]), f"{az}/images"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "access denied" in err
+
+
+def _damage(url: str, out, index: int = 0) -> str:
+    """One byte of one object flipped in the store, its size kept; its path."""
+    import obstore as obs
+
+    from packer.remote.client import store
+    from packer.remote.url import Remote
+
+    path = json.loads((out / fmt.MANIFEST_NAME).read_text())["shards"][index]["files"][0]["path"]
+    data = bytearray((out / path).read_bytes())
+    data[len(data) // 2] ^= 0x01
+    remote = Remote(url)
+    obs.put(store(remote), remote.key(path), bytes(data))
+    return path
+
+
+def test_verify_of_a_url_hashes_the_bucket_and_a_push_run_again_repairs_it(s3, built, tmp_path, capsys):
+    """verify checked the node's cache (ok over a damaged bucket; a traceback with none), and a
+    push skipped an object of the same size, so running it again, as the error advises, never
+    repaired one."""
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    ds = MMapDataset(url, cache_dir=tmp_path / "warm")
+    cached = sorted(p for p in (tmp_path / "warm").rglob("*") if p.is_file())
+    assert main(["verify", url]) == 0 and "verified" in capsys.readouterr().out
+    path = _damage(url, built["images"])
+    assert main(["verify", url]) == 1  # with or without a cache: the bucket's bytes
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and path.split("/")[-1] in err and "push it again" in err
+    assert sorted(p for p in (tmp_path / "warm").rglob("*") if p.is_file()) == cached and len(ds)
+    assert not (tmp_path / "cache").exists()  # nothing went into the default cache
+    assert main(["push", str(built["images"]), url]) == 0
+    assert main(["verify", url]) == 0
+
+
+def test_a_compressed_push_is_verified_in_the_bucket_too(s3, built, tmp_path, capsys):
+    url = _url(tmp_path, "packed")
+    assert main(["push", str(built["images"]), url, "--zstd"]) == 0
+    assert main(["verify", url]) == 0
+    import obstore as obs
+
+    from packer.remote.client import store
+    from packer.remote.url import Remote
+
+    remote = Remote(url)
+    path = json.loads((built["images"] / fmt.MANIFEST_NAME).read_text())["shards"][0]["files"][0]["path"] + ".zst"
+    data = bytearray(obs.get(store(remote), remote.key(path)).bytes())
+    data[len(data) // 2] ^= 0x01
+    obs.put(store(remote), remote.key(path), bytes(data))
+    assert main(["verify", url]) == 1 and path.split("/")[-1] in capsys.readouterr().err
+
+
+def test_info_of_a_url_reads_its_manifest_alone_and_names_the_url(s3, built, tmp_path, capsys):
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    capsys.readouterr()
+    assert main(["info", url]) == 0
+    out = capsys.readouterr().out
+    assert f"dataset   {url} " in out and f"{len(MMapDataset(built['images'])):,} in" in out
+    assert not (tmp_path / "cache").exists()  # no shard, no index file downloaded
+
+
+@pytest.mark.parametrize("url, said", [
+    ("gs://bucket/photos", "S3-compatible API"), ("foo://bucket/photos", "foo:// is not a store"),
+    ("s3:/bucket/photos", "write s3://BUCKET/PREFIX"), ("az:bucket", "write az://BUCKET/PREFIX")])
+def test_a_url_of_no_store_mmpack_reads_is_refused_in_one_line_before_any_work(built, image_raw, tmp_path, capsys,
+                                                                               url, said):
+    """gs:// and foo:// went to the S3 endpoint (or AWS itself); s3:/ was a ValueError."""
+    from packer.remote import build_dir
+
+    for argv in (["push", str(built["images"]), url], ["pull", url, str(tmp_path / "copy")], ["info", url],
+                 ["verify", url], ["build", str(image_raw), url, "-q"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "Traceback" not in err, err
+    with pytest.raises(ConfigError, match=said.split(" ")[0]):
+        MMapDataset(url)
+    assert not build_dir(url).exists() and not (tmp_path / "copy").exists()
+
+
+def test_without_the_remote_extra_a_url_is_one_line_naming_it(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['obstore'] = None; from packer.cli import main; "
+            "sys.exit(main(['info', 's3://bucket/photos']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert "pip install 'mmpack[remote]'" in out.stderr
