@@ -5,6 +5,8 @@ after the list, pass through untouched):
     "reset"  the connection closed at once with a TCP reset, before any answer
     "503"    answered `503 Service Unavailable`, the connection closed
     "slow"   passed on after a 0.5 s pause
+    "long"   passed on, LONG_BYTES more bytes after its answer's body (its length says so): an
+             object, or a range, longer than the reader asked for
     "flip"   passed on, one byte of its answer's body flipped; never twice to one object (its
              path): a reader fetches a file again once on a mismatch, and an object whose bytes
              come wrong twice is a damaged one, which other tests damage at rest
@@ -21,6 +23,7 @@ import threading
 import time
 
 FLIP_AT = 1024  # the byte of an answer's body that "flip" flips
+LONG_BYTES = 32 << 20  # what "long" adds to an answer's body
 
 
 class FaultyProxy:
@@ -58,7 +61,7 @@ class FaultyProxy:
 
     def _serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(self.upstream)
-        flips: collections.deque = collections.deque()  # per request passed on: flip its answer?
+        flips: collections.deque = collections.deque()  # per request passed on: its fault ("flip", "long", ...)
         threading.Thread(target=_answers, args=(upstream, client, flips), daemon=True).start()
         buf = b""
         try:
@@ -81,12 +84,18 @@ class FaultyProxy:
                         return
                     if fault == "slow":
                         time.sleep(0.5)
-                    flips.append(fault == "flip")
+                    flips.append(fault)
                     upstream.sendall(request)
         except OSError:
             pass
         finally:
             _close(client, upstream)
+
+
+def _with_length(head: bytes, length: int) -> bytes:
+    lines = head.split(b"\r\n")
+    return b"\r\n".join(b"Content-Length: %d" % length if line.lower().startswith(b"content-length:") else line
+                         for line in lines)
 
 
 def _length(head: bytes) -> int:
@@ -97,8 +106,9 @@ def _length(head: bytes) -> int:
 
 
 def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque) -> None:
-    """The store's answers to the client, each one's body flipped at FLIP_AT if its request says so."""
-    buf, body_left, flip_at = b"", 0, -1
+    """The store's answers to the client, each one's body flipped at FLIP_AT, or made longer,
+    if its request's fault says so."""
+    buf, body_left, flip_at, pad = b"", 0, -1, 0
     try:
         while True:
             chunk = src.recv(65536)
@@ -116,13 +126,23 @@ def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque) -
                     out += take
                     body_left -= len(take)
                     buf = buf[len(take):]
+                    if not body_left and pad:
+                        dst.sendall(bytes(out))
+                        out = bytearray()
+                        for _ in range(pad >> 20):  # a MiB at a time, as long as the reader takes it
+                            dst.sendall(bytes(1 << 20))
+                        pad = 0
                     continue
                 end = buf.find(b"\r\n\r\n")
                 if end < 0:
                     break
-                body_left = _length(buf[:end])
-                flip_at = FLIP_AT if (flips.popleft() if flips else False) and body_left > FLIP_AT else -1
-                out += buf[:end + 4]
+                head, body_left = buf[:end], _length(buf[:end])
+                fault = flips.popleft() if flips else "ok"
+                flip_at = FLIP_AT if fault == "flip" and body_left > FLIP_AT else -1
+                if fault == "long" and body_left:
+                    pad = LONG_BYTES
+                    head = _with_length(head, body_left + pad)
+                out += head + b"\r\n\r\n"
                 buf = buf[end + 4:]
             dst.sendall(out)
     except OSError:

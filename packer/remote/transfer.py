@@ -224,11 +224,9 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
                 if packed is not None:
                     whole = _get_zstd(obs, store, remote, packed, f, digest, entry.size_bytes)
                 elif entry.size_bytes > RANGE_BYTES:
-                    _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
+                    whole = _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
                 else:
-                    for chunk in obs.get(store, remote.key(entry.path)):
-                        f.write(chunk)
-                        digest.update(chunk)
+                    whole = _stream(obs.get(store, remote.key(entry.path)), f, entry.size_bytes, digest)
             f.truncate()
             f.flush()
             if whole and f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
@@ -263,18 +261,39 @@ def _get_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, si
     return got == packed.size_bytes and wire.hexdigest() == packed.xxh3_128
 
 
-def _get_ranges(obs, store, key: str, f, size: int, digest) -> None:
-    """The object's bytes written at their offsets in `f`, RANGES ranged GETs at once, then
-    hashed in order from the file (the page cache), `f` left at its end. A range that comes
-    back short leaves bytes that fail the checksum, as a torn stream does."""
-    def one(start: int) -> None:
-        data = obs.get_range(store, key, start=start, end=min(start + RANGE_BYTES, size))
-        os.pwrite(f.fileno(), memoryview(data), start)
+def _stream(chunks, f, size: int, digest) -> bool:
+    """An object's stream written to `f` and hashed, stopping past `size` bytes (the manifest's):
+    an object longer than its entry fills no disk; False when it was longer."""
+    got = 0
+    for chunk in chunks:
+        got += len(chunk)
+        if got > size:
+            return False
+        f.write(chunk)
+        digest.update(chunk)
+    return True
+
+
+def _get_ranges(obs, store, key: str, f, size: int, digest) -> bool:
+    """The object's bytes written at their offsets in `f`, RANGES ranged GETs at once, each read
+    as a stream and stopped at its range's length (an answer longer than it asked for is never
+    buffered whole), then hashed in order from the file (the page cache), `f` left at its end.
+    A range that comes back short leaves bytes that fail the checksum, as a torn stream does;
+    False when one came back longer."""
+    def one(start: int) -> bool:
+        end, at = min(start + RANGE_BYTES, size), start
+        for chunk in obs.get(store, key, options={"range": (start, end)}):
+            if at + len(chunk) > end:
+                return False
+            os.pwrite(f.fileno(), memoryview(chunk), at)
+            at += len(chunk)
+        return True
     with ThreadPoolExecutor(RANGES) as pool:
-        list(pool.map(one, range(0, size, RANGE_BYTES)))
+        fits = all(list(pool.map(one, range(0, size, RANGE_BYTES))))
     for start in range(0, size, RANGE_BYTES):
         digest.update(os.pread(f.fileno(), min(RANGE_BYTES, size - start), start))
     f.seek(size)
+    return fits
 
 
 def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None,

@@ -10,6 +10,7 @@ import hashlib
 import json
 import multiprocessing
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -697,3 +698,43 @@ def test_without_the_remote_extra_a_url_is_one_line_naming_it(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert "pip install 'mmpack[remote]'" in out.stderr
+
+
+@pytest.mark.parametrize("ranged", [False, True], ids=["whole GETs", "ranged GETs"])
+def test_an_answer_longer_than_the_object_is_not_written_past_its_size(s3, built, tmp_path, monkeypatch, ranged):
+    """A store (or something on the way) answering more bytes than the manifest's size: 316 MB
+    went into a cache limited to 1.5 MB, and a ranged answer was buffered whole. Now the reader
+    stops at the size, fetches again, and refuses the object the second time, naming it."""
+    from packer.remote import transfer
+
+    from ..faulty_proxy import FaultyProxy
+
+    if ranged:
+        monkeypatch.setattr(transfer, "RANGE_BYTES", 16384)
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    import threading
+
+    proxy = FaultyProxy(s3, ["long"] * 64, target="/image.npy")
+    largest, done = [0], threading.Event()
+
+    def watch() -> None:  # the largest file in the cache while the reader fetches
+        while not done.is_set():
+            for p in list((tmp_path / "cache").rglob("*")):
+                try:
+                    largest[0] = max(largest[0], p.stat().st_size)
+                except OSError:
+                    pass
+            time.sleep(0.005)
+    watcher = threading.Thread(target=watch)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ds = MMapDataset(url, cache_dir=tmp_path / "cache")
+        watcher.start()
+        with pytest.raises(IntegrityError, match="image.npy"):
+            ds[0]
+    finally:
+        done.set()
+        proxy.close()
+    watcher.join()
+    assert largest[0] <= max(s.size_bytes for s in MMapDataset(built["images"]).manifest.shards), largest
