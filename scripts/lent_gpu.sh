@@ -7,10 +7,9 @@
 #   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540] [STEP...]
 #
 # STEPs (default: all, in this order): cuda_tests tests imagenet (imagenet_loader: its packed run
-# alone) augment profile packer loaders_model loaders suite; `tests` runs the tests $TESTS names
-# (all of them without it); setup always runs. Not yet measured on a card (bench/results, the
-# H100 run of 2026-11-26): the build at 16 workers on inputs long enough for them, and
-# Loader(device="cuda") against a model's step: `bash scripts/lent_gpu.sh 420 packer loaders_model`.
+# alone) augment profile packer forms loaders_model loaders suite; `tests` runs the tests $TESTS
+# names (all of them without it); setup always runs. What each card has measured, and what is
+# still owed: bench/results/README.md.
 #
 # .whl: wheels the machine's image lacks (zstandard, obstore; the device README says how to fetch
 # them); .gpucache: a copy of ~/.cache/mmpack/data (the pinned sample files; no network there).
@@ -108,6 +107,9 @@ PY
 # (2,000 photos linked 8 times: 16,000 files keep 16 workers busy for seconds, past their start-up)
 want packer && step packer 170 bench packer --images 2000 --link-copies 8 --text-mb 4 --workers-list 4,16 --rounds 1 \
     --work /tmp/pw --json "$L/packer.json"
+# the same photos from a folder, Hugging Face Parquet, a tar and a manifest, on 16 workers
+want forms && step forms 200 bench packer --images 2000 --link-copies 8 --text-mb 0 --workers-list 16 --rounds 1 \
+    --input folder,parquet,tar,manifest --work /tmp/fw --json "$L/forms.json"
 
 # 3 + 4. Loader(device="cuda") against ResNet-18's step on a resident batch; 1-16 threads against memcpy
 want loaders_model && DMON=1 step loaders_model 150 bench loaders --images 3000 --workers 16 \
