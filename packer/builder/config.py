@@ -81,7 +81,8 @@ class BuildConfig:
                                 "N (default 2 x S; the image shrinks to fit)", type=int, metavar="N")
     max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT, help="skip a longer document: a .txt file, JSONL "
                               f"line or caption (default {MAX_DOC_BYTES >> 20} MiB)", type=int, metavar="N")
-    shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB", metavar="SIZE")  # -> shard_*
+    shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB",
+                                       metavar="SIZE")  # parsed into shard_rows / shard_bytes
     input: str | None = flag(bytes=UNLESS_DEFAULT, help="the input form, detected unless given: folder, parquet "
                              "(Hugging Face image datasets), tar (WebDataset shards), manifest (JSONL / JSON / CSV / "
                              "TSV / Parquet naming image files)", choices=FORMS)

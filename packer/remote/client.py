@@ -44,7 +44,8 @@ def obstore(remote: Remote):
     try:
         import obstore as obs
     except ImportError:
-        raise ConfigError(f"{remote.url}: {remote.scheme} datasets need obstore: pip install 'mmpack[remote]'") from None
+        raise ConfigError(f"{remote.url}: {remote.scheme} datasets need obstore: "
+                          "pip install 'mmpack[remote]'") from None
     return obs
 
 
@@ -91,14 +92,20 @@ def errors(remote: Remote, what: str):
     return Guard()
 
 
-def size(obs, client, key: str) -> int | None:
-    """The object's size, None where there is none."""
+def head(obs, client, key: str):
+    """The object's head (`.meta`: its size; `.attributes`: its metadata), None where there is none."""
     try:
-        return obs.head(client, key)["size"]
+        return obs.get(client, key, options={"head": True})
     except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
         if not_found(exc):
             return None
         raise
+
+
+def size(obs, client, key: str) -> int | None:
+    """The object's size, None where there is none."""
+    got = head(obs, client, key)
+    return None if got is None else got.meta["size"]
 
 
 def not_found(exc: BaseException) -> bool:

@@ -104,13 +104,8 @@ def _push_archive(root: Path, url: str) -> fmt.Manifest:
 def _holds(obs, store, key: str, size: int, checksum: str) -> bool:
     """Whether the store holds `key` with these bytes: its size, and the checksum recorded with
     it when it was pushed (an object pushed without one, or damaged since, is pushed again)."""
-    try:
-        got = obs.get(store, key, options={"head": True})
-    except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
-        if client.not_found(exc):
-            return False
-        raise
-    return got.meta["size"] == size and got.attributes.get(CHECKSUM_KEY) == checksum
+    got = client.head(obs, store, key)
+    return got is not None and got.meta["size"] == size and got.attributes.get(CHECKSUM_KEY) == checksum
 
 
 def _publish(remote: Remote, root: Path, uploads: list[tuple[str, int, str]], pointer: str, doc: str) -> None:
@@ -222,11 +217,11 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
             whole = True
             with client.errors(remote, f"download {(packed or entry).path}"):
                 if packed is not None:
-                    whole = _get_zstd(obs, store, remote, packed, f, digest, entry.size_bytes)
+                    whole = read_zstd(obs, store, remote, packed, f, digest, entry.size_bytes)
                 elif entry.size_bytes > RANGE_BYTES:
                     whole = _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
                 else:
-                    whole = _stream(obs.get(store, remote.key(entry.path)), f, entry.size_bytes, digest)
+                    whole = read_stream(obs.get(store, remote.key(entry.path)), f, entry.size_bytes, digest) is not None
             f.truncate()
             f.flush()
             if whole and f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
@@ -242,10 +237,11 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
                          "dataset is damaged: push it again")
 
 
-def _get_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, size: int) -> bool:
-    """The compressed object `packed` decompressed into `f` and hashed by `digest` as it
-    arrives; whether its compressed bytes are the ones archive.json records. Past `size`
-    restored bytes (the manifest's) it stops: a frame that expands without end fills no disk."""
+def read_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, size: int) -> bool:
+    """The compressed object `packed` decompressed into `f` (None: hashed, kept nowhere) and
+    hashed by `digest` as it arrives; whether its compressed bytes are the ones archive.json
+    records. Past its compressed size, or past `size` restored bytes (the manifest's), it stops:
+    a frame that expands without end fills no disk."""
     import zstandard
 
     wire, got = fmt.new_checksum(), 0
@@ -253,25 +249,29 @@ def _get_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, si
     try:
         with zstandard.ZstdDecompressor().stream_writer(restored, closefd=False) as sink:
             for chunk in obs.get(store, remote.key(packed.path)):
-                wire.update(chunk)
                 got += len(chunk)
+                if got > packed.size_bytes:
+                    return False
+                wire.update(chunk)
                 sink.write(chunk)
     except (zstandard.ZstdError, IntegrityError):  # damaged on the way or at rest: fetched again, then refused
         return False
     return got == packed.size_bytes and wire.hexdigest() == packed.xxh3_128
 
 
-def _stream(chunks, f, size: int, digest) -> bool:
-    """An object's stream written to `f` and hashed, stopping past `size` bytes (the manifest's):
-    an object longer than its entry fills no disk; False when it was longer."""
+def read_stream(chunks, f, size: int, digest) -> int | None:
+    """An object's stream written to `f` (None: hashed, kept nowhere) and hashed, stopping past
+    `size` bytes (the manifest's): an object longer than its entry fills no disk. The bytes it
+    held; None when it was longer."""
     got = 0
     for chunk in chunks:
         got += len(chunk)
         if got > size:
-            return False
-        f.write(chunk)
+            return None
+        if f is not None:
+            f.write(chunk)
         digest.update(chunk)
-    return True
+    return got
 
 
 def _get_ranges(obs, store, key: str, f, size: int, digest) -> bool:

@@ -1,17 +1,17 @@
 """`packer verify URL`: every object of a dataset in object storage hashed as the store holds it,
 against the checksums the manifest records (and archive.json's, for a compressed push), files
-DOWNLOADS at once, each read as a stream that stops at the manifest's size: the bytes a reader
-would get, never the node's cache (which `packer verify` of a cache dir checks)."""
+DOWNLOADS at once, each read as a stream that stops at the manifest's size (the reads a fetch
+makes, `transfer`, with nothing kept): the bytes a reader would get, never the node's cache
+(which `packer verify` of a cache dir checks)."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-from packer.dataset import archive
 from packer.dataset import format as fmt
 from packer.errors import IntegrityError
 from packer.remote import client
-from packer.remote.transfer import DOWNLOADS, files_of, read_published
+from packer.remote.transfer import DOWNLOADS, files_of, read_published, read_stream, read_zstd
 from packer.remote.url import Remote
 
 
@@ -26,11 +26,20 @@ def verify(url: str, *, on_progress=None) -> dict:
 
     def one(entry: fmt.FileEntry) -> None:
         compressed = (packed or {}).get(entry.path)
+        digest = fmt.hasher(entry.algo)
+        if digest is None:
+            raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to "
+                                 "this mmpack; use the release that wrote it, or a newer one")
         with client.errors(remote, f"verify {(compressed or entry).path}"):
             if compressed is not None:
-                _check_packed(obs, store, remote, compressed, entry)
+                whole = read_zstd(obs, store, remote, compressed, None, digest, entry.size_bytes)
             else:
-                _check_plain(obs, store, remote, entry)
+                whole = read_stream(obs.get(store, remote.key(entry.path)), None, entry.size_bytes, digest) == \
+                    entry.size_bytes
+        if not whole or digest.hexdigest() != entry.checksum:
+            raise IntegrityError(f"{remote.where((compressed or entry).path)}: its bytes do not match the checksum "
+                                 f"{'archive.json and ' if compressed else ''}the manifest records; the dataset in "
+                                 "the store is damaged: push it again")
         done.append(entry)
         if on_progress:
             on_progress(len(done), len(entries))
@@ -38,43 +47,3 @@ def verify(url: str, *, on_progress=None) -> dict:
     with ThreadPoolExecutor(DOWNLOADS) as pool:
         list(pool.map(one, entries))
     return {"files": len(entries), "size_bytes": manifest.size_bytes, "num_samples": manifest.num_samples}
-
-
-def _check_plain(obs, store, remote: Remote, entry: fmt.FileEntry) -> None:
-    digest, got = fmt.hasher(entry.algo), 0
-    if digest is None:
-        raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to this "
-                             "mmpack; use the release that wrote it, or a newer one")
-    for chunk in obs.get(store, remote.key(entry.path)):
-        got += len(chunk)
-        if got > entry.size_bytes:  # no byte past the manifest's size is read on
-            raise IntegrityError(f"{remote.where(entry.path)}: holds more than the {entry.size_bytes:,} bytes the "
-                                 "manifest records; the dataset in the store is damaged: push it again")
-        digest.update(chunk)
-    if got != entry.size_bytes or digest.hexdigest() != entry.checksum:
-        what = f"{got:,} bytes, the manifest records {entry.size_bytes:,}" if got != entry.size_bytes else \
-            "its bytes do not match the checksum the manifest records"
-        raise IntegrityError(f"{remote.where(entry.path)}: {what}; the dataset in the store is damaged: push it again")
-
-
-def _check_packed(obs, store, remote: Remote, packed: fmt.ArchiveFile, entry: fmt.FileEntry) -> None:
-    import zstandard
-
-    wire, got = fmt.new_checksum(), 0
-    restored = archive._Hashing(None, lambda: fmt.hasher(entry.algo), limit=entry.size_bytes,
-                                where=remote.where(packed.path))  # hashed, kept nowhere
-    try:
-        with zstandard.ZstdDecompressor().stream_writer(restored, closefd=False) as sink:
-            for chunk in obs.get(store, remote.key(packed.path)):
-                got += len(chunk)
-                if got > packed.size_bytes:
-                    raise IntegrityError(f"{remote.where(packed.path)}: holds more than the {packed.size_bytes:,} "
-                                         "bytes archive.json records; push it again")
-                wire.update(chunk)
-                sink.write(chunk)
-    except zstandard.ZstdError as exc:
-        raise IntegrityError(f"{remote.where(packed.path)}: not a zstd frame ({exc}); push it again") from None
-    if got != packed.size_bytes or wire.hexdigest() != packed.xxh3_128 or \
-            restored.digest.hexdigest() != entry.checksum:
-        raise IntegrityError(f"{remote.where(packed.path)}: its bytes do not match the checksums archive.json and "
-                             "the manifest record; the dataset in the store is damaged: push it again")
