@@ -12,6 +12,7 @@ raw bytes per token). Records that are skipped while packing make a shard smalle
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -172,13 +173,9 @@ def header_size(record: Record, found: Scan | None = None) -> tuple[int, int] | 
     from packer.builder.forms.read import image_source
 
     try:
-        source = image_source(record, found.form, found.fields) if found is not None else record.path
-        try:
-            with Image.open(source) as img:
-                return img.width, img.height
-        finally:
-            if not isinstance(source, str):
-                source.close()
+        with image_source(record, found.form, found.fields) if found is not None else \
+                contextlib.nullcontext(record.path) as source, Image.open(source) as img:
+            return img.width, img.height
     except Exception:  # noqa: BLE001 - any image Pillow cannot open: the build skips it later
         return None
 

@@ -60,12 +60,8 @@ class ShardContext:
         if Image.MAX_IMAGE_PIXELS != self.max_image_pixels:
             Image.MAX_IMAGE_PIXELS = self.max_image_pixels
         c = self.config
-        source = image_source(record, self.form, self.fields)
-        try:
+        with image_source(record, self.form, self.fields) as source:
             return decode_image(source, c.image_size, writable=False, background=c.background, max_side=c.side_cap)
-        finally:
-            if not isinstance(source, str):
-                source.close()
 
     def caption(self, record: Record) -> str:
         return caption_of(record, self.form, self.fields, self.config.max_doc_bytes)

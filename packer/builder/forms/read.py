@@ -6,9 +6,11 @@ Memory is bounded by a row group or a member, never by the file that holds them.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from packer.builder.records import Record
@@ -54,13 +56,17 @@ class MemberView(io.RawIOBase):
         super().close()
 
 
-def image_source(record: Record, form: str, fields) -> str | io.IOBase:
-    """What Pillow opens for the record's image."""
+@contextlib.contextmanager
+def image_source(record: Record, form: str, fields) -> Iterator[str | io.IOBase]:
+    """What Pillow opens for the record's image, for the block: its file's path, or a file
+    object of its bytes (closed after)."""
     if record.at is None:
-        return record.path
-    if form == "tar":
-        return io.BufferedReader(MemberView(record.path, *record.at))
-    return io.BytesIO(_parquet_image(record, fields))
+        yield record.path
+        return
+    source = io.BufferedReader(MemberView(record.path, *record.at)) if form == "tar" else \
+        io.BytesIO(_parquet_image(record, fields))
+    with source:
+        yield source
 
 
 def caption_of(record: Record, form: str, fields, limit: int = MAX_DOC_BYTES) -> str:
