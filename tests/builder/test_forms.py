@@ -311,3 +311,32 @@ def test_images_whose_transparency_is_dropped_are_counted_in_the_summary(photos,
     assert MMapDataset(tmp_path / "out").manifest.build["flattened"] == 1
     assert main(["build", str(raw), str(tmp_path / "bg"), "--image-size", "16", "--background", "255,255,255"]) == 0
     assert "had transparency" not in capsys.readouterr().out
+
+
+def test_parquet_files_whose_class_names_differ_are_refused_not_mixed(photos, tmp_path, capsys):
+    """Label 3 of one file and label 3 of the other would name two classes: the second file's
+    labels would land on the first file's names."""
+    from datasets import ClassLabel
+
+    raw = _hf(photos, tmp_path / "hf", name="train-00000-of-00002.parquet")
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(raw / "data" / "train-00000-of-00002.parquet")
+    meta = json.loads(table.schema.metadata[b"huggingface"])
+    meta["info"]["features"]["label"] = {"names": list(reversed(_classes(photos))), "_type": ClassLabel.__name__}
+    pq.write_table(table.replace_schema_metadata({b"huggingface": json.dumps(meta).encode()}),
+                   raw / "data" / "train-00001-of-00002.parquet")
+    err = one_line_error(capsys, ["build", str(raw), str(tmp_path / "out"), *SIZE])
+    assert "ClassLabel names are not" in err and "train-00001-of-00002.parquet" in err
+
+
+def test_a_huge_integer_label_without_class_names_is_an_error_not_a_billion_classes(photos, tmp_path, capsys):
+    import webdataset as wds
+
+    raw = tmp_path / "tar"
+    raw.mkdir()
+    p = _samples(photos)[0][0]
+    with wds.TarWriter(str(raw / "train-000000.tar")) as w:
+        w.write({"__key__": "000000", p.suffix[1:].lower(): p.read_bytes(), "cls": "999999999999"})
+    err = one_line_error(capsys, ["build", str(raw), str(tmp_path / "out"), *SIZE])
+    assert "--classes FILE" in err

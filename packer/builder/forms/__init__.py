@@ -52,9 +52,10 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
                           "--input folder to read its files as text")
     if kind == "images":
         options = FieldOptions(**{**options.__dict__, "no_text": True})
+    probed: dict = {}  # a manifest's fields, by its path: probed once
     mine = []
     for rel, path in files:
-        if _is(form, rel, path, options):
+        if _is(form, rel, path, options, probed):
             mine.append((rel, path))
         elif not (form == "manifest" and os.path.splitext(rel)[1].lower() in IMAGE_EXTS):  # those: _unnamed
             skipped.append(Skip(rel, "scan", _not_mine(form, rel)))
@@ -63,7 +64,7 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
     mine, other = splits.pick(mine, options.split, raw)
     skipped += other
     named: set = set()  # (device, inode) of every image a manifest's record names
-    fields, ignored, items, met = _read(form, mine, options, stats, named)
+    fields, ignored, items, met = _read(form, mine, options, stats, named, probed)
     names = options.classes if options.classes is not None else fields.pop("class_names", None)
     if fields["label"] is not None:
         items, classes = labels.assign(items, met, names)
@@ -81,13 +82,16 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
                 ignored=tuple(ignored))
 
 
-def _is(form: str, rel: str, path: str, options: FieldOptions) -> bool:
+def _is(form: str, rel: str, path: str, options: FieldOptions, probed: dict) -> bool:
     ext = os.path.splitext(rel)[1].lower()
     if form == "tar":
         return tar.is_tar(rel)
     if form == "parquet":
         return ext == ".parquet"
-    return ext in manifest.EXTS and manifest.fields_of(path, rel, options) is not None
+    if ext not in manifest.EXTS:
+        return False
+    probed[path] = manifest.fields_of(path, rel, options)
+    return probed[path] is not None
 
 
 def _not_mine(form: str, rel: str) -> str:
@@ -98,8 +102,9 @@ def _not_mine(form: str, rel: str) -> str:
             "manifest": "neither a manifest nor an image it names"}[form]
 
 
-def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict, named: set):
-    """(fields, the input's fields left out, records and skips, the label values met)."""
+def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict, named: set, probed: dict):
+    """(fields, the input's fields left out, records and skips, the label values met): the
+    first file's fields serve them all (a manifest's, as `probed` found them)."""
     items: list = []
     met: dict = {}
     if form == "tar":
@@ -116,16 +121,16 @@ def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: 
                 continue
             if fields is None:
                 fields, ignored = parquet.fields_of(pfile, rel, options)
-                names = parquet.class_names(pfile, fields["label"])
+                names, first = parquet.class_names(pfile, fields["label"]), rel
+            elif parquet.class_names(pfile, fields["label"]) != names:  # a label would name another class
+                raise ConfigError(f"{rel}: its ClassLabel names are not {first}'s: its labels would name other "
+                                  "classes; build the two apart")
             items.extend(parquet.records(pfile, path, rel, fields, met))
         if fields is None:
             raise SourceError(f"{mine[0][0]}: no readable Parquet file ({items[0].reason})")
         return {**fields, "class_names": names}, ignored, items, met
-    fields = ignored = None
+    fields, ignored = probed[mine[0][1]]
     for rel, path in mine:
-        found = manifest.fields_of(path, rel, options)
-        if fields is None:
-            fields, ignored = found
         items.extend(manifest.records(path, rel, fields, options, met, stats, named))
     return fields, ignored, items, met
 

@@ -9,6 +9,9 @@ from dataclasses import replace
 
 from packer.builder.records import Record
 from packer.dataset.format import Skip
+from packer.errors import ConfigError
+
+MAX_NUMBERED = 1 << 20  # integer labels without names: classes "0" ... up to this many
 
 
 def assign(records: list[Record | Skip], met: dict, names: tuple[str, ...] | None) -> tuple[list, tuple[str, ...]]:
@@ -18,9 +21,12 @@ def assign(records: list[Record | Skip], met: dict, names: tuple[str, ...] | Non
     values: "0" ... the largest integer, or the texts sorted."""
     values = list(met)
     numbers = all(_number(v) is not None for v in values)
+    top = max((_number(v) for v in values), default=-1) if numbers else -1
+    if names is None and top >= MAX_NUMBERED:  # a class a number up to it: a hostile label is memory
+        raise ConfigError(f"label {top:,}: integer labels without names make classes 0 to the largest; pass "
+                          "--classes FILE naming them (a name a line)")
     if names is None:
-        names = (tuple(str(i) for i in range(max((_number(v) for v in values), default=-1) + 1)) if numbers
-                 else tuple(sorted({str(v) for v in values})))
+        names = tuple(str(i) for i in range(top + 1)) if numbers else tuple(sorted({str(v) for v in values}))
     index = {name: i for i, name in enumerate(names)}
     final = [_class(v, names, index) for v in values]
     out = []
@@ -51,8 +57,6 @@ def _class(value, names: tuple[str, ...], index: dict) -> int | str:
 def read_names(path) -> tuple[str, ...]:
     """--classes FILE: a class name a line, in label order (blank lines at the end ignored)."""
     from pathlib import Path
-
-    from packer.errors import ConfigError
 
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
