@@ -104,6 +104,13 @@ def _image_bytes(out: Path) -> list[bytes]:
     return [p.read_bytes() for p in sorted(out.rglob("image.npy"))]
 
 
+def _built_with_skips(raw: Path, out: Path):
+    """The dataset RAW builds, and its skips' reasons by key."""
+    assert main(["build", str(raw), str(out), *SIZE]) == 0
+    m = MMapDataset(out).manifest
+    return m, {s.key: s.reason for s in m.skipped}
+
+
 @pytest.fixture(scope="module")
 def folder_built(photos, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("forms-out") / "folder"
@@ -203,10 +210,7 @@ def test_hostile_manifest_records_are_skips_with_their_reasons(photos, tmp_path)
            '{"image_path": "images/adir.jpg", "label": "x"}', '{"image_path": 7, "label": "x"}',
            '{"label": "x"}', '{"image_path": "images/' + lines[0].split('images/')[1].split('"')[0] + '", "label": [1]}']
     (raw / "data.jsonl").write_text("\n".join(lines + bad) + "\n")
-    out = tmp_path / "out"
-    assert main(["build", str(raw), str(out), *SIZE]) == 0
-    m = MMapDataset(out).manifest
-    reasons = {s.key: s.reason for s in m.skipped}
+    m, reasons = _built_with_skips(raw, tmp_path / "out")
     n = len(lines)
     assert "No such file" in reasons[f"data.jsonl:{n + 1}"] and "not JSON" in reasons[f"data.jsonl:{n + 2}"]
     assert "a folder" in reasons[f"data.jsonl:{n + 3}"] and "no image path" in reasons[f"data.jsonl:{n + 4}"]
@@ -227,10 +231,7 @@ def test_hostile_parquet_files_and_rows_are_skips_or_one_line_errors(photos, tmp
     pq.write_table(table.set_column(0, "image", pa.array(images, type=table.schema.field("image").type))
                    .replace_schema_metadata(table.schema.metadata), good)
     (raw / "data" / "train-00001-of-00002.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    out = tmp_path / "out"
-    assert main(["build", str(raw), str(out), *SIZE]) == 0
-    m = MMapDataset(out).manifest
-    reasons = {s.key: s.reason for s in m.skipped}
+    m, reasons = _built_with_skips(raw, tmp_path / "out")
     assert "not an image" in reasons["data/train-00000-of-00001.parquet:2"]
     assert "no image bytes" in reasons["data/train-00000-of-00001.parquet:3"]
     assert "not a readable Parquet file" in reasons["data/train-00001-of-00002.parquet"]
@@ -269,10 +270,7 @@ def test_hostile_tar_members_are_skips_with_their_reasons(photos, tmp_path):
         cut = t.getmember("zz0003.jpg").offset_data + len(payload) // 2
     with open(path, "r+b") as f:  # truncated in the last member's data: the tar's end gone too
         f.truncate(cut)
-    out = tmp_path / "out"
-    assert main(["build", str(raw), str(out), *SIZE]) == 0
-    m = MMapDataset(out).manifest
-    reasons = {s.key: s.reason for s in m.skipped}
+    m, reasons = _built_with_skips(raw, tmp_path / "out")
     assert "decompression bomb" in reasons["train-000000.tar:zz0000"]
     assert "symlink member" in reasons["train-000000.tar:zz0001.jpg"]
     assert "FIFO member" in reasons["train-000000.tar:zz0002.jpg"]
