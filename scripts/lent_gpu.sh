@@ -44,11 +44,12 @@ step() {  # [DMON=1] step NAME CAP_SECONDS COMMAND...: run it within min(CAP, ti
 }
 
 export PYTHONPATH=/tmp/site PATH="$(dirname "$(python3 -c 'import sys; print(sys.executable)')"):$PATH"
-step setup 90 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+# once a machine: a second call of this script in the same command (to run steps in another order) skips it
+[[ -f /tmp/site/.lent-setup ]] || step setup 90 bash -c 'python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . &&
     nvidia-smi && nproc && free -g && df -h /tmp && python3 -c "import torch, torchvision, pynvml
 print(torch.__version__, torchvision.__version__, torch.cuda.get_device_name(0))
-from loaders.batch import native; print(native.__file__)"'
+from loaders.batch import native; print(native.__file__)" && touch /tmp/site/.lent-setup'
 
 # 1. the CUDA tests, and the ImageNet example on the fly (torchvision is there)
 want cuda_tests && step cuda_tests 90 bash -c 'python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/ &&
@@ -105,7 +106,8 @@ PY
 
 # 5. the build at 4 and 16 workers against the raw rates
 # (2,000 photos linked 8 times: 16,000 files keep 16 workers busy for seconds, past their start-up)
-want packer && step packer 170 bench packer --images 2000 --link-copies 8 --text-mb 4 --workers-list 4,16 --rounds 1 \
+# (PACKER_ARGS replaces the copies and workers: "--link-copies 32 --workers-list 16" for a longer build)
+want packer && step packer 170 bench packer --images 2000 --text-mb 4 --rounds 1 ${PACKER_ARGS:---link-copies 8 --workers-list 4,16} \
     --work /tmp/pw --json "$L/packer.json"
 # the same photos from a folder, Hugging Face Parquet, a tar and a manifest, on 16 workers
 want forms && step forms 200 bench packer --images 2000 --link-copies 8 --text-mb 0 --workers-list 16 --rounds 1 \
@@ -118,5 +120,8 @@ want loaders_model && DMON=1 step loaders_model 150 bench loaders --images 3000 
 want loaders && step loaders 80 bench loaders --images 3000 --workers 16 --threads-list 8,16 --passes 3 \
     --work /tmp/lw --json "$L/loaders.json"
 
-# 1. the whole suite, in the time left (no S3 server binary travels: those tests skip)
-want suite && TAIL=25 step suite 600 python3 -m pytest -q -p no:cacheprovider -n 12 --maxfail 20
+# 1. the whole suite, in the time left (no S3 server binary travels: those tests skip); each
+# result named as it comes (-v), so a run stopped by its time box still names its failures, and
+# a test that hangs is stopped by pytest-timeout (in the machine's image) rather than the box
+want suite && { TAIL=25 step suite 600 python3 -m pytest -v -p no:cacheprovider -n 12 --maxfail 20 \
+    --timeout 150 --durations 12; grep -E "FAILED|ERROR|Timeout" "$L/suite.log" | head -30; }
