@@ -68,6 +68,61 @@ def gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
+def single_threaded() -> bool:
+    """Whether this process runs one thread (Linux's /proc/self/task; False where unknown): then
+    a fork cannot leave a lock held by a thread the child lacks."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:
+        return False
+
+
+class ChildDied(Exception):
+    """A forked child (`in_forked_child`) ended without an answer: killed, or crashed in C."""
+
+    def __init__(self, exitcode: int | None):
+        self.exitcode = exitcode
+        how = f"signal {-exitcode}" if exitcode is not None and exitcode < 0 else f"exit {exitcode}"
+        super().__init__(f"the process doing it died ({how})")
+
+
+def in_forked_child(fn, *args):
+    """fn(*args) in a child forked from this process, its result or exception sent back
+    pickled; ChildDied when it ends without one. For work whose libraries start threads in the
+    process that imports them (pyarrow does at import), which would keep this process from
+    forking its build workers later. Linux, from a single-threaded process; elsewhere the
+    caller runs fn itself."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_answer, args=(send, fn, args), daemon=True)
+    child.start()
+    send.close()
+    try:
+        ok, value = recv.recv()
+    except EOFError:
+        child.join()
+        raise ChildDied(child.exitcode) from None
+    finally:
+        recv.close()
+    child.join()
+    if ok:
+        return value
+    raise value
+
+
+def _answer(conn, fn, args) -> None:
+    try:
+        answer = (True, fn(*args))
+    except BaseException as exc:  # noqa: BLE001 - the caller's to raise, as if fn had run there
+        answer = (False, exc)
+    try:
+        conn.send(answer)
+    except Exception as exc:  # noqa: BLE001 - an exception that does not pickle: its words do
+        conn.send((False, RuntimeError(f"{type(answer[1]).__name__}: {answer[1]}" if not answer[0] else str(exc))))
+
+
 NO_FLOCK = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # file systems without flock (some NFS)
 
 

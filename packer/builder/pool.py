@@ -30,7 +30,7 @@ from packer.errors import SourceError
 from packer.internals import pool_broken, pool_manager, pool_processes
 from packer.builder.plan import ShardTask
 from packer.builder.scan import prefetch
-from packer.system import gc_frozen
+from packer.system import gc_frozen, single_threaded
 from packer.dataset.writer import add_disk_wait, partial_dir
 from packer.builder.pieces import finish_pieces, in_pieces, open_pieces, piece_bounds, run_piece
 from packer.builder.shard import ShardContext, ShardResult, probe, read_busy, run_shard
@@ -50,16 +50,9 @@ def start_method(tokenizer: bool) -> str:
     "forkserver" ("spawn" off Linux)."""
     if not sys.platform.startswith("linux"):
         return "spawn"
-    if not tokenizer and _single_threaded():
+    if not tokenizer and single_threaded():
         return "fork"
     return "forkserver"
-
-
-def _single_threaded() -> bool:
-    try:
-        return len(os.listdir("/proc/self/task")) == 1
-    except OSError:
-        return False
 
 
 def _context(method: str):

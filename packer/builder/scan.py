@@ -22,6 +22,7 @@ from packer.builder.records import (CAPTION_EXTS, IMAGE_EXTS, JSONL, MULTI_DOC_E
 from packer.builder import forms
 from packer.builder.forms.fields import FieldOptions
 from packer.errors import ConfigError, SourceError
+from packer.system import ChildDied, in_forked_child, single_threaded
 from packer.dataset.format import Skip, printable
 
 __all__ = ["CAPTION_EXTS", "IMAGE_EXTS", "JSONL", "MULTI_DOC_EXTS", "PARQUET", "TEXT_EXTS", "TXT", "Record", "Scan",
@@ -139,6 +140,20 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
     files, skipped, stats = list_files(raw)
     if not files:
         raise SourceError(f"{raw}: no input files found (empty RAW)")
+    if single_threaded() and any(_ext(rel) == PARQUET for rel, _ in files):
+        # pyarrow starts threads as it is imported, after which this process could no longer
+        # fork its build workers (they would start from a forkserver, a second or more of a
+        # build): its Parquet files are read in a child of its own
+        try:
+            return in_forked_child(_scan_files, raw, files, skipped, stats, kind, classes, options, form)
+        except ChildDied as exc:
+            raise SourceError(f"{raw}: the scan of its Parquet files died ({exc}): one of them is damaged past what "
+                              "pyarrow survives; build them a few at a time to find it") from None
+    return _scan_files(raw, files, skipped, stats, kind, classes, options, form)
+
+
+def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], stats: dict, kind: str | None,
+                classes: tuple[str, ...] | None, options: FieldOptions, form: str | None) -> Scan:
     form = form or (None if kind == "text" else forms.detect(files, options)) or "folder"
     if form != "folder":
         if classes is not None:
