@@ -9,14 +9,19 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from loaders import MMapDataset
 from packer.cli import main
+from packer.dataset.format import Skip
 
 from ..trees import one_line_error
 
@@ -326,6 +331,33 @@ def test_parquet_files_whose_class_names_differ_are_refused_not_mixed(photos, tm
                    raw / "data" / "train-00001-of-00002.parquet")
     err = one_line_error(capsys, ["build", str(raw), str(tmp_path / "out"), *SIZE])
     assert "ClassLabel names are not" in err and "train-00001-of-00002.parquet" in err
+    # the command a user runs scans Parquet in a child process (below): its error is the same line
+    run = subprocess.run([sys.executable, "-m", "packer", "build", str(raw), str(tmp_path / "out2"), *SIZE],
+                         capture_output=True, text=True)
+    assert run.returncode != 0 and run.stderr.count("\n") == 1 and "ClassLabel names are not" in run.stderr
+
+
+def test_a_parquet_build_reads_parquet_in_a_child_so_that_it_forks_its_workers(photos, tmp_path):
+    """pyarrow starts threads as it is imported, after which the build process could only start
+    its workers from a forkserver (a second or more of each build); the scan reads the Parquet
+    files in a forked child of its own and hands back the same records."""
+    raw = _hf(photos, tmp_path / "hf")
+    code = ("import sys, packer._one_blas_thread  # as `packer build` starts: numpy's OpenBLAS without threads\n"
+            "from packer.builder.scan import scan; from packer.builder.pool import start_method\n"
+            "if __name__ == '__main__':\n"
+            f"    s = scan({str(raw)!r}); print(len(s.records), s.form, 'pyarrow' in sys.modules, start_method(False))")
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert got == [str(len(_samples(photos))), "parquet", "False", "fork"]
+
+
+def test_a_forked_childs_answer_or_death_comes_back():
+    from packer.system import ChildDied, in_forked_child
+
+    assert in_forked_child(sorted, [3, 1, 2]) == [1, 2, 3]
+    with pytest.raises(ValueError, match="invalid literal"):
+        in_forked_child(int, "x")
+    with pytest.raises(ChildDied, match="signal 6"):
+        in_forked_child(os.abort)
 
 
 def test_a_huge_integer_label_without_class_names_is_an_error_not_a_billion_classes(photos, tmp_path, capsys):
@@ -338,3 +370,68 @@ def test_a_huge_integer_label_without_class_names_is_an_error_not_a_billion_clas
         w.write({"__key__": "000000", p.suffix[1:].lower(): p.read_bytes(), "cls": "999999999999"})
     err = one_line_error(capsys, ["build", str(raw), str(tmp_path / "out"), *SIZE])
     assert "--classes FILE" in err
+
+
+_MEMBER = st.tuples(
+    st.text(st.characters(codec="utf-8", exclude_characters="\0/"), min_size=1, max_size=12),  # a name part
+    st.integers(0, 3),  # folders above it
+    st.sampled_from([tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE,
+                     tarfile.FIFOTYPE, tarfile.CHRTYPE, tarfile.CONTTYPE]),
+    st.integers(0, 1500))  # data bytes
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(members=st.lists(_MEMBER, max_size=8), fmt=st.sampled_from([tarfile.USTAR_FORMAT, tarfile.GNU_FORMAT,
+                                                                   tarfile.PAX_FORMAT]),
+       long_prefix=st.booleans())
+def test_the_tar_header_reader_reads_what_tarfile_reads(tmp_path, members, fmt, long_prefix):
+    """The scan's own header reader against tarfile's, on tars tarfile writes in its three formats:
+    long names (a ustar prefix, GNU long names, pax headers), non-ASCII names, every member type."""
+    import io
+
+    from packer.builder.forms.tar import _members
+
+    path = tmp_path / f"t{fmt}.tar"
+    with tarfile.open(path, "w", format=fmt, encoding="utf-8") as t:
+        for i, (part, depth, kind, size) in enumerate(members):
+            name = "/".join([("d" * 60 if long_prefix else "d") + str(k) for k in range(depth)] + [f"{i}{part}"])
+            info = tarfile.TarInfo(name + ("/" if kind == tarfile.AREGTYPE and i % 2 else ""))
+            info.type = kind
+            if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+                info.linkname = "elsewhere"
+            if kind in tarfile.REGULAR_TYPES:
+                info.size = size
+            try:
+                t.addfile(info, io.BytesIO(bytes(size)) if kind in tarfile.REGULAR_TYPES else None)
+            except ValueError:  # a name this format cannot hold (ustar: over 256 bytes, non-ASCII)
+                continue
+    with tarfile.open(path, encoding="utf-8") as t:
+        want = [(m.name, m.type, m.offset_data, m.size) for m in t]
+    with open(path, "rb") as f:
+        read = list(_members(f, "t.tar", path.stat().st_size))
+    # where tarfile ends quietly (a V7 directory written with data), the reader says so, last
+    assert not any(isinstance(m, Skip) for m in read[:-1])
+    assert [(m.name, m.type, m.offset_data, m.size) for m in read if not isinstance(m, Skip)] == want
+
+
+def test_a_damaged_cut_or_joined_tar_says_what_it_did_not_read(photos, tmp_path):
+    """tarfile ends quietly at a damaged header, a tar cut at a member's end, or the end blocks of
+    the first of two tars joined end to end; each of those is a skip naming the byte here."""
+    raw = _tar(photos, tmp_path / "tar")
+    good = (raw / "train-000000.tar").read_bytes()
+    with tarfile.open(raw / "train-000000.tar") as t:
+        members = t.getmembers()
+    third = members[6].offset_data - 512  # the fourth sample's first header
+    cases = {"damaged": good[:third] + b"\xff" * 512 + good[third + 512:],
+             "cut": good[:third],
+             "joined": good + good}
+    n = len(_samples(photos))
+    for case, data in cases.items():
+        (raw / "train-000000.tar").write_bytes(data)
+        m, reasons = _built_with_skips(raw, tmp_path / f"out-{case}")
+        said = [r for k, r in reasons.items() if k.startswith("train-000000.tar:@")]
+        assert len(said) == 1, (case, reasons)
+        assert {"damaged": "damaged header at byte", "cut": "without its end blocks",
+                "joined": "joined end to end"}[case] in said[0]
+        assert m.counts["packed"] == (n if case == "joined" else 3)
+        assert m.counts["found"] == m.counts["packed"] + m.counts["skipped"]
