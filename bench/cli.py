@@ -79,7 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                          "built by one process whose tokenizer threads use every core)")
     pk.add_argument("--level", type=int, default=3, help="zstd level for pack/unpack")
     pk.add_argument("--link-copies", type=int, default=1, metavar="K",
-                    help="build from each photo K times (hard links): enough files to keep many workers busy past "
+                    help="build from each photo K times (hard links; real copies when --input names several "
+                         "forms, as each form holds its own bytes): enough files to keep many workers busy past "
                          "their start-up, without making K times the photos")
     pk.add_argument("--rounds", type=int, default=2,
                     help="timed builds per row, each followed by a raw rate pass (default 2)")

@@ -177,7 +177,10 @@ def bench_packer(args) -> dict:
 
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-packer-"))
     work.mkdir(parents=True, exist_ok=True)
-    raw_img = _linked(prepare_images(work, args.images)[0], args.link_copies)
+    # several input forms: the folder's copies are files of their own, as a tar's or a Parquet
+    # file's are bytes of their own; hard links would read a third of the pages for the folder
+    # alone (3 copies), which on a VM whose fresh pages cost was the forms' whole gap
+    raw_img = _linked(prepare_images(work, args.images)[0], args.link_copies, real=len(args.input) > 1)
     raw_txt, _, _ = prepare_text(work, args.text_mb)
     img_files = sorted(p for p in raw_img.rglob("*") if p.is_file())
     txt_files = sorted(p for p in raw_txt.rglob("*") if p.is_file())
@@ -213,22 +216,24 @@ def bench_packer(args) -> dict:
             "short_build_s": SHORT_BUILD_S}
 
 
-def _linked(raw: Path, copies: int) -> Path:
+def _linked(raw: Path, copies: int, real: bool = False) -> Path:
     """RAW with each file there `copies` times (hard links where the file system has them, as
-    `K-name` beside it): a build of many files without the minutes of making them, enough to keep
-    16 and more workers busy past their start-up. The decode of a copy is the decode of the file."""
+    `K-name` beside it; `real`: copies of their own): a build of many files without the minutes
+    of making them, enough to keep 16 and more workers busy past their start-up. The decode of a
+    copy is the decode of the file."""
     if copies <= 1:
         return raw
-    out, stamp = raw.with_name(f"{raw.name}-x{copies}"), raw.with_name(f"{raw.name}-x{copies}.json")
+    tag = f"{'c' if real else 'x'}{copies}"
+    out, stamp = raw.with_name(f"{raw.name}-{tag}"), raw.with_name(f"{raw.name}-{tag}.json")
     files = sorted(p for p in raw.rglob("*") if p.is_file())
-    made_for = {"files": [str(f.relative_to(raw)) for f in files], "copies": copies}
+    made_for = {"files": [str(f.relative_to(raw)) for f in files], "copies": copies, "real": real}
     if stamp.exists() and out.exists() and json.loads(stamp.read_text()) == made_for:
         return out
     shutil.rmtree(out, ignore_errors=True)
     for f in files:
         (out / f.relative_to(raw)).parent.mkdir(parents=True, exist_ok=True)
         for k in range(copies):
-            link_or_copy(f, out / f.relative_to(raw).parent / f"{k}-{f.name}")
+            (shutil.copyfile if real else link_or_copy)(f, out / f.relative_to(raw).parent / f"{k}-{f.name}")
     stamp.write_text(json.dumps(made_for))
     return out
 
