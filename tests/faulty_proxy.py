@@ -5,13 +5,16 @@ after the list, pass through untouched):
     "reset"  the connection closed at once with a TCP reset, before any answer
     "503"    answered `503 Service Unavailable`, the connection closed
     "slow"   passed on after a 0.5 s pause
+    "silent" never answered: the connection stays open and says nothing
     "long"   passed on, LONG_BYTES more bytes after its answer's body (its length says so): an
              object, or a range, longer than the reader asked for
     "flip"   passed on, one byte of its answer's body flipped; never twice to one object (its
              path): a reader fetches a file again once on a mismatch, and an object whose bytes
              come wrong twice is a damaged one, which other tests damage at rest
 
-`used` lists the faults dealt so far. Requests and answers are read by their Content-Length
+`outage(seconds)` stops the proxy as a restarting server does: every connection closed, new
+ones refused, then back on the same port. `used` lists the faults dealt so far; `gets` counts
+the GET requests for the target's paths that reached the proxy, faulty or not. Requests and answers are read by their Content-Length
 (HTTP/1.1 without pipelining: the answers come in the requests' order)."""
 
 from __future__ import annotations
@@ -31,25 +34,49 @@ class FaultyProxy:
         host, port = upstream.removeprefix("http://").split(":")
         self.upstream, self.faults, self.target, self.used = (host, int(port)), list(faults), target.encode(), []
         self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.port = self.server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         self._lock = threading.Lock()
         self._flipped: set[bytes] = set()
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._open: set[socket.socket] = set()
+        self.gets = 0
+        threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
 
     def close(self) -> None:
         self.server.close()
+        self._drop_connections()
 
-    def _accept(self) -> None:
+    def outage(self, seconds: float) -> None:
+        """Down for `seconds` from now (refusing, every connection closed), then up again."""
+        self.close()
+
+        def back() -> None:
+            time.sleep(seconds)
+            self.server = socket.create_server(("127.0.0.1", self.port))
+            threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
+
+        threading.Thread(target=back, daemon=True).start()
+
+    def _drop_connections(self) -> None:
+        with self._lock:
+            conns, self._open = list(self._open), set()
+        for c in conns:
+            _close(c)
+
+    def _accept(self, server: socket.socket) -> None:
         while True:
             try:
-                client, _ = self.server.accept()
+                client, _ = server.accept()
             except OSError:
                 return
+            with self._lock:
+                self._open.add(client)
             threading.Thread(target=self._serve, args=(client,), daemon=True).start()
 
     def _fault_for(self, request_line: bytes) -> str:
         path = request_line.split(b" ")[1].split(b"?")[0] if b" " in request_line else request_line
         with self._lock:
+            self.gets += request_line.startswith(b"GET ") and self.target in request_line
             if self.target in request_line and self.faults:
                 if self.faults[0] == "flip" and path in self._flipped:
                     return "ok"  # kept for another object's request
@@ -81,6 +108,10 @@ class FaultyProxy:
                         return
                     if fault == "503":
                         client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                        return
+                    if fault == "silent":
+                        while client.recv(65536):  # until the reader gives up and closes it
+                            pass
                         return
                     if fault == "slow":
                         time.sleep(0.5)

@@ -17,7 +17,13 @@ from datetime import timedelta
 from packer.errors import ConfigError, IntegrityError
 from packer.remote.url import CREDENTIALS, Remote
 
-RETRIES = 10
+# How long a request is tried again, from its first try, before it is an error: a store that
+# restarts, or throttles, for a minute is ridden out. MMPACK_REMOTE_DEADLINE (seconds) sets it.
+DEADLINE_S = 120.0
+# A connection that answers nothing for this long is broken (tried again within the deadline),
+# whatever the size of the answer: a stalled stream is found in seconds, a slow one never is
+READ_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 5.0
 
 # obstore's runtime (tokio) is not fork-safe: a process forked after its parent made a request
 # hangs on its first own request, whatever client it makes. Such a process (a forked DataLoader
@@ -56,16 +62,55 @@ def store(remote: Remote):
     obstore(remote)
     from obstore.store import AzureStore, S3Store
 
-    # timeouts, resets and 5xx retried with exponential backoff and full jitter (the client's own)
-    retry = {"max_retries": RETRIES, "retry_timeout": timedelta(minutes=3),
-             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2}}
+    options = {"retry_config": retry_config(), "client_options": client_options()}
     if remote.scheme == "az://":  # account, key or token, endpoint: the client's AZURE_* environment
-        return AzureStore(remote.bucket, retry_config=retry)
+        return _made(AzureStore, remote.bucket, **options)
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
     extra = {"endpoint": endpoint, "allow_http": endpoint.startswith("http://"),
              "virtual_hosted_style_request": False} if endpoint else {}
-    return S3Store(remote.bucket, region=region, retry_config=retry, **extra)
+    return _made(S3Store, remote.bucket, region=region, **options, **extra)
+
+
+def deadline_s() -> float:
+    """MMPACK_REMOTE_DEADLINE, else DEADLINE_S; a value that is no positive number is one line."""
+    text = os.environ.get("MMPACK_REMOTE_DEADLINE", "").strip()
+    if not text:
+        return DEADLINE_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"MMPACK_REMOTE_DEADLINE={text!r}: give the seconds a request may be tried again, e.g. 120")
+    return value
+
+
+def retry_config() -> dict:
+    """Refused connections, resets, timeouts and 5xx tried again until the deadline (not a count:
+    ten quick refusals were over in 5 s, inside any restart), backoff doubling from 0.1 s to 5 s
+    with full jitter (the client's own), so a store back after a minute is found within seconds."""
+    return {"max_retries": 1000, "retry_timeout": timedelta(seconds=deadline_s()),
+            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2}}
+
+
+def client_options() -> dict:
+    """Connect within CONNECT_TIMEOUT_S, and an answer silent for READ_TIMEOUT_S is broken; no
+    bound on a whole answer (the client's default, 30 s, failed every try of a shard whose
+    download takes longer, on any link slower than its size over 30 s)."""
+    return {"connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S), "read_timeout": timedelta(seconds=READ_TIMEOUT_S),
+            "timeout": timedelta(days=1)}
+
+
+def _made(kind, *args, **options):
+    try:
+        return kind(*args, **options)
+    except ValueError as exc:  # an obstore from before read_timeout: a whole answer's bound, generous
+        if "read_timeout" not in str(exc):
+            raise
+        client = {**options["client_options"], "timeout": timedelta(minutes=5)}
+        del client["read_timeout"]
+        return kind(*args, **{**options, "client_options": client})
 
 
 def errors(remote: Remote, what: str):
