@@ -94,6 +94,16 @@ class MMapDataset(torch.utils.data.Dataset):
         return self._cache._here().downloaded if self._cache is not None else 0
 
     @property
+    def traffic(self) -> dict:
+        """What this process fetched from object storage for this dataset's shards: the bytes,
+        the GET requests (a range is one; the client's own retries are not counted), the shards
+        it downloaded, and the times a shard it needed was in the node's cache already (fetched
+        by another process, an earlier run, or itself before). Zeros for a local dataset."""
+        c = self._cache._here() if self._cache is not None else None
+        return {"bytes": c.downloaded if c else 0, "gets": c.gets if c else 0,
+                "shard_downloads": c.shard_downloads if c else 0, "shard_hits": c.shard_hits if c else 0}
+
+    @property
     def manifest(self) -> Manifest:
         return self.reader.manifest
 

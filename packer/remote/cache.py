@@ -12,6 +12,11 @@ files come and go per shard. The rules, each for a failure users of peers have m
   the manifest's checksum (fetched once more on a mismatch, then an IntegrityError naming the
   URL) and renamed into place. A process killed at any instant leaves at most a part file,
   which no reader maps and the next accounting removes (its flock is gone with its writer).
+- A file is checked again before a process maps it: one whose size, times or inode differ from
+  the stamp taken when its checksum last held (`packer.remote.stamps`) is hashed again, and
+  removed and fetched again when it no longer matches; a flipped byte is never served.
+- A cache this process cannot write (a read-only mount of a filled one) is read as it is; a
+  file it lacks, or one that no longer matches, is one line saying so.
 - A shard a process maps is pinned (a shared flock on the shard's pin file, held while it is
   mapped); eviction takes an exclusive one without waiting, so it never removes a pinned shard.
   A shard fetched ahead is pinned softly: the process that fetched it may drop it for a shard
@@ -33,6 +38,7 @@ files come and go per shard. The rules, each for a failure users of peers have m
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import threading
 import time
@@ -42,10 +48,11 @@ from pathlib import Path
 import numpy as np
 
 from packer.dataset import format as fmt
-from packer.errors import ConfigError
+from packer.errors import ConfigError, IntegrityError
 from packer.remote import client
 from packer.remote.ledger import Ledger
 from packer.remote.limits import check_limit
+from packer.remote.stamps import matches, name_of, read_stamps, stat_key, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
 from packer.remote.url import Remote
 from packer.system import flock
@@ -100,7 +107,7 @@ class ShardCache:
             for f in getattr(self, "_pins", {}).values():
                 f.close()
             self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
-            self._store, self.downloaded = None, 0
+            self._store, self.downloaded, self.gets, self.shard_downloads, self.shard_hits = None, 0, 0, 0, 0
         return self
 
     def store(self):
@@ -137,22 +144,31 @@ class ShardCache:
                     self._soft.discard(k)
                 return True
         where = self.shard_dir(k)
-        where.mkdir(parents=True, exist_ok=True)
-        pin = open(where / PIN, "ab")
+        pin = _open_pin(where)
         try:
-            flock(pin, shared=True)
-            if not self.present(k):
-                with open(where / FETCH, "ab") as fetching:
-                    flock(fetching)
-                    if not self.present(k) and not self._download(k, rank):
-                        pin.close()
-                        return False
+            if pin is not None:
+                flock(pin, shared=True)
+            found = self.present(k) and self._unchanged(k)
+            if not found:
+                if pin is None or not os.access(where, os.W_OK):  # a read-only cache: read, never fetched into
+                    found = self._check_read_only(k)
+                else:
+                    with open(where / FETCH, "ab") as fetching:
+                        flock(fetching)
+                        self._recheck(k)
+                        found = self.present(k)  # (another process fetched it while this one waited)
+                        if not found and not self._download(k, rank):
+                            pin.close()
+                            return False
         except BaseException:
-            pin.close()
+            if pin is not None:
+                pin.close()
             raise
         with self._guard:
+            self.shard_hits += found
             if k in self._pins:  # another thread of this process pinned it meanwhile
-                pin.close()
+                if pin is not None:
+                    pin.close()
             else:
                 self._pins[k] = pin
                 if rank is not None:
@@ -196,14 +212,18 @@ class ShardCache:
         try:
             for entry, part in zip(missing, parts):
                 packed = self.packed.get(entry.path) if self.packed else None
-                fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
+                gets = fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
                 with self._guard:  # the bytes that came over the link
                     self.downloaded += (packed or entry).size_bytes
+                    self.gets += gets
             with self._accounting() as ledger:  # not while another process counts: it would see neither name, or both
                 for entry, part in zip(missing, parts):
                     os.replace(part.name, self.root / entry.path)
                 renamed = True
                 ledger.add(0, k)
+            self._stamp(k, missing)  # verified as they arrived
+            with self._guard:
+                self.shard_downloads += 1
         finally:
             for part in parts:
                 part.close()
@@ -216,6 +236,50 @@ class ShardCache:
                         except FileNotFoundError:
                             pass
         return True
+
+    # -- a cached file checked again: a file changed since its checksum last held (its size,
+    # times or inode differ from its stamp) is hashed again before it is mapped; one that no
+    # longer matches is removed and fetched again, never served
+    def _unchanged(self, k: int) -> bool:
+        stamps = read_stamps(self.shard_dir(k))
+        return all(stamps.get(name_of(e)) == stat_key(self.root / e.path) for e in self.bulk[k])
+
+    def _recheck(self, k: int) -> None:
+        """Under shard k's fetch lock: its present files whose stamp differs hashed again, the
+        stamps of those that match written, those that do not removed (to be fetched again)."""
+        stamps, good, bad = read_stamps(self.shard_dir(k)), [], []
+        for entry in self.bulk[k]:
+            path = self.root / entry.path
+            if not _whole(path, entry.size_bytes) or stamps.get(name_of(entry)) == stat_key(path):
+                continue
+            (good if matches(path, entry) else bad).append(entry)
+        if bad:
+            with self._accounting() as ledger:
+                for entry in bad:
+                    os.unlink(self.root / entry.path)
+                    ledger.add(-entry.size_bytes)
+        if good:
+            self._stamp(k, good)
+
+    def _check_read_only(self, k: int) -> bool:
+        """Shard k of a cache this process cannot write: every file there and matching its
+        checksum (hashed again where its stamp differs), else one line saying what is missing."""
+        stamps = read_stamps(self.shard_dir(k))
+        for entry in self.bulk[k]:
+            path = self.root / entry.path
+            if not _whole(path, entry.size_bytes):
+                raise ConfigError(f"{self.url}: the cache {self.root} is read-only and lacks {entry.path}; fill it "
+                                  "where it can be written, or give a cache_dir this process can write")
+            if stamps.get(name_of(entry)) != stat_key(path) and not matches(path, entry):
+                raise IntegrityError(f"{path}: this cached file no longer matches its checksum, and the cache is "
+                                     "read-only; fetch it again where the cache can be written")
+        return True
+
+    def _stamp(self, k: int, entries: list[fmt.FileEntry]) -> None:
+        where = self.shard_dir(k)
+        stamps = read_stamps(where)
+        stamps.update({name_of(e): stat_key(self.root / e.path) for e in entries})
+        write_stamps(where, stamps)
 
     def _accounting(self) -> Ledger:
         """The entry's ledger, held (an exclusive flock) by one thread of one process at a time."""
@@ -314,6 +378,21 @@ class ShardCache:
             if over <= 0:
                 return True
         return False
+
+
+def _open_pin(where: Path):
+    """Shard dir `where`'s pin file, open for an flock; read-only where the cache is (None when
+    it has none there)."""
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        return open(where / PIN, "ab")
+    except OSError as exc:
+        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+    try:
+        return open(where / PIN, "rb")
+    except FileNotFoundError:
+        return None
 
 
 def _whole(path: Path, size: int) -> bool:

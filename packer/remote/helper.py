@@ -26,11 +26,11 @@ def _answer(request: dict, stores: dict) -> dict:
     temp = open(request["temp"], "r+b") if request["temp"] else None
     try:
         packed = fmt.ArchiveFile(**request["packed"]) if request.get("packed") else None
-        transfer.fetch_file(lambda: stores[url], url, entry, Path(request["target"]), temp, packed)
+        gets = transfer.fetch_file(lambda: stores[url], url, entry, Path(request["target"]), temp, packed)
     finally:
         if temp is not None:
             temp.close()
-    return {}
+    return {"gets": gets}
 
 
 def serve() -> None:

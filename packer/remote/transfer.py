@@ -195,18 +195,20 @@ def pull(url: str, out: str | Path, *, published: tuple[fmt.Manifest, dict | Non
 
 
 def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Path, temp=None,
-                   packed: fmt.ArchiveFile | None = None) -> None:
+                   packed: fmt.ArchiveFile | None = None) -> int:
     """One file into `target`, verified by the manifest's checksum (kept when it is there and
     whole already); a mismatch is fetched once more, then refused naming the object. `temp`: an
     open part file to write it in (the cache's, reserved at its size), left there verified for
     the caller to rename; else one made here, renamed to `target`. `packed`: the file comes as
-    that compressed object (the archive form), decompressed as it arrives."""
+    that compressed object (the archive form), decompressed as it arrives. Returns the GET
+    requests it made (a range is one; the client's own retries are not counted)."""
     if temp is None and target.is_file() and target.stat().st_size == entry.size_bytes and \
             checksum_file(target, entry.algo) == entry.checksum:
-        return
+        return 0
     target.parent.mkdir(parents=True, exist_ok=True)
     own = temp is None
     f = open(target.with_name(f".{target.name}.part-{os.getpid()}"), "w+b") if own else temp
+    gets = 0
     try:
         for _ in (1, 2):
             f.seek(0)
@@ -217,17 +219,20 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
             whole = True
             with client.errors(remote, f"download {(packed or entry).path}"):
                 if packed is not None:
+                    gets += 1
                     whole = read_zstd(obs, store, remote, packed, f, digest, entry.size_bytes)
                 elif entry.size_bytes > RANGE_BYTES:
+                    gets += -(-entry.size_bytes // RANGE_BYTES)
                     whole = _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
                 else:
+                    gets += 1
                     whole = read_stream(obs.get(store, remote.key(entry.path)), f, entry.size_bytes, digest) is not None
             f.truncate()
             f.flush()
             if whole and f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
                 if own:
                     os.replace(f.name, target)
-                return
+                return gets
     finally:
         if own:
             f.close()
@@ -297,12 +302,12 @@ def _get_ranges(obs, store, key: str, f, size: int, digest) -> bool:
 
 
 def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None,
-               packed: fmt.ArchiveFile | None = None) -> None:
+               packed: fmt.ArchiveFile | None = None) -> int:
     """`fetch_verified` here (`store_of()`: this process's client), or, in a process forked after
-    a request, by the helper."""
+    a request, by the helper; the GET requests it made."""
     if client.fork_safe():
-        fetch_verified(client.obstore(Remote(url)), store_of(), Remote(url), entry, target, temp=temp, packed=packed)
-    else:
-        client.Helper.get().call({"op": "fetch", "url": url, "entry": entry.to_json(), "target": str(target),
-                                  "temp": temp.name if temp is not None else None,
-                                  "packed": dataclasses.asdict(packed) if packed is not None else None})
+        return fetch_verified(client.obstore(Remote(url)), store_of(), Remote(url), entry, target, temp=temp,
+                              packed=packed)
+    return client.Helper.get().call({"op": "fetch", "url": url, "entry": entry.to_json(), "target": str(target),
+                                     "temp": temp.name if temp is not None else None,
+                                     "packed": dataclasses.asdict(packed) if packed is not None else None})["gets"]

@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -309,6 +310,98 @@ def test_a_cache_limit_below_the_dataset_holds_for_three_epochs_and_gives_the_lo
     assert tree(built["images"]) == before  # nothing outside the cache is touched
 
 
+def _same_batches(ds, local) -> None:
+    for a, b in zip(Loader(ds, 8, seed=2), Loader(local, 8, seed=2), strict=True):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+
+
+def test_a_cached_file_changed_since_it_was_fetched_is_hashed_again_and_fetched_again(s3, built, tmp_path):
+    """A byte written over a cached file (by any process) changes its stamp (size, times,
+    inode): the next process to map it hashes it again and, as it no longer matches, fetches it
+    again; a cache from before stamps is hashed once and stamped."""
+    url, cache = _url(tmp_path, "images"), tmp_path / "c"
+    assert main(["push", str(built["images"]), url]) == 0
+    local = MMapDataset(built["images"])
+    _same_batches(MMapDataset(url, cache_dir=cache), local)
+    cached = sorted(cache.rglob("image.npy"))
+    assert len(cached) == len(local.manifest.shards) and all((p.parent / ".verified").is_file() for p in cached)
+    with open(cached[1], "r+b") as f:  # a byte of a sample's pixels, well past the header
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    for p in cached[2:]:  # and these as a cache written before stamps
+        (p.parent / ".verified").unlink()
+    ds = MMapDataset(url, cache_dir=cache)
+    _same_batches(ds, local)
+    assert ds.bytes_downloaded == cached[1].stat().st_size  # the changed file alone came again
+    entry = cached[1].relative_to(cache).parts[2:]  # under the cache's <bucket>/<entry>/
+    assert cached[1].read_bytes() == Path(built["images"], *entry).read_bytes()
+    assert all((p.parent / ".verified").is_file() for p in cached)
+
+
+def test_a_filled_cache_on_a_read_only_mount_is_read_and_a_gap_in_it_is_one_line(s3, built, tmp_path):
+    """A cache filled once and mounted read-only on the nodes (no pin, fetch or stamp can be
+    written there) gives the local batches; a shard it lacks is a one-line error."""
+    import subprocess
+    import sys
+
+    url, cache = _url(tmp_path, "images"), tmp_path / "ro"
+    assert main(["push", str(built["images"]), url]) == 0
+    _same_batches(MMapDataset(url, cache_dir=cache), MMapDataset(built["images"]))
+    for p in cache.rglob(".pin"):
+        p.unlink()  # as a cache copied without them
+    read = ("import sys, torch\nfrom loaders import Loader, MMapDataset\nfrom packer.errors import ConfigError\n"
+            "ds, local = MMapDataset(sys.argv[1], cache_dir=sys.argv[2]), MMapDataset(sys.argv[3])\n"
+            "try:\n    n = sum(torch.equal(a['image'], b['image']) for a, b in zip(Loader(ds, 8, seed=2), "
+            "Loader(local, 8, seed=2), strict=True))\n"
+            "    print('equal', n)\nexcept ConfigError as exc:\n    print('error', exc)\n")
+    mount = f"mount --bind {cache} {cache} && mount -o remount,bind,ro {cache} && "
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", mount + f"! touch {cache}/x"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no read-only bind mount here (needs root, or user namespaces for unshare)")
+    run = lambda: subprocess.run(["unshare", "-m", "sh", "-c", mount + f'"{sys.executable}" -c "$0" "$@"', read, url,
+                                  str(cache), str(built["images"])], capture_output=True, text=True)
+    out = run()
+    batches = -(-len(MMapDataset(built["images"])) // 8)
+    assert out.stdout.split() == ["equal", str(batches)], out.stderr[-2000:]
+    next(cache.rglob("image.npy")).unlink()
+    out = run()
+    assert out.stdout.startswith("error") and "read-only" in out.stdout and out.stdout.count("\n") == 1, out.stdout
+
+
+def test_a_datasets_traffic_counts_the_gets_the_server_saw_and_the_shards_found_cached(s3, built, tmp_path,
+                                                                                     monkeypatch):
+    """`ds.traffic`: bytes, GETs, shards downloaded and shards found in the cache, against the
+    GETs a proxy in front of the server counted (whole files and ranges alike)."""
+    from packer.remote import transfer
+
+    from ..faulty_proxy import FaultyProxy
+
+    monkeypatch.setattr(transfer, "RANGE_BYTES", 16384)  # a large file in ranges, each a GET
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    local = MMapDataset(built["images"])
+    proxy = FaultyProxy(s3, [], target="/shard-")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ds = MMapDataset(url, cache_dir=tmp_path / "c")
+        opened = proxy.gets  # the index files, fetched at the open
+        _same_batches(ds, local)
+        shards = len(local.manifest.shards)
+        assert ds.traffic["gets"] == proxy.gets - opened > shards
+        assert ds.traffic["bytes"] == ds.bytes_downloaded > 0
+        assert ds.traffic["shard_downloads"] == shards  # (and a shard needed again later is a hit)
+        again = MMapDataset(url, cache_dir=tmp_path / "c")
+        _same_batches(again, local)
+        got = again.traffic
+        assert (got["bytes"], got["gets"], got["shard_downloads"]) == (0, 0, 0) and got["shard_hits"] >= shards
+        assert proxy.gets - opened == ds.traffic["gets"]  # nothing more came over the link
+    finally:
+        proxy.close()
+    assert MMapDataset(built["images"]).traffic == {"bytes": 0, "gets": 0, "shard_downloads": 0, "shard_hits": 0}
+
+
 def test_ranks_on_separate_caches_each_fetch_their_part_of_the_epoch(s3, built, tmp_path):
     """Nodes with a cache each: in sequential order a rank reads a contiguous part of the epoch
     (its slice), so it downloads its part's shards, not every shard as interleaved ranks did."""
@@ -484,6 +577,70 @@ def test_resets_503s_pauses_and_flipped_bytes_on_the_wire_are_retried_to_the_loc
         assert proxy.used == faults  # every fault was met, and got over
     finally:
         proxy.close()
+
+
+def test_a_store_that_restarts_is_ridden_out_and_one_that_never_answers_is_an_error_in_seconds(s3, built, tmp_path,
+                                                                                             monkeypatch):
+    """Refused connections are tried again until the deadline, not ten times (over in 5 s, inside
+    any restart); an answer silent for READ_TIMEOUT_S is broken and tried again; a store that
+    never answers is a one-line error once MMPACK_REMOTE_DEADLINE has passed, where ten tries of
+    the client's 30 s each took minutes."""
+    import subprocess
+    import sys
+
+    from ..faulty_proxy import FaultyProxy
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    proxy = FaultyProxy(s3, ["silent"], target="/image.npy")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ds, local = MMapDataset(url, cache_dir=tmp_path / "restart"), MMapDataset(built["images"])
+        proxy.outage(8)  # its images' first GETs meet a store that is down, then one that says nothing
+        for a, b in zip(Loader(ds, 8, seed=4), Loader(local, 8, seed=4), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert proxy.used == ["silent"]
+    finally:
+        proxy.close()
+    mute = FaultyProxy(s3, ["silent"] * 1000, target="/")
+    try:
+        env = {**__import__("os").environ, "AWS_ENDPOINT_URL": mute.url, "MMPACK_REMOTE_DEADLINE": "3"}
+        start = time.monotonic()
+        run = subprocess.run([sys.executable, "-m", "packer", "info", url], capture_output=True, text=True, env=env,
+                             timeout=300)
+        took = time.monotonic() - start
+    finally:
+        mute.close()
+    assert run.returncode == 2 and run.stderr.count("\n") == 1 and url in run.stderr, run.stderr
+    # one try silent for READ_TIMEOUT_S, then past the deadline: an error (each try waited out
+    # the client's 30 s before, ten of them)
+    assert took < 25, f"a store that never answers took {took:.0f} s to be an error"
+    env["MMPACK_REMOTE_DEADLINE"] = "soon"
+    run = subprocess.run([sys.executable, "-m", "packer", "info", url], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and "MMPACK_REMOTE_DEADLINE" in run.stderr and run.stderr.count("\n") == 1
+
+
+def test_refused_connections_are_tried_again_until_the_deadline_not_a_count(monkeypatch):
+    """A store that refuses (restarting) is tried again until MMPACK_REMOTE_DEADLINE, whatever
+    the number of tries: ten quick refusals were over in about 5 s."""
+    import socket
+
+    import obstore
+
+    from packer.remote import client
+    from packer.remote.url import Remote
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": KEY,
+                 "AWS_SECRET_ACCESS_KEY": SECRET, "MMPACK_REMOTE_DEADLINE": "9"}.items():
+        monkeypatch.setenv(k, v)
+    store = client.store(Remote("s3://mmpack/nothing"))
+    start = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 - obstore's own error class, whichever version
+        obstore.get(store, "nothing/manifest.json")
+    assert time.monotonic() - start >= 8
 
 
 def test_elastic_resume_and_two_gloo_ranks_over_urls(s3, built, tmp_path):

@@ -1,0 +1,53 @@
+"""Stamps of cached files: each file's size, times and inode when its checksum last held, kept
+per shard dir (STAMPS), so that a file changed since (a byte written over it by any process,
+a copy put in its place) is hashed again before it is mapped, where every other read costs a
+stat. A cache written before stamps is hashed once per file, then stamped."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from packer.dataset import format as fmt
+from packer.dataset.outdir import write_atomic
+
+STAMPS = ".verified"  # in each shard dir
+
+
+def name_of(entry: fmt.FileEntry) -> str:
+    return entry.path.rsplit("/", 1)[-1]
+
+
+def stat_key(path: Path) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+
+
+def read_stamps(where: Path) -> dict:
+    try:
+        stamps = json.loads((where / STAMPS).read_text())
+        return stamps if isinstance(stamps, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def write_stamps(where: Path, stamps: dict) -> None:
+    try:
+        write_atomic(where / STAMPS, json.dumps(stamps))
+    except OSError:  # a read-only cache: each reader hashes its changed files instead
+        pass
+
+
+def matches(path: Path, entry: fmt.FileEntry) -> bool:
+    """Whether the file's bytes hash to the manifest's checksum (read once, a MB at a time)."""
+    digest = fmt.hasher(entry.algo)
+    if digest is None:
+        return False
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest() == entry.checksum
