@@ -21,7 +21,9 @@ files come and go per shard. The rules, each for a failure users of peers have m
   mapped); eviction takes an exclusive one without waiting, so it never removes a pinned shard.
   A shard fetched ahead is pinned softly: the process that fetched it may drop it for a shard
   it needs sooner.
-- `limit` bounds the bytes of the entry's files (index, data and part files). A download
+- `limit` bounds the bytes of the cache dir: this entry's files (index, data and part files)
+  and other entries (`packer.remote.cachedir`), which go first, whole, when no process holds
+  them (counted once a process, at its first reservation). A download
   reserves its bytes first (its part files are made at their full size), evicting unpinned
   shards, then the process's own soft pins, those whose next use is farthest first
   (`next_use`, which a reader that knows its order sets; unknown is farthest, then the oldest).
@@ -49,10 +51,10 @@ import numpy as np
 
 from packer.dataset import format as fmt
 from packer.errors import ConfigError, IntegrityError
-from packer.remote import client
+from packer.remote import cachedir, client
 from packer.remote.ledger import Ledger
 from packer.remote.limits import check_limit
-from packer.remote.stamps import matches, name_of, read_stamps, stat_key, write_stamps
+from packer.remote.stamps import matches, name_of, read_stamps, stamps_bound, stat_key, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
 from packer.remote.url import Remote
 from packer.system import flock
@@ -85,9 +87,11 @@ class ShardCache:
         self.bulk = [[f for f in s.files if f.path.rsplit("/", 1)[-1] not in index] for s in manifest.shards]
         self.index = [f for s in manifest.shards for f in s.files if f.path.rsplit("/", 1)[-1] in index]
         self.sizes = [sum(f.size_bytes for f in files) for files in self.bulk]
-        # the index files and the manifest's copies (the entry's and each generation's) stay
+        # the index files, the manifest's copies (the entry's and each generation's) and each
+        # shard's stamps (at most, once written) stay
         self.index_bytes = sum(f.size_bytes for f in self.index) + \
-            (1 + len(manifest.generations)) * len(manifest.to_json().encode())
+            (1 + len(manifest.generations)) * len(manifest.to_json().encode()) + \
+            sum(stamps_bound([name_of(e) for e in files]) for files in self.bulk)
         self.next_use = None
         self._pid = None
 
@@ -108,6 +112,9 @@ class ShardCache:
                 f.close()
             self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
             self._store, self.downloaded, self.gets, self.shard_downloads, self.shard_hits = None, 0, 0, 0, 0
+            self._held, self._others = None, None
+            if self.root.parent.is_dir():
+                self._held = cachedir.hold(self.root)  # never removed whole while this process has it open
         return self
 
     def store(self):
@@ -312,10 +319,15 @@ class ShardCache:
         part files of killed processes: before saying no, it is counted again from the files."""
         if self.limit is None:
             return True
+        if self._others is None:  # the limit is the cache dir's: other entries' bytes count
+            self._others = cachedir.others(self.root)
         for recount in (False, True):
             if recount:
                 ledger.recount()
-            over = self.index_bytes + ledger.used + need - self.limit
+            over = self.index_bytes + ledger.used + need - self.limit + sum(size for _, size in self._others)
+            if over > 0:  # entries no process has open go first, then this entry's shards
+                freed, self._others = cachedir.evict(self._others, over)
+                over -= freed
             if over <= 0 or self._evict(over, rank, ledger):
                 return True
         return False

@@ -37,6 +37,8 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
     manifest, packed = read_published(url)
     root = entry_dir(url, manifest, cache_dir)
     cache = ShardCache(url, root, manifest, limit, packed)
+    root.parent.mkdir(parents=True, exist_ok=True)
+    cache._here()  # held by this process from now on: never removed whole while it is open
     if limit is not None:
         check_limit(url, limit, cache.index_bytes + max(cache.sizes, default=0),
                     "the dataset's index files and its largest shard", limit=limit)
