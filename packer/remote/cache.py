@@ -31,8 +31,10 @@ files come and go per shard. The rules, each for a failure users of peers have m
   little. The bytes held and the shards present are kept in a ledger (`Ledger`), so neither
   a download nor an eviction counts every shard's files, which on a dataset of many shards
   took most of a limited cache's time. A reader whose own mapped shards leave no room is
-  refused with the bytes it needs; one that waits on other processes' pins gives up after
-  WAIT_FOR_ROOM_S, saying so.
+  refused with the bytes it needs; one that waits on other processes' pins waits outside the
+  shard's fetch lock (another reader may fetch it meanwhile) and gives up after
+  WAIT_FOR_ROOM_S, saying so. A killed fetch's part files go at the shard's next fetch, with a
+  limit or without one.
 - Only the files the manifest lists, under the entry's own dir, are ever removed: a local
   dataset is never a cache.
 """
@@ -40,7 +42,6 @@ files come and go per shard. The rules, each for a failure users of peers have m
 from __future__ import annotations
 
 import dataclasses
-import errno
 import os
 import threading
 import time
@@ -53,13 +54,13 @@ from packer.dataset import format as fmt
 from packer.errors import ConfigError, IntegrityError
 from packer.remote import cachedir, client
 from packer.remote.ledger import Ledger
+from packer.remote.parts import PIN, abandoned, drop_abandoned_parts, open_pin, part_file, size_of, whole
 from packer.remote.limits import check_limit
 from packer.remote.stamps import matches, name_of, read_stamps, stamps_bound, stat_key, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
 from packer.remote.url import Remote
 from packer.system import flock
 
-PIN = ".pin"  # in each shard dir: shared flocks of the processes that map it
 FETCH = ".fetch"  # in each shard dir: the flock of the process downloading it
 ACCOUNTING = ".accounting.lock"  # in the entry: one process at a time reserves or evicts; holds the ledger
 WAIT_FOR_ROOM_S = 120  # how long a download waits for other processes to unpin shards
@@ -131,7 +132,7 @@ class ShardCache:
             return list(self._pins)
 
     def present(self, k: int) -> bool:
-        return all(_whole(self.root / e.path, e.size_bytes) for e in self.bulk[k])
+        return all(whole(self.root / e.path, e.size_bytes) for e in self.bulk[k])
 
     def acquire(self, k: int) -> None:
         """Shard k's files present, verified and pinned for this process (downloaded here, or
@@ -151,7 +152,7 @@ class ShardCache:
                     self._soft.discard(k)
                 return True
         where = self.shard_dir(k)
-        pin = _open_pin(where)
+        pin = open_pin(where)
         try:
             if pin is not None:
                 flock(pin, shared=True)
@@ -160,13 +161,10 @@ class ShardCache:
                 if pin is None or not os.access(where, os.W_OK):  # a read-only cache: read, never fetched into
                     found = self._check_read_only(k)
                 else:
-                    with open(where / FETCH, "ab") as fetching:
-                        flock(fetching)
-                        self._recheck(k)
-                        found = self.present(k)  # (another process fetched it while this one waited)
-                        if not found and not self._download(k, rank):
-                            pin.close()
-                            return False
+                    found = self._fetch(k, rank)
+                    if found is None:
+                        pin.close()
+                        return False
         except BaseException:
             if pin is not None:
                 pin.close()
@@ -210,11 +208,34 @@ class ShardCache:
             for done in [pool.submit(one, k) for k in shards]:
                 done.result()
 
-    def _download(self, k: int, rank: float | None = None) -> bool:
-        missing = [e for e in self.bulk[k] if not _whole(self.root / e.path, e.size_bytes)]
+    def _fetch(self, k: int, rank: float | None) -> bool | None:
+        """Shard k's files checked and fetched under its fetch lock; whether they were there
+        already (another process fetched them while this one waited); None for a fetch ahead
+        that found no room. A fetch that waits for room waits outside the lock, so that a process
+        reading without a limit, or with room, is never held up behind it."""
+        deadline = time.monotonic() + WAIT_FOR_ROOM_S
+        while True:
+            with open(self.shard_dir(k) / FETCH, "ab") as fetching:
+                flock(fetching)
+                self._recheck(k)
+                if self.present(k):
+                    return True
+                got = self._download(k, rank)
+                if got is not None:
+                    return False if got else None
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
+                                  f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
+            time.sleep(0.05)
+
+    def _download(self, k: int, rank: float | None = None) -> bool | None:
+        """Shard k's missing files fetched (True); False for a fetch ahead that found no room,
+        None when a fetch for now found none (yet)."""
+        missing = [e for e in self.bulk[k] if not whole(self.root / e.path, e.size_bytes)]
+        drop_abandoned_parts(self.shard_dir(k), self._accounting)  # a killed fetch's (under the fetch lock: all)
         parts = self._reserve(missing, rank)
         if parts is None:
-            return False
+            return False if rank is not None else None
         renamed = False
         try:
             for entry, part in zip(missing, parts):
@@ -257,7 +278,7 @@ class ShardCache:
         stamps, good, bad = read_stamps(self.shard_dir(k)), [], []
         for entry in self.bulk[k]:
             path = self.root / entry.path
-            if not _whole(path, entry.size_bytes) or stamps.get(name_of(entry)) == stat_key(path):
+            if not whole(path, entry.size_bytes) or stamps.get(name_of(entry)) == stat_key(path):
                 continue
             (good if matches(path, entry) else bad).append(entry)
         if bad:
@@ -274,7 +295,7 @@ class ShardCache:
         stamps = read_stamps(self.shard_dir(k))
         for entry in self.bulk[k]:
             path = self.root / entry.path
-            if not _whole(path, entry.size_bytes):
+            if not whole(path, entry.size_bytes):
                 raise ConfigError(f"{self.url}: the cache {self.root} is read-only and lacks {entry.path}; fill it "
                                   "where it can be written, or give a cache_dir this process can write")
             if stamps.get(name_of(entry)) != stat_key(path) and not matches(path, entry):
@@ -294,25 +315,19 @@ class ShardCache:
 
     def _reserve(self, entries: list[fmt.FileEntry], rank: float | None = None) -> list | None:
         """Part files for `entries`, made at their full size (so every process's accounting
-        counts them) and flocked while they are written, once the limit has room for them; for
-        a fetch ahead (`rank`), None when evicting what is used after it does not make room."""
+        counts them) and flocked while they are written, if the limit has room for them now
+        (None: not now; for a fetch ahead at `rank`, evicting only what is used after it)."""
         need = sum(e.size_bytes for e in entries)
-        deadline = time.monotonic() + WAIT_FOR_ROOM_S
-        while True:
-            with self._accounting() as ledger:
-                if self._room(ledger, need, rank):
-                    ledger.add(need)
-                    return [_part(self.root / e.path, e.size_bytes) for e in entries]
-            if rank is not None:
-                return None
+        with self._accounting() as ledger:
+            if self._room(ledger, need, rank):
+                ledger.add(need)
+                return [part_file(self.root / e.path, e.size_bytes) for e in entries]
+        if rank is None:  # none now; none ever, when this reader's own mapped shards leave too little
             with self._guard:
                 mapped = sum(self.sizes[j] for j in self._pins if j not in self._soft)
             check_limit(self.url, self.limit, self.index_bytes + mapped + need,
                         "this reader's index files and the shards of its current batch", limit=self.limit)
-            if time.monotonic() > deadline:
-                raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
-                                  f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
-            time.sleep(0.05)
+        return None
 
     def _room(self, ledger: Ledger, need: int, rank: float | None) -> bool:
         """Whether `need` more bytes fit the limit, once eviction made room. The ledger may count
@@ -348,12 +363,12 @@ class ShardCache:
             names = {e.path.rsplit("/", 1)[-1] for e in self.bulk[k]}
             for item in entries:
                 if item.name in names:
-                    total += _size(item)
+                    total += size_of(item)
                     present[k] = True
                 elif ".part-" in item.name:
-                    if _abandoned(item.path):
+                    if abandoned(item.path):
                         continue
-                    total += _size(item)
+                    total += size_of(item)
         return total, present
 
     def _evict(self, over: int, rank: float | None, ledger: Ledger) -> bool:
@@ -390,52 +405,3 @@ class ShardCache:
             if over <= 0:
                 return True
         return False
-
-
-def _open_pin(where: Path):
-    """Shard dir `where`'s pin file, open for an flock; read-only where the cache is (None when
-    it has none there)."""
-    try:
-        where.mkdir(parents=True, exist_ok=True)
-        return open(where / PIN, "ab")
-    except OSError as exc:
-        if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
-            raise
-    try:
-        return open(where / PIN, "rb")
-    except FileNotFoundError:
-        return None
-
-
-def _whole(path: Path, size: int) -> bool:
-    try:
-        return path.stat().st_size == size
-    except FileNotFoundError:
-        return False
-
-
-def _size(item: os.DirEntry) -> int:
-    try:
-        return item.stat().st_size
-    except FileNotFoundError:
-        return 0
-
-
-def _part(target: Path, size: int):
-    """A part file for `target`, flocked, at its full size (sparse until written)."""
-    f = open(target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}"), "w+b")
-    flock(f)
-    f.truncate(size)
-    return f
-
-
-def _abandoned(path: str) -> bool:
-    """True (and the file removed) for a part file whose writer is gone."""
-    try:
-        with open(path, "rb") as f:
-            if not flock(f, block=False):
-                return False
-            os.unlink(path)
-            return True
-    except FileNotFoundError:
-        return True

@@ -534,6 +534,68 @@ def test_processes_sharing_a_limited_cache_read_everything_within_it(s3, built, 
     assert _bytes_on_disk(cache) <= limit, sorted((str(p), p.stat().st_size) for p in cache.rglob("*") if p.is_file())
 
 
+HOLDER = """
+import sys
+from loaders import MMapDataset
+ds = MMapDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=None if sys.argv[3] == "-" else int(sys.argv[3]))
+for i in map(int, sys.argv[4].split(",")):
+    ds[i]  # a reader without a limit keeps each shard it mapped pinned
+print("read", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_reader_is_never_held_up_behind_a_limited_one_waiting_for_room(s3, built, tmp_path):
+    """A limited reader that waits for room (a reader without a limit pins the other shards)
+    waits outside the shard's fetch lock: another reader fetches that shard at once, and the
+    limited one then finds it there, where both waited 120 s before."""
+    import subprocess
+    import sys
+
+    url, cache = _url(tmp_path, "images"), str(tmp_path / "c")
+    assert main(["push", str(built["images"]), url]) == 0
+    local = MMapDataset(built["images"])
+    starts = np.cumsum([0] + [s.num_samples for s in local.manifest.shards])
+    last = str(starts[-2])  # the last shard's first sample
+    fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes  # index files, manifests, stamps
+    tight = fixed + max(s.size_bytes for s in local.manifest.shards) * 3 // 2  # one shard's room, not the holder's
+    run = lambda *args: subprocess.Popen([sys.executable, "-c", HOLDER, url, cache, *args], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, text=True)
+    holder = run("-", ",".join(str(i) for i in starts[:-2]))  # every shard but the last, pinned
+    try:
+        assert holder.stdout.readline() == "read\n"
+        limited = run(str(tight), last)  # needs the last shard: no room while the holder pins the rest
+        time.sleep(2)
+        assert limited.poll() is None
+        start = time.monotonic()
+        free = run("-", last)
+        assert free.stdout.readline() == "read\n"
+        assert time.monotonic() - start < 30  # (120 s and more before)
+        assert limited.stdout.readline() == "read\n"  # it found the shard there
+        for p in (limited, free):
+            p.communicate("")
+            assert p.returncode == 0
+    finally:
+        holder.communicate("")
+
+
+def test_a_killed_fetch_leaves_no_part_file_behind_without_a_limit_either(s3, built, tmp_path):
+    from packer.remote.cache import ShardCache
+
+    url, cache = _url(tmp_path, "images"), tmp_path / "c"
+    assert main(["push", str(built["images"]), url]) == 0
+    ds, local = MMapDataset(url, cache_dir=cache), MMapDataset(built["images"])
+    assert ds[0]["key"] == local[0]["key"]  # the entry's ledger is made and valid from here on
+    shard = ds._cache.shard_dir(1)
+    shard.mkdir(parents=True, exist_ok=True)
+    entry = ds._cache.bulk[1][0]
+    dead = shard / f".{entry.path.rsplit('/', 1)[-1]}.part-999999-1"  # a part file whose writer is gone
+    dead.write_bytes(b"x" * entry.size_bytes)
+    first = local.manifest.shards[0].num_samples
+    assert isinstance(ds._cache, ShardCache) and ds[first]["key"] == local[first]["key"]
+    assert not dead.exists() and not list(cache.rglob("*.part-*"))
+
+
 KILLED_READER = """
 import sys
 from loaders import Loader, MMapDataset
