@@ -26,7 +26,8 @@ files come and go per shard. The rules, each for a failure users of peers have m
   them (counted once a process, at its first reservation). A download
   reserves its bytes first (its part files are made at their full size), evicting unpinned
   shards, then the process's own soft pins, those whose next use is farthest first
-  (`next_use`, which a reader that knows its order sets; unknown is farthest, then the oldest).
+  (`next_use`, which a reader that knows its order sets; unknown is farthest, and among those
+  the one used last goes first: an order that goes round uses it last again).
   A fetch ahead evicts only shards used later than its own, and gives up when that frees too
   little. The bytes held and the shards present are kept in a ledger (`Ledger`), so neither
   a download nor an eviction counts every shard's files, which on a dataset of many shards
@@ -41,6 +42,7 @@ files come and go per shard. The rules, each for a failure users of peers have m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -169,6 +171,9 @@ class ShardCache:
             if pin is not None:
                 pin.close()
             raise
+        if pin is not None:
+            with contextlib.suppress(OSError):  # its last use, which orders eviction (a read-only cache: none)
+                os.utime(pin.fileno())
         with self._guard:
             self.shard_hits += found
             if k in self._pins:  # another thread of this process pinned it meanwhile
@@ -379,13 +384,15 @@ class ShardCache:
             mine, soft = set(self._pins), set(self._soft)
         present = [j for j in ledger.present() if j not in mine]
 
-        def age(j):
+        def last_use(j):
             try:
-                return (self.shard_dir(j) / PIN).stat().st_mtime
+                return (self.shard_dir(j) / PIN).stat().st_mtime_ns
             except FileNotFoundError:
-                return 0.0
+                return 0
         later = (lambda j: True) if rank is None else (lambda j: next_use(j) > rank)
-        candidates = sorted((j for j in present if later(j)), key=lambda j: (-next_use(j), age(j)))
+        # used farthest ahead first; beyond what the order ahead shows, the shard used last
+        # first: an order that goes round (sequential, blocks, an epoch's end) uses it last again
+        candidates = sorted((j for j in present if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
         candidates += sorted((j for j in soft if later(j)), key=lambda j: -next_use(j))
         for j in candidates:
             if j in soft:

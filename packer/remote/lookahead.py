@@ -4,10 +4,14 @@ into the node's cache (`packer.remote.cache`) before the gather needs them.
 A pass's batches are a pure function of integers (`loaders.order.sampler`), so the lookahead
 knows them: it walks the next AHEAD_BATCHES batches' ids (past the pass's end, the next epoch's
 first batches: what it starts with stays in the cache), lists their shards in order of first
-use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: as much of it
-as the cache limit leaves this process (the limit less the index files, shared by the node's
-ranks, LOCAL_WORLD_SIZE), or all of it without one. The same list orders eviction: a shard the
-list does not hold is evicted first, then the one used farthest ahead (`ShardCache.next_use`).
+use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: all of it
+without a cache limit; under one, the shards of the next PREFETCH_BATCHES batches, in at most
+half of what the limit leaves this process (the limit less the index files, shared by the
+node's ranks, LOCAL_WORLD_SIZE). The rest of the room keeps shards read already, which an order
+that goes round reads again: a sequential scan at half the dataset's size fetches about half of
+it an epoch, where a window of the whole room fetched all of it. The same list orders eviction:
+a shard the list does not hold is evicted first (the one read last first), then the one used
+farthest ahead (`ShardCache.next_use`).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from packer.remote.limits import check_limit
 from packer.remote.transfer import DOWNLOADS
 
-AHEAD_BATCHES = 64  # how far ahead the lookahead reads the order: its horizon
+AHEAD_BATCHES = 64  # how far ahead the lookahead reads the order: its horizon (eviction's next uses)
+PREFETCH_BATCHES = 8  # how far ahead a limited cache fetches
 FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
 
 
@@ -119,6 +124,10 @@ class Lookahead:
                     order.append(g)
         return order
 
+    def _near(self, shards_of: dict) -> set:
+        """The shards of the next PREFETCH_BATCHES batches (those `_plan` listed)."""
+        return {g for b in range(self._now, self._now + PREFETCH_BATCHES) for g in shards_of.get(b, ())}
+
     def _run(self) -> None:
         pending: dict = {}
         failed: set = set()  # fetched again by the gather, which raises what went wrong
@@ -133,13 +142,17 @@ class Lookahead:
                     return
                 used: dict = {}
                 window = []
+                near = self._near(shards_of)
                 for g in order:
                     cache = self.gather.cache_of(g)
                     if cache is None:
                         continue
                     key = id(cache)
                     if key in self._room:
-                        if used.get(key, 0) + self.gather.shard_bytes(g) > self._room[key]:
+                        # fetched ahead: the next PREFETCH_BATCHES batches' shards, in half the room;
+                        # the other half keeps shards read already, which an order that goes round
+                        # reads again (the next epoch's first ones): fetched once, not once an epoch
+                        if g not in near or used.get(key, 0) + self.gather.shard_bytes(g) > self._room[key] // 2:
                             break
                         used[key] = used.get(key, 0) + self.gather.shard_bytes(g)
                     window.append(g)

@@ -402,6 +402,30 @@ def test_a_datasets_traffic_counts_the_gets_the_server_saw_and_the_shards_found_
     assert MMapDataset(built["images"]).traffic == {"bytes": 0, "gets": 0, "shard_downloads": 0, "shard_hits": 0}
 
 
+def test_a_sequential_order_at_half_the_dataset_fetches_about_half_of_it_each_epoch(s3, tmp_path):
+    """Eviction by next use across the epoch's end: beyond what the lookahead sees, the shard
+    read last goes first (in a cyclic order it is read last again), and a limited cache fetches
+    only the next few batches ahead, so it keeps the next epoch's first shards; evicting the
+    oldest, behind a window of half the cache, fetched the whole dataset every epoch."""
+    from bench import data
+
+    raw, out = tmp_path / "raw", tmp_path / "many"  # many shards, each a few batches: as large datasets are
+    data.make_image_folders(raw, 200, seed=3, max_side=64)
+    assert main(["build", str(raw), str(out), "--image-size", "16", "--shard-size", "4", "-q"]) == 0
+    url = _url(tmp_path, "images")
+    assert main(["push", str(out), url]) == 0
+    local, total = MMapDataset(out), _shard_bytes(out)
+    fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes
+    ds = MMapDataset(url, cache_dir=tmp_path / "half", cache_limit=fixed + total // 2)
+    shares = []
+    for epoch in range(4):
+        before = ds.bytes_downloaded
+        for a, b in zip(Loader(ds, 1, shuffle=False), Loader(local, 1, shuffle=False), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        shares.append((ds.bytes_downloaded - before) / total)
+    assert shares[0] <= 1.05 and all(s <= 0.6 for s in shares[1:]), shares
+
+
 def test_ranks_on_separate_caches_each_fetch_their_part_of_the_epoch(s3, built, tmp_path):
     """Nodes with a cache each: in sequential order a rank reads a contiguous part of the epoch
     (its slice), so it downloads its part's shards, not every shard as interleaved ranks did."""
