@@ -47,8 +47,9 @@ class BuildConfig:
 
     raw: Path = flag(bytes=ALWAYS)  # recorded resolved and printable
     out: Path = flag()
-    kind: str | None = flag(bytes=ALWAYS, help="force the layout instead of detecting it",
-                            choices=fmt.KINDS)  # recorded as the kind the build packs, given or detected
+    kind: str | None = flag(bytes=ALWAYS, help="force the layout instead of detecting it (images, pairs, text), or "
+                            "the input form (parquet, tar, manifest: as --input)",
+                            choices=fmt.KINDS + FORMS[1:])  # recorded as the kind the build packs, given or detected
     image_size: int | None = flag(224, bytes=ALWAYS, append=True, help="shorter side resized to S, centre-cropped "
                                   "SxS (default 224); 'keep' for each image's own size", metavar="S")
     tokenizer: Path | None = flag(bytes=ALWAYS, help="Hugging Face tokenizer.json (required for text and pairs)",
@@ -107,8 +108,13 @@ class BuildConfig:
         object.__setattr__(self, "raw", Path(self.raw).expanduser())  # a shell expands ~; a Python caller's too
         object.__setattr__(self, "out", Path(self.out).expanduser())
         self._read_spellings()
+        if self.kind in FORMS[1:]:  # a form named as a kind: the form forced, the kind detected
+            if self.input not in (None, self.kind):
+                raise ConfigError(f"--kind {self.kind} and --input {self.input}: name the input form once")
+            object.__setattr__(self, "input", self.kind)
+            object.__setattr__(self, "kind", None)
         if self.kind is not None and self.kind not in fmt.KINDS:
-            raise ConfigError(f"--kind: {self.kind!r} is not one of {', '.join(fmt.KINDS)}")
+            raise ConfigError(f"--kind: {self.kind!r} is not one of {', '.join(fmt.KINDS + FORMS[1:])}")
         if self.image_size is not None and not 1 <= self.image_size <= 16384:
             raise ConfigError(f"--image-size: {self.image_size} is out of range (1..16384 or 'keep')")
         if self.shard_rows is None and self.shard_bytes is None:

@@ -131,7 +131,7 @@ def test_every_form_builds_the_folders_image_column_labels_and_classes(photos, f
         _hf(photos, raw)
     elif form == "tar":
         _tar(photos, raw)
-        extra = ["--classes", str(raw / "classes.txt")]
+        extra = ["--classes", str(raw / "classes.txt"), "--kind", "tar"]  # a form named as --kind forces it too
     else:
         _manifest(photos, raw, form.replace("parquet-paths", "parquet"))
     out = tmp_path / "out"
@@ -199,6 +199,12 @@ def test_splits_are_named_and_one_is_picked(photos, tmp_path, capsys):
     skipped = {s.key: s.reason for s in MMapDataset(tmp_path / "out").manifest.skipped}
     assert skipped == {"data/test-00000-of-00001.parquet": "split test, not --split train"}
     assert "no such split" in one_line_error(capsys, ["build", str(raw), str(tmp_path / "o2"), *SIZE, "--split", "va"])
+
+
+def test_a_form_named_twice_differently_is_one_line(photos, tmp_path, capsys):
+    err = one_line_error(capsys, ["build", str(_tar(photos, tmp_path / "tar")), str(tmp_path / "out"), *SIZE,
+                                  "--kind", "tar", "--input", "parquet"])
+    assert "name the input form once" in err
 
 
 def test_a_named_field_no_record_has_is_an_error_naming_the_fields(photos, tmp_path, capsys):
