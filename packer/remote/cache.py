@@ -393,7 +393,7 @@ class ShardCache:
         # used farthest ahead first; beyond what the order ahead shows, the shard used last
         # first: an order that goes round (sequential, blocks, an epoch's end) uses it last again
         candidates = sorted((j for j in present if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
-        candidates += sorted((j for j in soft if later(j)), key=lambda j: -next_use(j))
+        candidates += sorted((j for j in soft if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
         for j in candidates:
             if j in soft:
                 self.release(j)
