@@ -110,7 +110,7 @@ PY
 want packer && step packer 170 bench packer --images 2000 --text-mb 4 --rounds 1 ${PACKER_ARGS:---link-copies 8 --workers-list 4,16} \
     --work /tmp/pw --json "$L/packer.json"
 # the same photos from a folder, Hugging Face Parquet, a tar and a manifest, on 16 workers
-want forms && step forms 200 bench packer --images 2000 --link-copies 8 --text-mb 0 --workers-list 16 --rounds 1 \
+want forms && step forms 250 bench packer --images 2000 --link-copies 8 --text-mb 0 --workers-list 16 --rounds 1 \
     --input folder,parquet,tar,manifest --work /tmp/fw --json "$L/forms.json"
 
 # 3 + 4. Loader(device="cuda") against ResNet-18's step on a resident batch; 1-16 threads against memcpy
