@@ -218,9 +218,13 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
         loader = Loader(ds, **loader_kw, order=order)
         per_epoch = []
         for _ in range(2):
-            before = ds.bytes_downloaded
+            before = ds.traffic
             n, s, _ = _epoch(loader)
-            per_epoch.append({"downloaded_share": (ds.bytes_downloaded - before) / total, "samples_per_s": n / s})
+            after = ds.traffic
+            per_epoch.append({"downloaded_share": (after["bytes"] - before["bytes"]) / total, "samples_per_s": n / s,
+                              "gets": after["gets"] - before["gets"],
+                              "shard_hits": after["shard_hits"] - before["shard_hits"],
+                              "shard_downloads": after["shard_downloads"] - before["shard_downloads"]})
         row.update(epochs=per_epoch, cache_bytes=_dir_bytes(ds.root))
     except Exception as exc:  # noqa: BLE001 - a refused limit is a row saying why
         row["refused"] = str(exc).splitlines()[0][:300]
@@ -275,8 +279,10 @@ def remote_table(r: dict) -> str:
              *_link_rows(r),
              f"{'remote, warm (cache full)':34} {r['warm_samples_per_s']:>10,.0f} {'':>8} {'':>13} "
              f"{100 * r['warm_of_local']:>11.0f}%  (alternated with local disk, best of 4 passes a round)",
-             "", "cache limit (share of the dataset): bytes downloaded per epoch / the dataset's, epochs 1 and 2",
-             f"{'order':12} {'limit':>6} {'epoch 1':>8} {'epoch 2':>8} {'images/s 2':>10} {'cache MB':>9}"]
+             "", "cache limit (share of the dataset): bytes downloaded per epoch / the dataset's, epochs 1 and 2; "
+             "epoch 2's GET requests and shards found in the cache (`ds.traffic`)",
+             f"{'order':12} {'limit':>6} {'epoch 1':>8} {'epoch 2':>8} {'images/s 2':>10} {'cache MB':>9} "
+             f"{'GETs 2':>7} {'hits 2':>7}"]
     for row in r["limits"]:
         head = f"{row['order']:12} {100 * row['limit_share']:>5.0f}%"
         if row.get("images", r["images"]) != r["images"]:
@@ -286,7 +292,8 @@ def remote_table(r: dict) -> str:
         else:
             e = row["epochs"]
             lines.append(f"{head} {e[0]['downloaded_share']:>7.2f}x {e[1]['downloaded_share']:>7.2f}x "
-                         f"{e[1]['samples_per_s']:>10,.0f} {row['cache_bytes'] / 1e6:>9,.1f}")
+                         f"{e[1]['samples_per_s']:>10,.0f} {row['cache_bytes'] / 1e6:>9,.1f} "
+                         f"{e[1].get('gets', 0):>7,} {e[1].get('shard_hits', 0):>7,}")
     lines.append("")
     for order in dict.fromkeys(x.get("order", "sequential") for x in r["ranks"]):
         rows = [x for x in r["ranks"] if x.get("order", "sequential") == order]
