@@ -91,9 +91,11 @@ def in_forked_child(fn, *args):
     pickled; ChildDied when it ends without one. For work whose libraries start threads in the
     process that imports them (pyarrow does at import), which would keep this process from
     forking its build workers later. Linux, from a single-threaded process; elsewhere the
-    caller runs fn itself."""
+    caller runs fn itself, as this does in a daemonic process (which may have no children)."""
     import multiprocessing
 
+    if multiprocessing.current_process().daemon:  # (a daemonic process may have no children): here
+        return fn(*args)
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
     child = ctx.Process(target=_answer, args=(send, fn, args), daemon=True)

@@ -364,6 +364,10 @@ def test_a_forked_childs_answer_or_death_comes_back():
         in_forked_child(int, "x")
     with pytest.raises(ChildDied, match="signal 6"):
         in_forked_child(os.abort)
+    import multiprocessing  # a daemonic process (a pool's worker) may have no children: it runs there
+
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply(in_forked_child, (os.getppid,)) == os.getpid()
 
 
 def test_a_huge_integer_label_without_class_names_is_an_error_not_a_billion_classes(photos, tmp_path, capsys):
