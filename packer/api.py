@@ -120,14 +120,23 @@ def pull(url: str, out: str | Path) -> fmt.Manifest:
     return remote.pull(url, out, published=published)
 
 
-def verify(path: str | Path, *, on_progress: Progress | None = None) -> dict:
+def verify(path: str | Path, *, cache: bool | str | Path = False, on_progress: Progress | None = None) -> dict:
     """`packer verify PATH`: every file of a dataset dir, archive or URL re-hashed and checked
     (a URL's objects as the store holds them, never the node's cache); {"files", "size_bytes",
-    "num_samples"}, or an IntegrityError naming the first damage."""
+    "num_samples"}, or an IntegrityError naming the first damage. `cache` (True, or a cache dir):
+    a URL's copies in the node's cache instead, those that no longer match removed, to be fetched
+    again; {"files", "size_bytes", "removed", "cache"}."""
     from packer import remote
     from packer.dataset.archive import is_archive, verify_archive
     from packer.dataset.verify import verify as verify_dir
 
+    if cache is not False:
+        if not remote.is_url(path):
+            raise ConfigError(f"{path}: --cache checks the node's cache of a URL (s3://, az://); a local dataset is "
+                              "verified as it is")
+        from packer.remote.verify import verify_cache
+
+        return verify_cache(str(path), None if cache is True else cache, on_progress=on_progress)
     if remote.is_url(path):
         from packer.remote.verify import verify as verify_url
 

@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
 
     v = sub.add_parser("verify", help="re-hash and check every file of a dataset dir (or archive, or s3:// URL)")
     v.add_argument("out", help="a dataset dir, archive or URL")
+    v.add_argument("--cache", nargs="?", const=True, default=False, metavar="DIR",
+                   help="a URL's copies in this node's cache (default ~/.cache/mmpack/remote) instead of the store: "
+                        "each cached file re-hashed, those that no longer match removed (fetched again when read)")
     return p
 
 
@@ -251,12 +254,19 @@ def _cmd_info(args) -> int:
 def _cmd_verify(args) -> int:
     bar = ProgressBar("verifying", enabled=True)
     try:
-        result = api.verify(args.out, on_progress=bar)
+        result = api.verify(args.out, cache=args.cache, on_progress=bar)
     except IntegrityError as exc:
         bar.close()
         print(f"packer verify: FAILED: {exc}", file=sys.stderr)
         return 1
     bar.close()
+    if "removed" in result:
+        if result["removed"]:
+            print(f"packer verify: FAILED: {len(result['removed'])} cached files no longer matched their checksums "
+                  f"and were removed (fetched again when read): {', '.join(result['removed'][:5])}", file=sys.stderr)
+            return 1
+        print(f"ok: {result['files']} cached files, {human_bytes(result['size_bytes'])} verified in {result['cache']}")
+        return 0
     print(f"ok: {result['files']} files, {human_bytes(result['size_bytes'])}, {result['num_samples']:,} samples verified")
     return 0
 

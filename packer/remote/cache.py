@@ -277,13 +277,22 @@ class ShardCache:
         stamps = read_stamps(self.shard_dir(k))
         return all(stamps.get(name_of(e)) == stat_key(self.root / e.path) for e in self.bulk[k])
 
-    def _recheck(self, k: int) -> None:
-        """Under shard k's fetch lock: its present files whose stamp differs hashed again, the
-        stamps of those that match written, those that do not removed (to be fetched again)."""
+    def check(self, k: int) -> tuple[list, list]:
+        """Shard k's present files every one hashed again (`packer verify URL --cache`), under its
+        fetch lock: (those that match, those that did not, now removed to be fetched again)."""
+        self._here()
+        with open(self.shard_dir(k) / FETCH, "ab") as fetching:
+            flock(fetching)
+            return self._recheck(k, every=True)
+
+    def _recheck(self, k: int, every: bool = False) -> tuple[list, list]:
+        """Under shard k's fetch lock: its present files whose stamp differs (`every`: all of
+        them) hashed again, the stamps of those that match written, those that do not removed
+        (to be fetched again)."""
         stamps, good, bad = read_stamps(self.shard_dir(k)), [], []
         for entry in self.bulk[k]:
             path = self.root / entry.path
-            if not whole(path, entry.size_bytes) or stamps.get(name_of(entry)) == stat_key(path):
+            if not whole(path, entry.size_bytes) or not every and stamps.get(name_of(entry)) == stat_key(path):
                 continue
             (good if matches(path, entry) else bad).append(entry)
         if bad:
@@ -293,6 +302,7 @@ class ShardCache:
                     ledger.add(-entry.size_bytes)
         if good:
             self._stamp(k, good)
+        return good, bad
 
     def _check_read_only(self, k: int) -> bool:
         """Shard k of a cache this process cannot write: every file there and matching its

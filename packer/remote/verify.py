@@ -1,8 +1,9 @@
 """`packer verify URL`: every object of a dataset in object storage hashed as the store holds it,
 against the checksums the manifest records (and archive.json's, for a compressed push), files
 DOWNLOADS at once, each read as a stream that stops at the manifest's size (the reads a fetch
-makes, `transfer`, with nothing kept): the bytes a reader would get, never the node's cache
-(which `packer verify` of a cache dir checks)."""
+makes, `transfer`, with nothing kept): the bytes a reader would get, never the node's cache.
+`packer verify URL --cache` checks that instead (`verify_cache`): the node's copies, repaired by
+removing what no longer matches."""
 
 from __future__ import annotations
 
@@ -47,3 +48,32 @@ def verify(url: str, *, on_progress=None) -> dict:
     with ThreadPoolExecutor(DOWNLOADS) as pool:
         list(pool.map(one, entries))
     return {"files": len(entries), "size_bytes": manifest.size_bytes, "num_samples": manifest.num_samples}
+
+
+def verify_cache(url: str, cache_dir=None, *, on_progress=None) -> dict:
+    """The node's cache of the dataset at `url` (its build published now): every file cached
+    there hashed against the manifest; one that no longer matches is removed, to be fetched
+    again by the next reader that needs it. {"files", "size_bytes", "removed": [paths]}; a damaged
+    index file (offsets, shapes) removes the entry's manifest, so the next open fetches them
+    again."""
+    from packer.remote.entry import open_cached
+    from packer.remote.stamps import matches
+
+    cache = open_cached(url, cache_dir)
+    checked, size, removed = 0, 0, []
+    for entry in cache.index:
+        path = cache.root / entry.path
+        if path.is_file():
+            checked, size = checked + 1, size + entry.size_bytes
+            if not matches(path, entry):
+                removed.append(entry.path)
+                path.unlink()
+                (cache.root / fmt.MANIFEST_NAME).unlink(missing_ok=True)
+    for k in range(len(cache.bulk)):
+        good, bad = cache.check(k)
+        checked += len(good) + len(bad)
+        size += sum(e.size_bytes for e in good + bad)
+        removed += [e.path for e in bad]
+        if on_progress:
+            on_progress(k + 1, len(cache.bulk))
+    return {"files": checked, "size_bytes": size, "removed": removed, "cache": str(cache.root)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
+import os
 import shutil
 import time
 from pathlib import Path
@@ -338,6 +339,36 @@ def test_a_cached_file_changed_since_it_was_fetched_is_hashed_again_and_fetched_
     entry = cached[1].relative_to(cache).parts[2:]  # under the cache's <bucket>/<entry>/
     assert cached[1].read_bytes() == Path(built["images"], *entry).read_bytes()
     assert all((p.parent / ".verified").is_file() for p in cached)
+
+
+def test_verify_of_a_urls_cache_rehashes_every_cached_file_and_removes_what_no_longer_matches(s3, built, tmp_path,
+                                                                                               capsys):
+    """`packer verify URL --cache DIR`: the node's copies, not the store's, each hashed whatever
+    its stamp says (bit rot leaves the stat as it was); one that no longer matches is removed and
+    named, and the next read fetches it again."""
+    url, cache = _url(tmp_path, "images"), tmp_path / "c"
+    assert main(["push", str(built["images"]), url]) == 0
+    local = MMapDataset(built["images"])
+    _same_batches(MMapDataset(url, cache_dir=cache), local)
+    assert main(["verify", url, "--cache", str(cache)]) == 0
+    assert "cached files" in capsys.readouterr().out
+    cached = sorted(cache.rglob("image.npy"))[1]
+    st = cached.stat()
+    with open(cached, "r+b") as f:  # a byte changed, its times put back (its ctime still moves)
+        f.seek(4096)
+        byte = f.read(1)
+        f.seek(4096)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(cached, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert main(["verify", url, "--cache", str(cache)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "image.npy" in err and "removed" in err
+    assert not cached.exists()
+    ds = MMapDataset(url, cache_dir=cache)
+    _same_batches(ds, local)
+    assert ds.bytes_downloaded == st.st_size  # the removed file alone came again
+    assert main(["verify", url, "--cache", str(cache)]) == 0
+    assert main(["verify", str(built["images"]), "--cache"]) == 2  # a local dataset is verified as it is
 
 
 def test_a_filled_cache_on_a_read_only_mount_is_read_and_a_gap_in_it_is_one_line(s3, built, tmp_path):
