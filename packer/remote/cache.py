@@ -12,9 +12,10 @@ files come and go per shard. The rules, each for a failure users of peers have m
   the manifest's checksum (fetched once more on a mismatch, then an IntegrityError naming the
   URL) and renamed into place. A process killed at any instant leaves at most a part file,
   which no reader maps and the next accounting removes (its flock is gone with its writer).
-- A file is checked again before a process maps it: one whose size, times or inode differ from
-  the stamp taken when its checksum last held (`packer.remote.stamps`) is hashed again, and
-  removed and fetched again when it no longer matches; a flipped byte is never served.
+- A file is checked again before a process maps it (a shard's data files when it is pinned, the
+  index files at each open, `check_index`): one whose size, times or inode differ from the stamp
+  taken when its checksum last held (`packer.remote.stamps`) is hashed again, and removed and
+  fetched again when it no longer matches; a flipped byte is never served.
 - A cache this process cannot write (a read-only mount of a filled one) is read as it is; a
   file it lacks, or one that no longer matches, is one line saying so.
 - A shard a process maps is pinned (a shared flock on the shard's pin file, held while it is
@@ -58,7 +59,7 @@ from packer.remote import cachedir, client
 from packer.remote.ledger import Ledger
 from packer.remote.parts import PIN, abandoned, drop_abandoned_parts, open_pin, part_file, size_of, whole
 from packer.remote.limits import check_limit
-from packer.remote.stamps import matches, name_of, read_stamps, stamps_bound, stat_key, write_stamps
+from packer.remote.stamps import name_of, read_stamps, recheck, stamps_bound, stat_key, unchanged, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
 from packer.remote.url import Remote
 from packer.system import flock
@@ -274,8 +275,10 @@ class ShardCache:
     # times or inode differ from its stamp) is hashed again before it is mapped; one that no
     # longer matches is removed and fetched again, never served
     def _unchanged(self, k: int) -> bool:
-        stamps = read_stamps(self.shard_dir(k))
-        return all(stamps.get(name_of(e)) == stat_key(self.root / e.path) for e in self.bulk[k])
+        return unchanged(self.root, self.bulk[k])
+
+    def index_unchanged(self) -> bool:
+        return all(unchanged(self.root, files) for files in _by_dir(self.index).values())
 
     def check(self, k: int) -> tuple[list, list]:
         """Shard k's present files every one hashed again (`packer verify URL --cache`), under its
@@ -287,42 +290,51 @@ class ShardCache:
 
     def _recheck(self, k: int, every: bool = False) -> tuple[list, list]:
         """Under shard k's fetch lock: its present files whose stamp differs (`every`: all of
-        them) hashed again, the stamps of those that match written, those that do not removed
-        (to be fetched again)."""
-        stamps, good, bad = read_stamps(self.shard_dir(k)), [], []
-        for entry in self.bulk[k]:
-            path = self.root / entry.path
-            if not whole(path, entry.size_bytes) or not every and stamps.get(name_of(entry)) == stat_key(path):
-                continue
-            (good if matches(path, entry) else bad).append(entry)
+        them) hashed again (`stamps.recheck`), those that do not match removed (to be fetched
+        again)."""
+        good, bad = recheck(self.root, self.bulk[k], every)
         if bad:
             with self._accounting() as ledger:
                 for entry in bad:
                     os.unlink(self.root / entry.path)
                     ledger.add(-entry.size_bytes)
-        if good:
-            self._stamp(k, good)
         return good, bad
+
+    def check_index(self, every: bool = False) -> list[fmt.FileEntry]:
+        """The entry's index files (mapped whole at every open) whose stamp differs (`every`: all
+        of them) hashed again, and those that no longer match fetched again (the creation lock
+        held by the caller); the ones fetched again. In a read-only cache, an IntegrityError."""
+        fetched = []
+        for files in _by_dir(self.index).values():
+            _, bad = recheck(self.root, files, every)
+            for entry in bad:
+                path = self.root / entry.path
+                if not os.access(path.parent, os.W_OK):
+                    raise IntegrityError(f"{path}: this cached file no longer matches its checksum, and the cache is "
+                                         "read-only; fetch it again where the cache can be written")
+                path.unlink()
+                fetch_file(self.store, self.url, entry, path)
+                recheck(self.root, [entry], every=True)  # its stamp
+                fetched.append(entry)
+        return fetched
 
     def _check_read_only(self, k: int) -> bool:
         """Shard k of a cache this process cannot write: every file there and matching its
         checksum (hashed again where its stamp differs), else one line saying what is missing."""
-        stamps = read_stamps(self.shard_dir(k))
         for entry in self.bulk[k]:
-            path = self.root / entry.path
-            if not whole(path, entry.size_bytes):
+            if not whole(self.root / entry.path, entry.size_bytes):
                 raise ConfigError(f"{self.url}: the cache {self.root} is read-only and lacks {entry.path}; fill it "
                                   "where it can be written, or give a cache_dir this process can write")
-            if stamps.get(name_of(entry)) != stat_key(path) and not matches(path, entry):
-                raise IntegrityError(f"{path}: this cached file no longer matches its checksum, and the cache is "
-                                     "read-only; fetch it again where the cache can be written")
+        _, bad = recheck(self.root, self.bulk[k])
+        if bad:
+            raise IntegrityError(f"{self.root / bad[0].path}: this cached file no longer matches its checksum, and the "
+                                 "cache is read-only; fetch it again where the cache can be written")
         return True
 
     def _stamp(self, k: int, entries: list[fmt.FileEntry]) -> None:
-        where = self.shard_dir(k)
-        stamps = read_stamps(where)
+        stamps = read_stamps(self.shard_dir(k))
         stamps.update({name_of(e): stat_key(self.root / e.path) for e in entries})
-        write_stamps(where, stamps)
+        write_stamps(self.shard_dir(k), stamps)
 
     def _accounting(self) -> Ledger:
         """The entry's ledger, held (an exclusive flock) by one thread of one process at a time."""
@@ -422,3 +434,10 @@ class ShardCache:
             if over <= 0:
                 return True
         return False
+
+
+def _by_dir(entries: list[fmt.FileEntry]) -> dict[str, list[fmt.FileEntry]]:
+    out: dict = {}
+    for e in entries:
+        out.setdefault(e.path.rsplit("/", 1)[0], []).append(e)
+    return out

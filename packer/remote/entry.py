@@ -6,6 +6,7 @@ rank; the rest comes per shard (`packer.remote.cache.ShardCache`), or all of it 
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -43,17 +44,24 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
         check_limit(url, limit, cache.index_bytes + max(cache.sizes, default=0),
                     "the dataset's index files and its largest shard", limit=limit)
     if (root / fmt.MANIFEST_NAME).is_file():
-        return cache
+        if cache.index_unchanged():
+            return cache
+        if not os.access(root.parent, os.W_OK):  # a read-only cache: checked, never fetched into
+            cache.check_index()
+            return cache
     root.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "a") as lock:
         flock(lock)
-        if not (root / fmt.MANIFEST_NAME).is_file():
+        if (root / fmt.MANIFEST_NAME).is_file():
+            cache.check_index()  # an index file changed since it was checked: hashed, fetched again if it differs
+        else:
             try:
                 pull(url, root, published=(manifest, packed), files=cache.index)
             except BaseException:
                 if not (root / fmt.MANIFEST_NAME).is_file():
                     shutil.rmtree(root, ignore_errors=True)
                 raise
+            cache.check_index(every=True)  # their stamps
     return cache
 
 

@@ -1,7 +1,8 @@
 """Stamps of cached files: each file's size, times and inode when its checksum last held, kept
 per shard dir (STAMPS), so that a file changed since (a byte written over it by any process,
 a copy put in its place) is hashed again before it is mapped, where every other read costs a
-stat. A cache written before stamps is hashed once per file, then stamped."""
+stat: a shard's data files when a process pins it, the entry's index files when it is opened.
+A cache written before stamps is hashed once per file, then stamped."""
 
 from __future__ import annotations
 
@@ -45,6 +46,35 @@ def write_stamps(where: Path, stamps: dict) -> None:
         write_atomic(where / STAMPS, json.dumps(stamps))
     except OSError:  # a read-only cache: each reader hashes its changed files instead
         pass
+
+
+def unchanged(root: Path, entries: list[fmt.FileEntry]) -> bool:
+    """Whether each of `entries` (files of one shard dir under entry `root`) is as its stamp says."""
+    if not entries:
+        return True
+    stamps = read_stamps((root / entries[0].path).parent)
+    return all(stamps.get(name_of(e)) == stat_key(root / e.path) for e in entries)
+
+
+def recheck(root: Path, entries: list[fmt.FileEntry], every: bool = False) -> tuple[list, list]:
+    """Of `entries` (files of one shard dir under entry `root`), those there whole whose stat
+    differs from their stamp (`every`: all those there) hashed again: (those that match, whose
+    stamps are written; those that do not, for the caller to remove)."""
+    from packer.remote.parts import whole
+
+    if not entries:
+        return [], []
+    where = (root / entries[0].path).parent
+    stamps, good, bad = read_stamps(where), [], []
+    for entry in entries:
+        path = root / entry.path
+        if not whole(path, entry.size_bytes) or not every and stamps.get(name_of(entry)) == stat_key(path):
+            continue
+        (good if matches(path, entry) else bad).append(entry)
+    if good:
+        stamps.update({name_of(e): stat_key(root / e.path) for e in good})
+        write_stamps(where, stamps)
+    return good, bad
 
 
 def matches(path: Path, entry: fmt.FileEntry) -> bool:

@@ -53,22 +53,14 @@ def verify(url: str, *, on_progress=None) -> dict:
 def verify_cache(url: str, cache_dir=None, *, on_progress=None) -> dict:
     """The node's cache of the dataset at `url` (its build published now): every file cached
     there hashed against the manifest; one that no longer matches is removed, to be fetched
-    again by the next reader that needs it. {"files", "size_bytes", "removed": [paths]}; a damaged
-    index file (offsets, shapes) removes the entry's manifest, so the next open fetches them
-    again."""
+    again by the next reader that needs it (an index file, which every open maps, at once).
+    {"files", "size_bytes", "removed": [paths]}."""
     from packer.remote.entry import open_cached
-    from packer.remote.stamps import matches
 
     cache = open_cached(url, cache_dir)
-    checked, size, removed = 0, 0, []
-    for entry in cache.index:
-        path = cache.root / entry.path
-        if path.is_file():
-            checked, size = checked + 1, size + entry.size_bytes
-            if not matches(path, entry):
-                removed.append(entry.path)
-                path.unlink()
-                (cache.root / fmt.MANIFEST_NAME).unlink(missing_ok=True)
+    fetched = cache.check_index(every=True)
+    checked, size = len(cache.index), sum(e.size_bytes for e in cache.index)
+    removed = [e.path for e in fetched]
     for k in range(len(cache.bulk)):
         good, bad = cache.check(k)
         checked += len(good) + len(bad)

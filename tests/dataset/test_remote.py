@@ -341,6 +341,31 @@ def test_a_cached_file_changed_since_it_was_fetched_is_hashed_again_and_fetched_
     assert all((p.parent / ".verified").is_file() for p in cached)
 
 
+def test_a_cached_index_file_changed_since_it_was_fetched_is_fetched_again_at_the_next_open(s3, built, tmp_path):
+    """A ragged column's offsets (an index file, mapped whole by every open) with a byte written
+    over them: the next open hashes it again and fetches it again, and every sample's tokens are
+    the local ones (else they would come from the wrong ranges, silently)."""
+    url, cache = _url(tmp_path, "pairs"), tmp_path / "c"
+    assert main(["push", str(built["pairs"]), url]) == 0
+    local = MMapDataset(built["pairs"])
+
+    def same(ds) -> None:
+        for i in range(len(local)):
+            a, b = ds[i], local[i]
+            assert a["key"] == b["key"] and torch.equal(a["tokens"], b["tokens"]), i
+
+    same(MMapDataset(url, cache_dir=cache))
+    offsets = sorted(p for p in cache.rglob("*.npy") if "tokens" in p.name and "offsets" in p.name)[0]
+    with open(offsets, "r+b") as f:  # the second offset's low byte: the first sample's end
+        f.seek(fmt.NPY_HEADER_BYTES + 8)
+        byte = f.read(1)
+        f.seek(fmt.NPY_HEADER_BYTES + 8)
+        f.write(bytes([byte[0] ^ 0x01]))
+    same(MMapDataset(url, cache_dir=cache))
+    entry = offsets.relative_to(cache).parts[2:]
+    assert offsets.read_bytes() == Path(built["pairs"], *entry).read_bytes()
+
+
 def test_verify_of_a_urls_cache_rehashes_every_cached_file_and_removes_what_no_longer_matches(s3, built, tmp_path,
                                                                                                capsys):
     """`packer verify URL --cache DIR`: the node's copies, not the store's, each hashed whatever
