@@ -11,10 +11,12 @@ import shutil
 from pathlib import Path
 
 from packer.dataset import format as fmt
+from packer.dataset.outdir import write_atomic
+from packer.errors import IntegrityError
 from packer.remote.cache import ShardCache
 from packer.remote.limits import check_limit
 from packer.remote import transfer
-from packer.remote.transfer import fetch_file, pull, read_published
+from packer.remote.transfer import fetch_file, files_of, pull, read_published
 from packer.remote.url import Remote
 from packer.system import flock
 
@@ -44,9 +46,12 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
         check_limit(url, limit, cache.index_bytes + max(cache.sizes, default=0),
                     "the dataset's index files and its largest shard", limit=limit)
     if (root / fmt.MANIFEST_NAME).is_file():
-        if cache.index_unchanged():
+        if cache.index_unchanged() and not _changed_manifests(root, manifest):
             return cache
         if not os.access(root.parent, os.W_OK):  # a read-only cache: checked, never fetched into
+            if _changed_manifests(root, manifest):
+                raise IntegrityError(f"{root}: its manifest is not the one {url} publishes, and the cache is "
+                                     "read-only; fetch it again where the cache can be written")
             cache.check_index()
             return cache
     root.mkdir(parents=True, exist_ok=True)
@@ -54,6 +59,8 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
         flock(lock)
         if (root / fmt.MANIFEST_NAME).is_file():
             cache.check_index()  # an index file changed since it was checked: hashed, fetched again if it differs
+            for path in _changed_manifests(root, manifest):  # a copy written over: the store's again
+                write_atomic(path, manifest.to_json())
         else:
             try:
                 pull(url, root, published=(manifest, packed), files=cache.index)
@@ -63,6 +70,22 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
                 raise
             cache.check_index(every=True)  # their stamps
     return cache
+
+
+def _changed_manifests(root: Path, manifest: fmt.Manifest) -> list[Path]:
+    """The entry's copies of its manifest (its own and each generation's, which readers open)
+    that are not the store's, as read at this open (its name is the digest of that one)."""
+    text = manifest.to_json()
+    generations = sorted({e.path.split("/", 1)[0] for e in files_of(manifest) if "/" in e.path})  # as `pull` writes
+    copies = [root / fmt.MANIFEST_NAME] + [root / g / fmt.MANIFEST_NAME for g in generations]
+    changed = []
+    for path in copies:
+        try:
+            if path.read_text(encoding="utf-8") != text:
+                changed.append(path)
+        except (OSError, UnicodeDecodeError):
+            changed.append(path)
+    return changed
 
 
 def materialize(url: str, cache_dir: str | Path | None = None) -> Path:

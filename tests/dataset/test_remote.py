@@ -364,6 +364,13 @@ def test_a_cached_index_file_changed_since_it_was_fetched_is_fetched_again_at_th
     same(MMapDataset(url, cache_dir=cache))
     entry = offsets.relative_to(cache).parts[2:]
     assert offsets.read_bytes() == Path(built["pairs"], *entry).read_bytes()
+    # and the cached manifests (the entry's and its generation's), written over: the store's again
+    copies = sorted(cache.rglob(fmt.MANIFEST_NAME))
+    assert len(copies) >= 2
+    for copy in copies:
+        copy.write_text(copy.read_text().replace('"num_samples": ', '"num_samples": 1', 1))
+    same(MMapDataset(url, cache_dir=cache))
+    assert all(copy.read_text() == local.manifest.to_json() for copy in copies)
 
 
 def test_verify_of_a_urls_cache_rehashes_every_cached_file_and_removes_what_no_longer_matches(s3, built, tmp_path,
