@@ -14,7 +14,8 @@ after the list, pass through untouched):
 
 `outage(seconds)` stops the proxy as a restarting server does: every connection closed, new
 ones refused, then back on the same port. `used` lists the faults dealt so far; `gets` counts
-the GET requests for the target's paths that reached the proxy, faulty or not. Requests and answers are read by their Content-Length
+the GET requests for the target's paths that reached the proxy, faulty or not; `body_bytes`
+the bytes of every answer's body it passed on (what came over the link). Requests and answers are read by their Content-Length
 (HTTP/1.1 without pipelining: the answers come in the requests' order)."""
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ class FaultyProxy:
         self._flipped: set[bytes] = set()
         self._open: set[socket.socket] = set()
         self.gets = 0
+        self._bodies = [0]
         threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
+
+    @property
+    def body_bytes(self) -> int:
+        return self._bodies[0]
 
     def close(self) -> None:
         self.server.close()
@@ -89,7 +95,7 @@ class FaultyProxy:
     def _serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(self.upstream)
         flips: collections.deque = collections.deque()  # per request passed on: its fault ("flip", "long", ...)
-        threading.Thread(target=_answers, args=(upstream, client, flips), daemon=True).start()
+        threading.Thread(target=_answers, args=(upstream, client, flips, self._bodies), daemon=True).start()
         buf = b""
         try:
             while True:
@@ -136,9 +142,9 @@ def _length(head: bytes) -> int:
     return 0
 
 
-def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque) -> None:
+def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque, bodies: list) -> None:
     """The store's answers to the client, each one's body flipped at FLIP_AT, or made longer,
-    if its request's fault says so."""
+    if its request's fault says so; `bodies[0]` counts their bytes."""
     buf, body_left, flip_at, pad = b"", 0, -1, 0
     try:
         while True:
@@ -155,6 +161,7 @@ def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque) -
                         take[flip_at] ^= 0xFF
                     flip_at -= len(take)
                     out += take
+                    bodies[0] += len(take)
                     body_left -= len(take)
                     buf = buf[len(take):]
                     if not body_left and pad:

@@ -59,6 +59,12 @@ class ColumnGather:
         self._live: set[int] = set()
         self._pid = os.getpid()  # a forked child holds none of its parent's pins: it maps afresh
         self.lookahead = None  # a pass's `packer.remote.lookahead.Lookahead`, while one runs
+        # a remote batch's shards not held whole are read by rows (`packer.remote.rows`) where
+        # whole ones do not fit the cache limit (`rows_pass`, set by `check_room`) and in a
+        # pass's first batch (`cold`): it waits for its rows, not for every shard it touches
+        self.rows_pass, self.cold = False, True
+        self._rowed: dict[int, tuple] = {}  # shard -> (scratch dir, paths read by rows), this batch
+        self._rows: dict = {}  # this process's `packer.remote.rows.Rows` of each reader
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._by_column: dict[str, list[ColumnArrays | None]] = {}
@@ -105,9 +111,16 @@ class ColumnGather:
         remote dataset's: those of the shards mapped now, None for the others)."""
         arrays = self._by_column.get(name)
         if arrays is None:
-            arrays = self._by_column[name] = [r.column(k, name) if not self.remote or g in self._live else None
-                                              for g, (r, k) in enumerate(self._shards)]
+            arrays = self._by_column[name] = [self._mapped(g, name) if not self.remote or g in self._live or
+                                              g in self._rowed else None for g in range(len(self._shards))]
         return arrays
+
+    def _mapped(self, g: int, name: str) -> ColumnArrays:
+        r, k = self._shards[g]
+        if g not in self._rowed:
+            return r.column(k, name)
+        scratch, paths = self._rowed[g]
+        return r.column_in(k, name, scratch if r.values_path(k, name) in paths else None)
 
     def _index(self, name: str) -> list[ColumnArrays]:
         """Every shard's offsets and shapes of a ragged column (a remote dataset's without its values)."""
@@ -128,13 +141,20 @@ class ColumnGather:
     def cache_of(self, g: int):
         return self._shards[g][0].cache
 
-    def _resident(self, needed: list[int]) -> None:
-        """A remote dataset's shards of a batch mapped (fetched and pinned first); under a cache
-        limit, those no longer needed (nor in the lookahead's window) unmapped and unpinned."""
+    def _resident(self, needed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
+        """A remote dataset's shards of a batch mapped (fetched and pinned first), or their rows
+        (`_by_rows`); under a cache limit, those no longer needed (nor in the lookahead's window)
+        unmapped and unpinned."""
         if self._pid != os.getpid():
-            self._pid = os.getpid()
+            self._pid, self._rowed, self._rows = os.getpid(), {}, {}
             for g in list(self._live):
                 self._drop(g, pinned=False)
+        self._drop_rows()
+        rowed = [g for g in needed if g not in self._live and self._rows_wanted(g)] if self.rows_pass or self.cold else []
+        self.cold = False
+        if rowed:
+            self._by_rows(rowed, shard, rows)
+            needed = [g for g in needed if g not in self._rowed]
         if any(r.cache is not None and r.cache.limit is not None for r in self.readers):
             # under a limit only the batch's shards stay mapped (a mapped shard cannot be
             # evicted); those the lookahead still wants stay softly pinned, the others go
@@ -154,11 +174,54 @@ class ColumnGather:
             r, k = self._shards[g]
             r.cache.acquire(k)
             self._live.add(g)
+            self._remap(g)
+
+    def _rows_of(self, r):
+        from packer.remote.rows import Rows
+
+        if id(r) not in self._rows:
+            self._rows[id(r)] = Rows(r.cache._here())
+        return self._rows[id(r)]
+
+    def _rows_wanted(self, g: int) -> bool:
+        r, k = self._shards[g]
+        return r.cache is not None and self._rows_of(r).usable() and not r.cache.present(k)
+
+    def _by_rows(self, rowed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
+        """The batch's rows of shards `rowed` fetched by range and mapped (see `rows_pass`)."""
+        by_reader: dict = {}
+        for g in rowed:
+            r, k = self._shards[g]
+            sel = rows[shard == g]
+            by_reader.setdefault(id(r), (r, {}))[1][k] = dict(r.spans(k, c.name, sel) for c in self.columns)
+        first = {id(r): g - k for g, (r, k) in enumerate(self._shards) if k == 0}
+        for r, spans in by_reader.values():
+            scratch, paths = r.cache.acquire_rows(self._rows_of(r), spans)
+            for k in spans:
+                self._rowed[first[id(r)] + k] = (scratch, paths)
+        for g in self._rowed:
+            self._remap(g)
+
+    def _remap(self, g: int) -> None:
+        for name, arrays in self._by_column.items():
+            arrays[g] = self._mapped(g, name)
+            regions = self._regions_of.get(name)
+            if regions is not None:
+                regions[g] = native.region_of(arrays[g].values)
+
+    def _drop_rows(self) -> None:
+        """The last batch's rows unmapped and gone (`packer.remote.rows`)."""
+        if not self._rowed:
+            return
+        for g in self._rowed:
             for name, arrays in self._by_column.items():
-                arrays[g] = r.column(k, name)
+                arrays[g] = None
                 regions = self._regions_of.get(name)
                 if regions is not None:
-                    regions[g] = native.region_of(arrays[g].values)
+                    regions[g] = native.region_of(None)
+        self._rowed = {}
+        for rows in self._rows.values():
+            rows.drop()
 
     def all_mapped(self) -> bool:
         """Every shard of a remote dataset is mapped here (in its cache, nothing to fetch)."""
@@ -177,6 +240,7 @@ class ColumnGather:
 
     def release(self) -> None:
         """Unmaps and unpins every shard of a remote dataset this gather holds."""
+        self._drop_rows()
         for g in list(self._live):
             self._drop(g)
         for r in self.readers:
@@ -238,9 +302,9 @@ class ColumnGather:
                pool: native.Pool | ThreadPoolExecutor | None = None, num_threads: int = 1) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
-        if self.remote:
-            self._resident(np.unique(shard).tolist())
         rows = ids - self._starts[shard]
+        if self.remote:
+            self._resident(np.unique(shard).tolist(), shard, rows)
         order = np.lexsort((rows, shard))  # the copies run in (shard, row) order: locality
         out: dict = {}
         copies, rest = [], []
@@ -268,6 +332,7 @@ class ColumnGather:
                 pass
         for f in pending:
             f.result()
+        self._drop_rows()  # copied: a batch's rows hold room in the cache only while it is gathered
         return {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
 
     def _small(self, rest, shard, rows, buffers, n: int, out: dict) -> None:

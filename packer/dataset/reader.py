@@ -151,12 +151,14 @@ def map_npy(path: Path, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     return mapped.view(np.ndarray)
 
 
-def map_column(shard_dir: Path, column: fmt.Column, num_samples: int) -> ColumnArrays:
-    """One column of one shard, every part checked against the others before use."""
+def map_column(shard_dir: Path, column: fmt.Column, num_samples: int, values_dir: Path | None = None) -> ColumnArrays:
+    """One column of one shard, every part checked against the others before use. `values_dir`:
+    where its values file is, if not beside the others (a remote batch's rows, read by range)."""
     names = fmt.column_file_names(column)
+    values_path = (values_dir or shard_dir) / names["values"]
     if not column.ragged:
-        return ColumnArrays(map_npy(shard_dir / names["values"], column.dtype, (num_samples, *column.shape)))
-    offsets_path, values_path = shard_dir / names["offsets"], shard_dir / names["values"]
+        return ColumnArrays(map_npy(values_path, column.dtype, (num_samples, *column.shape)))
+    offsets_path = shard_dir / names["offsets"]
     offsets = map_npy(offsets_path, fmt.OFFSETS_DTYPE, (num_samples + 1,))
     try:
         values_bytes = values_path.stat().st_size - fmt.NPY_HEADER_BYTES
@@ -358,6 +360,33 @@ class DatasetReader:
             size = next(f.size_bytes for f in shard.files if f.path.rsplit("/", 1)[-1] == values)
             arrays = self._maps[key] = map_index(self.root / shard.dir, column, shard.num_samples, size)
         return arrays
+
+    def values_path(self, shard_pos: int, name: str) -> str:
+        """The path of a column's values file in shard `shard_pos`, from the dataset dir."""
+        return f"{self.manifest.shards[shard_pos].dir}/{fmt.column_file_names(self.manifest.column(name))['values']}"
+
+    def spans(self, shard_pos: int, name: str, rows: np.ndarray) -> tuple[str, np.ndarray]:
+        """The path of a column's values file in shard `shard_pos`, and the byte spans [start,
+        end) of `rows` in it ([len(rows), 2]): what a remote reader fetches to read them."""
+        column = self.manifest.column(name)
+        path = self.values_path(shard_pos, name)
+        rows = np.asarray(rows, np.int64)
+        if column.ragged:
+            offsets, item = self.index(shard_pos, name).offsets, np.dtype(column.dtype).itemsize
+            starts, ends = offsets[rows] * item, offsets[rows + 1] * item
+        else:
+            row = np.dtype(column.dtype).itemsize * int(np.prod(column.shape, dtype=np.int64))
+            starts = rows * row
+            ends = starts + row
+        return path, np.stack([starts, ends], axis=1).astype(np.int64) + fmt.NPY_HEADER_BYTES
+
+    def column_in(self, shard_pos: int, name: str, values_dir: Path | None) -> ColumnArrays:
+        """A column of a shard whose files the caller made present and pinned, its values file
+        under `values_dir` if given (shard dirs below it, as in the dataset dir), mapped now and
+        not kept: the caller holds it while it may."""
+        shard = self.manifest.shards[shard_pos]
+        return map_column(self.root / shard.dir, self.manifest.column(name), shard.num_samples,
+                          values_dir / shard.dir if values_dir is not None else None)
 
     def release(self, shard_pos: int, soften: bool = False) -> None:
         """Unmaps a remote dataset's shard and unpins it (the cache may then evict it), or with

@@ -57,8 +57,11 @@ from packer.dataset import format as fmt
 from packer.errors import ConfigError, IntegrityError
 from packer.remote import cachedir, client
 from packer.remote.ledger import Ledger
-from packer.remote.parts import PIN, abandoned, drop_abandoned_parts, open_pin, part_file, size_of, whole
+from packer.remote.parts import count_files, drop_abandoned_parts, open_pin, part_file, whole
+from packer.remote.evict import evict
 from packer.remote.limits import check_limit
+from packer.remote.blocks import list_bytes
+from packer.remote.rows import Rows
 from packer.remote.stamps import name_of, read_stamps, recheck, stamps_bound, stat_key, unchanged, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
 from packer.remote.url import Remote
@@ -95,7 +98,7 @@ class ShardCache:
         # shard's stamps (at most, once written) stay
         self.index_bytes = sum(f.size_bytes for f in self.index) + \
             (1 + len(manifest.generations)) * len(manifest.to_json().encode()) + \
-            sum(stamps_bound([name_of(e) for e in files]) for files in self.bulk)
+            sum(stamps_bound([name_of(e) for e in files]) for files in self.bulk) + list_bytes(manifest)
         self.next_use = None
         self._pid = None
 
@@ -134,8 +137,8 @@ class ShardCache:
         with self._here()._guard:
             return list(self._pins)
 
-    def present(self, k: int) -> bool:
-        return all(whole(self.root / e.path, e.size_bytes) for e in self.bulk[k])
+    def present(self, k: int, files: list | None = None) -> bool:
+        return all(whole(self.root / e.path, e.size_bytes) for e in (self.bulk[k] if files is None else files))
 
     def acquire(self, k: int) -> None:
         """Shard k's files present, verified and pinned for this process (downloaded here, or
@@ -204,6 +207,51 @@ class ShardCache:
         for k in self.pinned():
             self.release(k)
 
+    # -- reads by rows (`packer.remote.rows`): a batch's rows of shards not held whole
+    def acquire_rows(self, rows: Rows, spans: dict[int, dict[str, np.ndarray]]) -> tuple[Path | None, set[str]]:
+        """For each shard k of `spans` (the byte spans a batch reads of its files, by path), its
+        files read by rows present in the scratch of `rows` (a gather's), its other files in the
+        entry, and the shard pinned until `drop_rows`: the scratch dir, and the paths read so."""
+        self._here()
+        rows.lists([p for by_file in spans.values() for p in by_file])
+        rowed, whole_files = {}, {}
+        for k, by_file in spans.items():
+            rowed_k, whole_files[k] = rows.split(k, by_file)
+            rowed.update(rowed_k)
+        with ThreadPoolExecutor(DOWNLOADS) as pool:
+            for done in [pool.submit(self._pin_rows, rows, k, files) for k, files in whole_files.items()]:
+                done.result()
+        return (rows.fetch(rowed) if rowed else None), set(rowed)
+
+    def _pin_rows(self, rows: Rows, k: int, files: list[fmt.FileEntry]) -> None:
+        pin = open_pin(self.shard_dir(k))
+        try:
+            flock(pin, shared=True)
+            if files and not (self.present(k, files) and unchanged(self.root, files)):
+                self._fetch(k, None, files)
+        except BaseException:
+            pin.close()
+            raise
+        rows.pin(k, pin)
+
+    def reserve(self, rows: Rows, need: int) -> None:
+        """`need` bytes of the rows of `rows` taken in the ledger, evicting as a download does
+        (waiting for other processes' pins as `_fetch` does)."""
+        deadline = time.monotonic() + WAIT_FOR_ROOM_S
+        while True:
+            with self._accounting() as ledger:
+                if self._room(ledger, need, None):
+                    ledger.add(need)
+                    return
+            with self._guard:
+                mapped = sum(self.sizes[j] for j in self._pins if j not in self._soft)
+            check_limit(self.url, self.limit, self.index_bytes + mapped + rows.reserved + need,
+                        "this reader's index files and the shards and rows of its current batch", limit=self.limit)
+            if time.monotonic() > deadline:
+                raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
+                                  f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
+            time.sleep(0.05)
+
     def fetch(self, shards) -> None:
         """Every shard of `shards` present (DOWNLOADS at once), none left pinned: a whole
         dataset for readers that map all of it at open (TokenWindows, `packer verify`)."""
@@ -214,7 +262,7 @@ class ShardCache:
             for done in [pool.submit(one, k) for k in shards]:
                 done.result()
 
-    def _fetch(self, k: int, rank: float | None) -> bool | None:
+    def _fetch(self, k: int, rank: float | None, files: list | None = None) -> bool | None:
         """Shard k's files checked and fetched under its fetch lock; whether they were there
         already (another process fetched them while this one waited); None for a fetch ahead
         that found no room. A fetch that waits for room waits outside the lock, so that a process
@@ -224,9 +272,9 @@ class ShardCache:
             with open(self.shard_dir(k) / FETCH, "ab") as fetching:
                 flock(fetching)
                 self._recheck(k)
-                if self.present(k):
+                if self.present(k, files):
                     return True
-                got = self._download(k, rank)
+                got = self._download(k, rank, files)
                 if got is not None:
                     return False if got else None
             if time.monotonic() > deadline:
@@ -234,10 +282,10 @@ class ShardCache:
                                   f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
             time.sleep(0.05)
 
-    def _download(self, k: int, rank: float | None = None) -> bool | None:
-        """Shard k's missing files fetched (True); False for a fetch ahead that found no room,
-        None when a fetch for now found none (yet)."""
-        missing = [e for e in self.bulk[k] if not whole(self.root / e.path, e.size_bytes)]
+    def _download(self, k: int, rank: float | None = None, files: list | None = None) -> bool | None:
+        """Shard k's missing files (of `files`, else all) fetched (True); False for a fetch ahead
+        that found no room, None when a fetch for now found none (yet)."""
+        missing = [e for e in (self.bulk[k] if files is None else files) if not whole(self.root / e.path, e.size_bytes)]
         drop_abandoned_parts(self.shard_dir(k), self._accounting)  # a killed fetch's (under the fetch lock: all)
         parts = self._reserve(missing, rank)
         if parts is None:
@@ -257,7 +305,7 @@ class ShardCache:
                 ledger.add(0, k)
             self._stamp(k, missing)  # verified as they arrived
             with self._guard:
-                self.shard_downloads += 1
+                self.shard_downloads += files is None
         finally:
             for part in parts:
                 part.close()
@@ -370,7 +418,7 @@ class ShardCache:
             if over > 0:  # entries no process has open go first, then this entry's shards
                 freed, self._others = cachedir.evict(self._others, over)
                 over -= freed
-            if over <= 0 or self._evict(over, rank, ledger):
+            if over <= 0 or evict(self, over, rank, ledger):
                 return True
         return False
 
@@ -381,59 +429,7 @@ class ShardCache:
 
     def _count(self) -> tuple[int, np.ndarray]:
         """`usage()` and whether each shard has any data file, from one listing of each shard dir."""
-        total, present = 0, np.zeros(len(self.bulk), dtype=bool)
-        for k in range(len(self.bulk)):
-            try:
-                entries = list(os.scandir(self.shard_dir(k)))
-            except FileNotFoundError:
-                continue
-            names = {e.path.rsplit("/", 1)[-1] for e in self.bulk[k]}
-            for item in entries:
-                if item.name in names:
-                    total += size_of(item)
-                    present[k] = True
-                elif ".part-" in item.name:
-                    if abandoned(item.path):
-                        continue
-                    total += size_of(item)
-        return total, present
-
-    def _evict(self, over: int, rank: float | None, ledger: Ledger) -> bool:
-        """Remove unpinned shards, then this process's soft pins, farthest next use first
-        (for a fetch ahead at `rank`, only those used after it), until `over` bytes are freed."""
-        next_use = self.next_use or (lambda j: float("inf"))
-        with self._guard:
-            mine, soft = set(self._pins), set(self._soft)
-        present = [j for j in ledger.present() if j not in mine]
-
-        def last_use(j):
-            try:
-                return (self.shard_dir(j) / PIN).stat().st_mtime_ns
-            except FileNotFoundError:
-                return 0
-        later = (lambda j: True) if rank is None else (lambda j: next_use(j) > rank)
-        # used farthest ahead first; beyond what the order ahead shows, the shard used last
-        # first: an order that goes round (sequential, blocks, an epoch's end) uses it last again
-        candidates = sorted((j for j in present if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
-        candidates += sorted((j for j in soft if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
-        for j in candidates:
-            if j in soft:
-                self.release(j)
-            with open(self.shard_dir(j) / PIN, "ab") as pin:
-                if not flock(pin, block=False):
-                    continue  # another process reads it
-                for entry in self.bulk[j]:
-                    try:
-                        size = (self.root / entry.path).stat().st_size
-                        os.unlink(self.root / entry.path)
-                    except FileNotFoundError:
-                        continue
-                    over -= size
-                    ledger.add(-size)
-                ledger.add(0, j, present=False)
-            if over <= 0:
-                return True
-        return False
+        return count_files(self.root, [self.shard_dir(k) for k in range(len(self.bulk))], self.bulk)
 
 
 def _by_dir(entries: list[fmt.FileEntry]) -> dict[str, list[fmt.FileEntry]]:

@@ -18,11 +18,17 @@ def _answer(request: dict, stores: dict) -> dict:
     if request["op"] == "manifest":
         name, text = transfer.read_pointer(Remote(request["url"]))
         return {"name": name, "text": text}
-    doc = request["entry"]
-    entry = fmt.FileEntry(doc["path"], doc["size_bytes"], doc["checksum"]["hex"], doc["checksum"]["algo"])
     url = request["url"]
     if url not in stores:
         stores[url] = client.store(Remote(url))
+    if request["op"] == "range":
+        return {"fits": transfer.get_range(lambda: stores[url], url, request["path"], request["start"], request["end"],
+                                           Path(request["target"]))}
+    if request["op"] == "small":
+        got = transfer.get_small(lambda: stores[url], url, request["path"], request["size"])
+        return {"hex": None if got is None else got.hex()}
+    doc = request["entry"]
+    entry = fmt.FileEntry(doc["path"], doc["size_bytes"], doc["checksum"]["hex"], doc["checksum"]["algo"])
     temp = open(request["temp"], "r+b") if request["temp"] else None
     try:
         packed = fmt.ArchiveFile(**request["packed"]) if request.get("packed") else None

@@ -56,8 +56,10 @@ def check_first_batches(source, epochs) -> None:
 
 
 def check_room(gather, batch_ids, num_batches: int) -> None:
-    """A ConfigError when one of the first batches reads more shard bytes than the cache limit
-    leaves this process: its batches could never be gathered."""
+    """Where one of the first batches reads more shard bytes than the cache limit leaves this
+    process, the pass reads by rows (`gather.rows_pass`, `packer.remote.rows`) where every
+    limited cache can; else a ConfigError: its batches could never be gathered."""
+    gather.rows_pass = False
     room = budgets(gather)
     for b in range(min(num_batches, FIRST_BATCHES)):
         need: dict = {}
@@ -66,6 +68,10 @@ def check_room(gather, batch_ids, num_batches: int) -> None:
             cache = gather.cache_of(g)
             if cache is not None and id(cache) in room:
                 need[id(cache)] = need.get(id(cache), 0) + gather.shard_bytes(g)
+        over = [key for key, nbytes in need.items() if nbytes > room[key]]
+        if over and all(gather._rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
+            gather.rows_pass = True
+            return
         for key, nbytes in need.items():
             cache = next(r.cache for r in gather.readers if id(r.cache) == key)
             check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
@@ -88,7 +94,7 @@ class Lookahead:
             if r.cache is not None:
                 r.cache.next_use = _NextUse(self, first)
             first += len(r.shard_ends)
-        gather.lookahead = self
+        gather.lookahead, gather.cold = self, True  # a pass's first batch: shards not held come by rows
         self._thread = threading.Thread(target=self._run, daemon=True, name="mmpack-fetch")
         self._thread.start()
 
@@ -133,6 +139,8 @@ class Lookahead:
         failed: set = set()  # fetched again by the gather, which raises what went wrong
         no_room: dict = {}  # shard -> the batch at which the limit had no room for it: tried again at the next
         shards_of: dict = {}
+        if self.gather.rows_pass:  # its batches' rows come by range: whole shards fetched ahead would only churn
+            return
         with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="mmpack-download") as pool:
             while not self._stop.is_set():
                 self._wake.clear()

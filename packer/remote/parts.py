@@ -9,6 +9,8 @@ import os
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from packer.system import flock
 
 PIN = ".pin"  # in each shard dir: shared flocks of the processes that map it
@@ -78,3 +80,26 @@ def abandoned(path: str) -> bool:
             return True
     except FileNotFoundError:
         return True
+
+
+def count_files(root: Path, shard_dirs: list[Path], bulk: list) -> tuple[int, np.ndarray]:
+    """Bytes of an entry's data files, live part files and live scratch dirs (a dead writer's
+    removed), and whether each shard has any data file, from one listing of each shard dir."""
+    from packer.remote.rows import scratch_bytes
+
+    total, present = 0, np.zeros(len(bulk), dtype=bool)
+    for k, where in enumerate(shard_dirs):
+        try:
+            entries = list(os.scandir(where))
+        except FileNotFoundError:
+            continue
+        names = {e.path.rsplit("/", 1)[-1] for e in bulk[k]}
+        for item in entries:
+            if item.name in names:
+                total += size_of(item)
+                present[k] = True
+            elif ".part-" in item.name:
+                if abandoned(item.path):
+                    continue
+                total += size_of(item)
+    return total + scratch_bytes(root), present

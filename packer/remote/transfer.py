@@ -34,7 +34,7 @@ from packer.dataset.outdir import write_atomic
 from packer.dataset.reader import DatasetReader
 from packer.dataset.writer import checksum_file
 from packer.errors import IntegrityError
-from packer.remote import client
+from packer.remote import blocks, client
 from packer.remote.url import Remote
 from packer.system import flock
 
@@ -89,8 +89,30 @@ def push(out: str | Path, url: str, *, zstd: int | None = None) -> fmt.Manifest:
     uploads = [(f.path, f.size_bytes, f"{f.algo}:{f.checksum}") for f in files_of(manifest)]
     uploads += [(f"{g}/{fmt.MANIFEST_NAME}", *_whole(root / g / fmt.MANIFEST_NAME)) for g in generations
                 if (root / g / fmt.MANIFEST_NAME).is_file()]
+    uploads += block_lists(manifest, root)
     _publish(Remote(url), root, uploads, fmt.MANIFEST_NAME, manifest.to_json())
     return manifest
+
+
+def block_lists(manifest: fmt.Manifest, root: Path) -> list[tuple]:
+    """The block list of each file a reader reads by rows (`blocks.ranged`), as uploads: its
+    size, its checksum (the file's own: FORMAT.md 9) and its bytes, made only where the store
+    lacks it (a push run again reads no file for one it holds)."""
+    block = blocks.ranged(manifest)
+
+    def made(entry: fmt.FileEntry):
+        def read() -> bytes:
+            digest = fmt.FileChecksum(keep=True)
+            with open(root / entry.path, "rb") as f:
+                while piece := f.read(8 * 2**20):
+                    digest.update(piece)
+            if digest.hexdigest() != entry.checksum:
+                raise IntegrityError(f"{root / entry.path}: its bytes do not match the manifest's checksum; run "
+                                     f"'packer verify {root}' before pushing it")
+            return digest.digests()
+        return read
+    return [(e.path + blocks.BLOCKS, blocks.DIGEST * blocks.num_blocks(e.size_bytes, block[e.path]), f"xxh3_128:{e.checksum}",
+             made(e)) for s in manifest.shards for e in s.files if e.path in block]
 
 
 def _push_archive(root: Path, url: str) -> fmt.Manifest:
@@ -108,18 +130,21 @@ def _holds(obs, store, key: str, size: int, checksum: str) -> bool:
     return got is not None and got.meta["size"] == size and got.attributes.get(CHECKSUM_KEY) == checksum
 
 
-def _publish(remote: Remote, root: Path, uploads: list[tuple[str, int, str]], pointer: str, doc: str) -> None:
-    """`uploads` (path, size, checksum) from `root`, each unless the store holds it with that
+def _publish(remote: Remote, root: Path, uploads: list[tuple], pointer: str, doc: str) -> None:
+    """`uploads` (path, size, checksum[, a function giving its bytes]) from `root`, each unless the store holds it with that
     content already and checked after upload, then `doc` as `pointer`, then the other form's
     pointer removed: a reader sees the old dataset or the new one."""
     obs = client.obstore(remote)
     store = client.store(remote)
-    for path, size, checksum in uploads:
+    for path, size, checksum, *made in uploads:
         with client.errors(remote, f"upload {path}"):
             if _holds(obs, store, remote.key(path), size, checksum):
                 continue
-            with open(root / path, "rb") as f:
-                obs.put(store, remote.key(path), f, attributes={CHECKSUM_KEY: checksum})
+            if made:  # bytes made for the store (a block list), not a file of the dir
+                obs.put(store, remote.key(path), made[0](), attributes={CHECKSUM_KEY: checksum})
+            else:
+                with open(root / path, "rb") as f:
+                    obs.put(store, remote.key(path), f, attributes={CHECKSUM_KEY: checksum})
             if not _holds(obs, store, remote.key(path), size, checksum):
                 raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another object; push again")
     with client.errors(remote, f"upload {pointer}"):
@@ -299,6 +324,48 @@ def _get_ranges(obs, store, key: str, f, size: int, digest) -> bool:
         digest.update(os.pread(f.fileno(), min(RANGE_BYTES, size - start), start))
     f.seek(size)
     return fits
+
+
+def get_range(store_of, url: str, path: str, start: int, end: int, target: Path) -> bool:
+    """Bytes [start, end) of the object at `path` written at the same offsets of the file
+    `target` (here, or by the helper in a process forked after a request), read as a stream and
+    stopped at the range's end: False when the answer was longer (a short one leaves bytes the
+    caller's check refuses)."""
+    if not client.fork_safe():
+        return client.Helper.get().call({"op": "range", "url": url, "path": path, "start": start, "end": end,
+                                         "target": str(target)})["fits"]
+    remote = Remote(url)
+    obs = client.obstore(remote)
+    at = start
+    with client.errors(remote, f"download {path}"), open(target, "r+b") as f:
+        for chunk in obs.get(store_of(), remote.key(path), options={"range": (start, end)}):
+            if at + len(chunk) > end:
+                return False
+            os.pwrite(f.fileno(), memoryview(chunk), at)
+            at += len(chunk)
+    return True
+
+
+def get_small(store_of, url: str, path: str, size: int) -> bytes | None:
+    """The object at `path`, expected to be `size` bytes (a block list): None where there is
+    none, or where it is longer (never buffered past `size`)."""
+    if not client.fork_safe():
+        got = client.Helper.get().call({"op": "small", "url": url, "path": path, "size": size})["hex"]
+        return None if got is None else bytes.fromhex(got)
+    remote = Remote(url)
+    obs = client.obstore(remote)
+    out = bytearray()
+    with client.errors(remote, f"download {path}"):
+        try:
+            for chunk in obs.get(store_of(), remote.key(path)):
+                out += chunk
+                if len(out) > size:
+                    return None
+        except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
+            if client.not_found(exc):
+                return None
+            raise
+    return bytes(out)
 
 
 def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None,

@@ -267,10 +267,14 @@ def _local_build(url: str):
 def _bytes_on_disk(root) -> int:
     """The bytes of the files under root, from one walk that no rename crossed: the Loader's
     downloads run beside the test, and a `.part` file renamed between the listing and its stat
-    is gone (a walk that skipped it could miss its bytes under the final name too)."""
+    is gone (a walk that skipped it could miss its bytes under the final name too). A sparse
+    file (the rows a reader fetched by range) counts what the disk holds of it."""
+    def held(p) -> int:
+        got = p.stat()
+        return min(got.st_size, got.st_blocks * 512)
     while True:
         try:
-            return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+            return sum(held(p) for p in root.rglob("*") if p.is_file())
         except FileNotFoundError:
             continue
 
@@ -487,6 +491,148 @@ def test_a_sequential_order_at_half_the_dataset_fetches_about_half_of_it_each_ep
             assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
         shares.append((ds.bytes_downloaded - before) / total)
     assert shares[0] <= 1.05 and all(s <= 0.6 for s in shares[1:]), shares
+
+
+@pytest.fixture(scope="module")
+def large_rows(tmp_path_factory):
+    """Photos of 112 x 112 (rows of 37,632 bytes: a block each, so read by rows) in 12 shards."""
+    from bench import data
+
+    root = tmp_path_factory.mktemp("rows")
+    data.make_image_folders(root / "raw", 96, seed=5, max_side=160)
+    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", "112", "--shard-size", "8", "-q"]) == 0
+    return root / "out"
+
+
+def _through_proxy(s3, monkeypatch):
+    from ..faulty_proxy import FaultyProxy
+
+    proxy = FaultyProxy(s3, [], target="/shard-")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    return proxy
+
+
+def test_random_order_at_a_third_of_the_dataset_reads_its_rows_by_range_within_the_limit(s3, large_rows, tmp_path,
+                                                                                        monkeypatch):
+    """A random batch reads every shard, so whole shards under a limit of a third were refused (or
+    fetched the dataset many times an epoch): the rows come by ranged GETs of their blocks, each
+    checked against the file's block list, about the dataset once an epoch as counted by a proxy,
+    and the batches are the local ones, in a Loader and in forked DataLoader workers."""
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local, total = MMapDataset(large_rows), _shard_bytes(large_rows)
+    fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes
+    limit, cache = fixed + total * 3 // 10, tmp_path / "third"
+    proxy = _through_proxy(s3, monkeypatch)
+    try:
+        ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+        for epoch in range(2):
+            before = proxy.body_bytes
+            for a, b in zip(Loader(ds, 16, seed=3), Loader(local, 16, seed=3), strict=True):
+                assert a["key"] == b["key"] and torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+                assert _bytes_on_disk(cache) <= limit
+            assert (proxy.body_bytes - before) / total <= 1.2, (epoch, (proxy.body_bytes - before) / total)
+        assert ds.traffic["gets"] > 2 * len(local) // 16  # ranges, not shards
+        # forked DataLoader workers (their requests through the helper) read by rows too
+        from loaders import StatefulDataLoader
+
+        got = StatefulDataLoader(ds.batched(16, seed=3), num_workers=2, multiprocessing_context="fork", timeout=120)
+        for a, b in zip(got, Loader(local, 16, seed=3), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert _bytes_on_disk(cache) <= limit
+    finally:
+        proxy.close()
+
+
+ROWS_READER = """
+import sys
+from loaders import Loader, MMapDataset
+ds = MMapDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))
+for epoch in range(100):
+    for batch in Loader(ds, 16, seed=epoch, num_threads=1):
+        print(epoch, flush=True)
+"""
+
+
+def test_a_reader_by_rows_killed_at_any_instant_leaves_nothing_a_later_reader_would_use(s3, large_rows, tmp_path):
+    """A scratch is its process's own: killed mid-fetch, it is never read by another, and the
+    next count of the entry removes it and its bytes."""
+    import subprocess
+    import sys
+    import time
+
+    from packer.remote.rows import SCRATCH
+
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local, cache = MMapDataset(large_rows), tmp_path / "killed"
+    limit = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes + _shard_bytes(large_rows) * 3 // 10
+    for delay in (0.0, 0.05, 0.2):
+        proc = subprocess.Popen([sys.executable, "-c", ROWS_READER, url, str(cache), str(limit)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert proc.stdout.readline()  # reading: a batch made
+        time.sleep(delay)
+        proc.kill()
+        proc.wait()
+        ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+        for a, b in zip(Loader(ds, 16, seed=7), Loader(local, 16, seed=7), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+            assert _bytes_on_disk(cache) <= limit
+        with ds.reader.cache._accounting() as ledger:
+            ledger.recount()  # what a reader that finds no room does: the dead scratch goes
+            assert ledger.used == ds.reader.cache.usage()
+        assert not [p for p in cache.rglob(f"{SCRATCH}/*") if str(proc.pid) in p.name]
+
+
+def test_a_cold_first_batch_waits_for_its_rows_not_every_shard_it_touches(s3, large_rows, tmp_path, monkeypatch):
+    """The first batch of a random order touches most shards: it comes by ranged reads of its
+    rows (and its shards' small files), far less than the dataset, then whole shards as before."""
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local, total = MMapDataset(large_rows), _shard_bytes(large_rows)
+    proxy = _through_proxy(s3, monkeypatch)
+    try:
+        ds = MMapDataset(url, cache_dir=tmp_path / "cold")
+        got, want = iter(ds.batched(8, seed=4)), iter(local.batched(8, seed=4))
+        first, mine = next(got), next(want)
+        assert first["key"] == mine["key"] and torch.equal(first["image"], mine["image"])
+        keys = [k for b in Loader(local, 8, shuffle=False) for k in b["key"]]
+        touched = {local.reader.locate(keys.index(k))[0] for k in first["key"]}
+        assert len(touched) >= 4 and proxy.body_bytes < total / 4, (touched, proxy.body_bytes / total)
+        for a, b in zip(got, want, strict=True):  # then whole shards, as before
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+    finally:
+        proxy.close()
+
+
+def test_a_damaged_range_is_fetched_again_then_refused_naming_the_object_and_a_damaged_list_reads_whole(
+        s3, large_rows, tmp_path):
+    """A block whose bytes do not match its list is fetched once more, then an IntegrityError
+    names the object; a block list that does not match the manifest is not used (the file comes
+    whole, verified as before)."""
+    from packer.remote import client
+    from packer.remote.url import Remote
+
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local = MMapDataset(large_rows)
+    image = next(f for f in local.manifest.shards[0].files if f.path.endswith("image.npy"))
+    remote = Remote(url)
+    store, obs = client.store(remote), client.obstore(remote)
+    data = bytearray((large_rows / image.path).read_bytes())
+    data[fmt.NPY_HEADER_BYTES + 5] ^= 0x01  # in the first row, its size kept
+    obs.put(store, remote.key(image.path), bytes(data))
+    ds = MMapDataset(url, cache_dir=tmp_path / "c")
+    with pytest.raises(IntegrityError, match=f"{image.path}: bytes 0 to .* do not match its block list"):
+        next(iter(ds.batched(4, shuffle=False)))
+    assert main(["push", str(large_rows), url]) == 0  # repaired
+    listed = bytearray(bytes(obs.get(store, remote.key(image.path + ".blocks")).bytes()))
+    listed[20] ^= 0xFF
+    obs.put(store, remote.key(image.path + ".blocks"), bytes(listed))
+    ds = MMapDataset(url, cache_dir=tmp_path / "d")
+    got, want = next(iter(ds.batched(4, shuffle=False))), next(iter(local.batched(4, shuffle=False)))
+    assert torch.equal(got["image"], want["image"])
+    assert ds.traffic["bytes"] >= image.size_bytes  # the file came whole
 
 
 def test_ranks_on_separate_caches_each_fetch_their_part_of_the_epoch(s3, built, tmp_path):

@@ -50,11 +50,19 @@ def data_block_bytes(header: bytes) -> int:
 
 class FileChecksum:
     """CHECKSUM of a column file fed its bytes in order, in pieces of any size (update /
-    hexdigest, like hashlib). A file shorter than a header is one block of what it holds."""
+    hexdigest, like hashlib). A file shorter than a header is one block of what it holds.
+    `keep`: its blocks' digests kept too (`digests()`): the block list a push puts beside a
+    column file in object storage, which lets a reader check a range of it (FORMAT.md 9)."""
 
-    def __init__(self):
+    def __init__(self, keep: bool = False):
         self._head, self._block, self._left = bytearray(), 0, 0
         self._blocks, self._current = xxhash.xxh3_128(), xxhash.xxh3_128()
+        self._kept = bytearray() if keep else None
+
+    def _add(self, digest: bytes) -> None:
+        self._blocks.update(digest)
+        if self._kept is not None:
+            self._kept += digest
 
     def update(self, data) -> None:
         view = memoryview(data).cast("B")
@@ -64,14 +72,14 @@ class FileChecksum:
             view = view[need:]
             if len(self._head) < NPY_HEADER_BYTES:
                 return
-            self._blocks.update(block_digest(self._head))
+            self._add(block_digest(self._head))
             self._block = self._left = data_block_bytes(bytes(self._head))
         while len(view):
             take = min(self._left, len(view))
             self._current.update(view[:take])
             view, self._left = view[take:], self._left - take
             if not self._left:
-                self._blocks.update(self._current.digest())
+                self._add(self._current.digest())
                 self._current.reset()
                 self._left = self._block
 
@@ -82,6 +90,16 @@ class FileChecksum:
         elif self._left != self._block:  # the last block, shorter
             blocks.update(self._current.digest())
         return blocks.hexdigest()
+
+    def digests(self) -> bytes:
+        """The blocks' digests in file order, 16 bytes each (made with `keep`): their XXH3-128
+        is the file's checksum."""
+        out = bytes(self._kept)
+        if not self._block:
+            out += block_digest(self._head)
+        elif self._left != self._block:
+            out += self._current.digest()
+        return out
 
 
 def new_checksum():
