@@ -5,13 +5,15 @@ A pass's batches are a pure function of integers (`loaders.order.sampler`), so t
 knows them: it walks the next AHEAD_BATCHES batches' ids (past the pass's end, the next epoch's
 first batches: what it starts with stays in the cache), lists their shards in order of first
 use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: all of it
-without a cache limit; under one, the shards of the next PREFETCH_BATCHES batches, in at most
-half of what the limit leaves this process (the limit less the index files, shared by the
-node's ranks, LOCAL_WORLD_SIZE). The rest of the room keeps shards read already, which an order
-that goes round reads again: a sequential scan at half the dataset's size fetches about half of
-it an epoch, where a window of the whole room fetched all of it. The same list orders eviction:
-a shard the list does not hold is evicted first (the one read last first), then the one used
-farthest ahead (`ShardCache.next_use`).
+without a cache limit; under one, the next batch's shards and those of the few after it (at
+most PREFETCH_SHARDS, within PREFETCH_BATCHES batches), in at most half of what the limit leaves
+this process (the limit less the index files, shared by the node's ranks, LOCAL_WORLD_SIZE).
+The rest of the room keeps shards read already, which an order that goes round reads again: a
+sequential scan at half the dataset's size fetches about half of it an epoch, where a window of
+the whole room fetched all of it. The same list orders eviction: a shard the list does not hold
+is evicted first (the one read last first), then the one used farthest ahead
+(`ShardCache.next_use`). A pass whose batches read by rows (`packer.remote.rows`: a batch's
+shards do not fit the limit) fetches no whole shard ahead: they would only evict each other.
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ from packer.remote.limits import check_limit
 from packer.remote.transfer import DOWNLOADS
 
 AHEAD_BATCHES = 64  # how far ahead the lookahead reads the order: its horizon (eviction's next uses)
-PREFETCH_BATCHES = 8  # how far ahead a limited cache fetches
+PREFETCH_BATCHES = 8  # how far ahead a limited cache fetches, in batches
+# and in shards: each shard fetched ahead takes a place in the cache from one an order that goes
+# round would read again (a sequential scan at half the cache fetched 0.8x the dataset an epoch
+# with a window of 8 batches of 64 over 55-image shards, 9 shards)
+PREFETCH_SHARDS = 4
 FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
 
 
@@ -131,8 +137,15 @@ class Lookahead:
         return order
 
     def _near(self, shards_of: dict) -> set:
-        """The shards of the next PREFETCH_BATCHES batches (those `_plan` listed)."""
-        return {g for b in range(self._now, self._now + PREFETCH_BATCHES) for g in shards_of.get(b, ())}
+        """The shards of the next batches (those `_plan` listed): the next one's, and those of
+        the ones after it while they come to at most PREFETCH_SHARDS, within PREFETCH_BATCHES."""
+        near: set = set()
+        for b in range(self._now, self._now + PREFETCH_BATCHES):
+            got = set(shards_of.get(b, ()))
+            if near and len(near | got) > PREFETCH_SHARDS:
+                break
+            near |= got
+        return near
 
     def _run(self) -> None:
         pending: dict = {}

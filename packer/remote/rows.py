@@ -17,12 +17,13 @@ The rules, each for what a reader must never see:
   like any shard's files while the batch maps them.
 - The scratch is this process's alone (a dir under the entry's `.rows`, flocked by its owner):
   no other process reads it, so a process killed mid-write leaves nothing another would use,
-  and the next count of the entry removes it. It holds one batch's rows and goes at the next
-  batch (`drop`): a random order reads each row once an epoch, so rows kept longer are never
-  read again before they would be evicted. Its bytes are reserved in the entry's ledger before
-  they are fetched, so the cache dir stays within its limit.
+  and the next count of the entry removes it. It holds one batch's rows while the batch is
+  gathered (`drop` once it is copied): a random order reads each row once an epoch, so rows
+  kept longer are never read again before they would be evicted. Its bytes are reserved in the
+  entry's ledger before they are fetched, so the cache dir stays within its limit.
 - Neighbouring blocks come in one request, up to REQUEST_BYTES (object stores charge and pace
-  by the request), DOWNLOADS requests at once.
+  by the request), ROW_REQUESTS requests at once; a file's header block is checked once and
+  written from memory after that.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from packer.system import flock
 
 SCRATCH = ".rows"  # in the entry: each process's scratch dir, beside its lock file
 REQUEST_BYTES = 8 * 2**20  # neighbouring blocks come in one ranged GET of at most this
+ROW_REQUESTS = 32  # ranged GETs at once: each is small, so their latency, not the link, bounds the rate
 
 
 def requests(blocks: np.ndarray, size: int, block: int) -> list[tuple[int, int]]:
@@ -98,6 +100,7 @@ class Rows:
         self.block = ranged(cache.manifest)  # path -> data block bytes
         self.entries = {e.path: e for files in cache.bulk for e in files if e.path in self.block}
         self._lists: dict[str, bytes | None] = {}
+        self._heads: dict[str, bytes] = {}  # each file's header block, once checked
         self._state = _Scratch(cache)
         self._usable = None
         self._guard = threading.Lock()
@@ -187,6 +190,11 @@ class Rows:
                         f.truncate(entry.size_bytes)  # sparse: only what is fetched takes room
                     have = state.have[path] = np.zeros(num_blocks(entry.size_bytes, block), bool)
             need = blocks_of(wanted, entry.size_bytes, block)
+            head = self._heads.get(path)
+            if head is not None and not have[0]:  # the header, checked once: written, not fetched again
+                with open(target, "r+b") as f:
+                    os.pwrite(f.fileno(), head, 0)
+                have[0] = True
             need = need[~have[need]]
             todo += [(entry, block, target, a, b) for a, b in requests(need, entry.size_bytes, block)]
         if not todo:
@@ -195,7 +203,7 @@ class Rows:
         self.cache.reserve(self, nbytes)
         with self._guard:
             state.reserved += nbytes
-        with ThreadPoolExecutor(min(DOWNLOADS, len(todo))) as pool:
+        with ThreadPoolExecutor(min(ROW_REQUESTS, len(todo))) as pool:
             for done in [pool.submit(self._one, *job) for job in todo]:
                 done.result()
         return where
@@ -213,6 +221,9 @@ class Rows:
             if fits and self._check(target, digests, a, b, size, block):
                 with self._guard:
                     self._state.have[entry.path][a:b + 1] = True
+                if a == 0:
+                    with open(target, "rb") as f:
+                        self._heads[entry.path] = os.pread(f.fileno(), block_span(0, size, block)[1], 0)
                 return
         raise IntegrityError(f"{Remote(self.cache.url).where(entry.path)}: bytes {start:,} to {end:,} do not match its block list "
                              "(fetched twice); the remote dataset is damaged: push it again")
