@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from packer.remote import check_first_batches
+from packer.remote import Lookahead, check_first_batches
 
 from loaders.source import as_source, epochs_of
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
@@ -24,17 +24,32 @@ class EpochDataset(torch.utils.data.IterableDataset):
         self._epochs.set_epoch(epoch)
         self._epoch_given = True
 
-    def _worker_pass(self):
+    def _worker_pass(self, source=None):
         """(pass, batch number) of this worker's share of the next pass: worker w makes batches
         w, w+k, ..., which DataLoader takes round-robin, so the order is the same for any k. At
-        the pass's end the epochs move on (in-process, or in a persistent worker's copy)."""
+        the pass's end the epochs move on (in-process, or in a persistent worker's copy). Over a
+        URL (`source`, the gather of a remote dataset), the shards of this worker's coming
+        batches are fetched ahead, as a Loader's are (`packer.remote.Lookahead`)."""
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         if info is not None and info.id == 0:
             warn_if_epochs_repeat(self._epochs, self._epoch_given)
         p = self._epochs.start()
-        for b in worker_batches(p.num_batches, worker, workers):
-            yield p, b
+        mine = worker_batches(p.num_batches, worker, workers)
+        ahead = None
+        if getattr(source, "remote", False) and len(mine) and not source.all_mapped():
+            ids, total = self._epochs.ahead_of(p)
+            # this worker's batches of the pass, then of the next one (what its cache should keep)
+            plan = list(mine) + [p.num_batches + b for b in worker_batches(total - p.num_batches, worker, workers)]
+            ahead = Lookahead(source, lambda i: ids(plan[i]), len(plan))
+        try:
+            for i, b in enumerate(mine):
+                if ahead is not None:
+                    ahead.at(i)
+                yield p, b
+        finally:
+            if ahead is not None:
+                ahead.close()
         self._epochs.taken(p, p.num_batches)
 
 
@@ -67,7 +82,7 @@ class BatchedDataset(EpochDataset):
         return self.source.gather(ids, self.source.alloc(len(ids), memory))
 
     def __iter__(self):
-        for p, b in self._worker_pass():
+        for p, b in self._worker_pass(self.source):
             yield self.make(p, b)
 
 

@@ -585,24 +585,50 @@ def test_a_reader_by_rows_killed_at_any_instant_leaves_nothing_a_later_reader_wo
 
 
 def test_a_cold_first_batch_waits_for_its_rows_not_every_shard_it_touches(s3, large_rows, tmp_path, monkeypatch):
-    """The first batch of a random order touches most shards: it comes by ranged reads of its
-    rows (and its shards' small files), far less than the dataset, then whole shards as before."""
+    """The first batch of a pass (here a gather's first, without the fetch ahead that a Loader or
+    `ds.batched` runs beside it) touches most shards: it comes by ranged reads of its rows (and its
+    shards' small files), far less than the dataset; the next batches come in whole shards."""
     url = _url(tmp_path, "rows")
     assert main(["push", str(large_rows), url]) == 0
     local, total = MMapDataset(large_rows), _shard_bytes(large_rows)
+    keys = [k for b in Loader(local, 8, shuffle=False) for k in b["key"]]
+    ids = np.random.default_rng(4).permutation(len(local))[:8]
     proxy = _through_proxy(s3, monkeypatch)
     try:
         ds = MMapDataset(url, cache_dir=tmp_path / "cold")
-        got, want = iter(ds.batched(8, seed=4)), iter(local.batched(8, seed=4))
-        first, mine = next(got), next(want)
-        assert first["key"] == mine["key"] and torch.equal(first["image"], mine["image"])
-        keys = [k for b in Loader(local, 8, shuffle=False) for k in b["key"]]
-        touched = {local.reader.locate(keys.index(k))[0] for k in first["key"]}
+        gather = ds.batch_source()
+        first = gather.gather(ids, gather.alloc(8, "plain"))
+        assert first["key"] == [keys[i] for i in ids] and torch.equal(first["image"], local.batch_source().gather(
+            ids, local.batch_source().alloc(8, "plain"))["image"])
+        touched = {ds.reader.locate(int(i))[0] for i in ids}
         assert len(touched) >= 4 and proxy.body_bytes < total / 4, (touched, proxy.body_bytes / total)
-        for a, b in zip(got, want, strict=True):  # then whole shards, as before
+        assert not any(ds.reader.cache.present(k) for k in touched)
+        second = gather.gather(ids, gather.alloc(8, "plain"))  # then whole shards, as before
+        assert second["key"] == first["key"] and all(ds.reader.cache.present(k) for k in touched)
+        for a, b in zip(ds.batched(8, seed=4), local.batched(8, seed=4), strict=True):
             assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
     finally:
         proxy.close()
+
+
+def test_ds_batched_over_a_url_fetches_its_coming_batches_shards_ahead(s3, large_rows, tmp_path):
+    """`ds.batched` (what a DataLoader or StatefulDataLoader iterates) fetches the shards of its
+    worker's coming batches ahead, as Loader does: shards the pass reads later arrive while it
+    still waits at its first batch."""
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local = MMapDataset(large_rows)
+    ds = MMapDataset(url, cache_dir=tmp_path / "c")
+    got, want = iter(ds.batched(8, shuffle=False)), iter(local.batched(8, shuffle=False))
+    first = next(got)
+    assert first["key"] == next(want)["key"]
+    cache, last = ds.reader.cache, len(local.manifest.shards) - 1
+    deadline = time.monotonic() + 60
+    while not cache.present(last) and time.monotonic() < deadline:  # the pass's last shard, not asked for yet
+        time.sleep(0.05)
+    assert cache.present(last)
+    for a, b in zip(got, want, strict=True):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
 
 
 def test_a_damaged_range_is_fetched_again_then_refused_naming_the_object_and_a_damaged_list_reads_whole(
