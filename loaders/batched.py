@@ -3,6 +3,7 @@ with `MMapIterableDataset`, the epochs and each worker's share of a pass (`Epoch
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -20,6 +21,32 @@ class EpochDataset(torch.utils.data.IterableDataset):
     _epochs: Epochs
     _epoch_given = False
 
+    def _fetch_ahead(self, source, p: Pass, b: int) -> None:
+        """Over a URL (`source`: the gather of a remote dataset), the shards of this worker's
+        coming batches of pass p fetched ahead, as a Loader's are (`packer.remote.Lookahead`):
+        its batches w, w+k, ... of the pass, then of the next (what its cache should keep); `b`:
+        the batch it makes now."""
+        if not getattr(source, "remote", False):
+            return
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        state = getattr(self, "_ahead", None)
+        if state is None or state[0] != os.getpid() or state[1] != p:
+            self._end_ahead()
+            if source.all_mapped():
+                return
+            ids, total = self._epochs.ahead_of(p)
+            plan = list(worker_batches(p.num_batches, worker, workers))
+            plan += [p.num_batches + c for c in worker_batches(total - p.num_batches, worker, workers)]
+            state = self._ahead = (os.getpid(), p, Lookahead(source, lambda i: ids(plan[i]), len(plan)))
+        state[2].at((b - worker) // workers)
+
+    def _end_ahead(self) -> None:
+        state = getattr(self, "_ahead", None)
+        if state is not None and state[0] == os.getpid():
+            state[2].close()
+        self._ahead = None
+
     def set_epoch(self, epoch: int) -> None:
         self._epochs.set_epoch(epoch)
         self._epoch_given = True
@@ -35,21 +62,12 @@ class EpochDataset(torch.utils.data.IterableDataset):
         if info is not None and info.id == 0:
             warn_if_epochs_repeat(self._epochs, self._epoch_given)
         p = self._epochs.start()
-        mine = worker_batches(p.num_batches, worker, workers)
-        ahead = None
-        if getattr(source, "remote", False) and len(mine) and not source.all_mapped():
-            ids, total = self._epochs.ahead_of(p)
-            # this worker's batches of the pass, then of the next one (what its cache should keep)
-            plan = list(mine) + [p.num_batches + b for b in worker_batches(total - p.num_batches, worker, workers)]
-            ahead = Lookahead(source, lambda i: ids(plan[i]), len(plan))
         try:
-            for i, b in enumerate(mine):
-                if ahead is not None:
-                    ahead.at(i)
+            for b in worker_batches(p.num_batches, worker, workers):
+                self._fetch_ahead(source, p, b)
                 yield p, b
         finally:
-            if ahead is not None:
-                ahead.close()
+            self._end_ahead()
         self._epochs.taken(p, p.num_batches)
 
 
@@ -74,9 +92,13 @@ class BatchedDataset(EpochDataset):
     def __len__(self) -> int:
         return self._epochs.num_batches()
 
-    def make(self, p: Pass, b: int):
+    def make(self, p: Pass, b: int, ahead: bool = False):
         """Batch b of pass p in fresh memory: shared memory in a DataLoader worker, so DataLoader
-        hands it to the main process by descriptor, without a copy (as default_collate does)."""
+        hands it to the main process by descriptor, without a copy (as default_collate does).
+        `ahead`: the shards of the worker's next batches fetched meanwhile (StatefulDataLoader's
+        keyed batches, which come to a worker in the same round-robin)."""
+        if ahead:
+            self._fetch_ahead(self.source, p, b)
         memory = "shared" if torch.utils.data.get_worker_info() else "plain"
         ids = self._epochs.batch_ids(p, b)
         return self.source.gather(ids, self.source.alloc(len(ids), memory))

@@ -30,7 +30,7 @@ class _Keyed(torch.utils.data.Dataset):
         self.batches = batches
 
     def __getitem__(self, key: tuple[Pass, int]):
-        return self.batches.make(*key)
+        return self.batches.make(*key, ahead=True)
 
 
 class _PassKeys(torch.utils.data.Sampler):

@@ -213,6 +213,19 @@ class Run:
 
 
 @dataclass(kw_only=True)
+class RemoteTraffic:
+    """What the loop's loader brought over the link for its datasets in object storage, on this
+    node (every process: DataLoader workers too): bytes, GET requests, shards downloaded and
+    shards found in the node's cache."""
+
+    urls: list[str]
+    bytes: int
+    gets: int
+    shard_downloads: int
+    shard_hits: int
+
+
+@dataclass(kw_only=True)
 class Loop:
     """The loop of the loader iterated most: each next() a wait, each gap between batches a step."""
 
@@ -226,6 +239,7 @@ class Loop:
     samples: int
     model_samples_per_s: float | None
     per_step: list[StepTime]
+    remote: RemoteTraffic | None = omitted()
 
 
 @dataclass(kw_only=True)

@@ -59,6 +59,10 @@ def text(r: Report) -> str:
     if r.loop:
         lines.append(f"{r.batches} batches of {r.loop.loader}: step p50 {r.loop.step.p50_ms or 0:.1f} ms, "
                      f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
+    if r.loop and r.loop.remote:
+        t = r.loop.remote
+        lines.append(f"object storage ({', '.join(t.urls)}): {t.bytes / 1e6:,.1f} MB in {t.gets:,} GETs, "
+                     f"{t.shard_downloads:,} shards downloaded, {t.shard_hits:,} found in the node's cache")
     return "\n".join(lines)
 
 

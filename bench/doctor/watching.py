@@ -15,7 +15,7 @@ from .gpu import Copies, CudaMarks, Nvml
 from .hooks import loader_classes, patched
 from .probes import batch_len
 from .processes import Processes
-from .report import Loop, Report, Run, Stats, StepTime, share
+from .report import Loop, RemoteTraffic, Report, Run, Stats, StepTime, share
 
 
 class Stop(BaseException):
@@ -39,7 +39,7 @@ class Watch:
         """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
         handed over and the next asked for is a step."""
         rec = self.by_loader.setdefault(id(loader), {"loader": loader, "waits": [], "steps": [], "samples": 0,
-                                                     "cuda": CudaMarks()})
+                                                     "cuda": CudaMarks(), "remote": _node_traffic(loader)})
         last = None
         while True:
             asked = time.perf_counter()
@@ -91,7 +91,42 @@ class Watch:
                     cuda_events=main["cuda"].report(), copies=self.copies.report(batches),
                     first_batch_s=main["waits"][0] if main["waits"] else None, wait_share=share(sum(waits), work),
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
-                    per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)])
+                    per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
+                    remote=_remote(main["remote"], _node_traffic(main["loader"])))
+
+
+def _caches(loader) -> dict:
+    """The cache entries (`packer.remote.ShardCache`) of the datasets in object storage that a
+    loader reads, by URL: found through what the loaders and views hold (a Loader's source, a
+    DataLoader's dataset, their readers)."""
+    found, todo, seen = {}, [loader], set()
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if type(obj).__name__ == "ShardCache":
+            found[obj.url] = obj
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo += list(obj)[:64]
+            continue
+        todo += [getattr(obj, name, None) for name in ("source", "dataset", "batches", "datasets", "readers", "reader",
+                                                   "cache")]
+    return found
+
+
+def _node_traffic(loader) -> dict:
+    return {url: cache._here().traffic.node() for url, cache in _caches(loader).items()}
+
+
+def _remote(before: dict, after: dict) -> RemoteTraffic | None:
+    """What came over the link between the two counts (None: no dataset in object storage)."""
+    if not after:
+        return None
+    fields = ("bytes", "gets", "shard_downloads", "shard_hits")
+    sums = {k: sum(after[u][k] - before.get(u, {}).get(k, 0) for u in after) for k in fields}
+    return RemoteTraffic(urls=sorted(after), **sums)
 
 
 def _cuda() -> bool:

@@ -99,9 +99,13 @@ class MMapDataset(torch.utils.data.Dataset):
         the GET requests (a range is one; the client's own retries are not counted), the shards
         it downloaded, and the times a shard it needed was in the node's cache already (fetched
         by another process, an earlier run, or itself before). Zeros for a local dataset."""
-        c = self._cache._here() if self._cache is not None else None
-        return {"bytes": c.downloaded if c else 0, "gets": c.gets if c else 0,
-                "shard_downloads": c.shard_downloads if c else 0, "shard_hits": c.shard_hits if c else 0}
+        return dict(self._cache._here().traffic.mine) if self._cache is not None else _NO_TRAFFIC
+
+    @property
+    def node_traffic(self) -> dict:
+        """`traffic` added up over every process on this node that read this dataset's cache
+        entry (DataLoader workers, ranks, earlier runs): what `bench doctor` reports."""
+        return self._cache._here().traffic.node() if self._cache is not None else _NO_TRAFFIC
 
     @property
     def manifest(self) -> Manifest:
@@ -167,3 +171,6 @@ class MMapDataset(torch.utils.data.Dataset):
 
     def __repr__(self) -> str:
         return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"
+
+
+_NO_TRAFFIC = {"bytes": 0, "gets": 0, "shard_downloads": 0, "shard_hits": 0}

@@ -32,8 +32,9 @@ class MMapIterableDataset(EpochDataset):
         """Samples of this rank left in the current epoch."""
         return self._epochs.per_rank()
 
-    def make(self, p: Pass, c: int):
-        """Chunk c of pass p, collated (StatefulDataLoader's batch)."""
+    def make(self, p: Pass, c: int, ahead: bool = False):
+        """Chunk c of pass p, collated (StatefulDataLoader's batch; `ahead`: nothing fetched
+        ahead, its samples are read one at a time)."""
         ids = self._epochs.batch_ids(p, c)
         return torch.utils.data.default_collate([self.dataset[i] for i in ids.tolist()])
 

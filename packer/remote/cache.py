@@ -62,6 +62,7 @@ from packer.remote.evict import evict
 from packer.remote.limits import check_limit
 from packer.remote.blocks import list_bytes
 from packer.remote.rows import Rows
+from packer.remote.traffic import Traffic
 from packer.remote.stamps import name_of, read_stamps, recheck, stamps_bound, stat_key, unchanged, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
 from packer.remote.url import Remote
@@ -118,11 +119,15 @@ class ShardCache:
             for f in getattr(self, "_pins", {}).values():
                 f.close()
             self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
-            self._store, self.downloaded, self.gets, self.shard_downloads, self.shard_hits = None, 0, 0, 0, 0
+            self._store, self.traffic = None, Traffic(self.root)
             self._held, self._others = None, None
             if self.root.parent.is_dir():
                 self._held = cachedir.hold(self.root)  # never removed whole while this process has it open
         return self
+
+    @property
+    def downloaded(self) -> int:
+        return self._here().traffic.mine["bytes"]
 
     def store(self):
         self._here()
@@ -178,8 +183,9 @@ class ShardCache:
         if pin is not None:
             with contextlib.suppress(OSError):  # its last use, which orders eviction (a read-only cache: none)
                 os.utime(pin.fileno())
+        if found:
+            self.traffic.add(shard_hits=1)
         with self._guard:
-            self.shard_hits += found
             if k in self._pins:  # another thread of this process pinned it meanwhile
                 if pin is not None:
                     pin.close()
@@ -295,17 +301,14 @@ class ShardCache:
             for entry, part in zip(missing, parts):
                 packed = self.packed.get(entry.path) if self.packed else None
                 gets = fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
-                with self._guard:  # the bytes that came over the link
-                    self.downloaded += (packed or entry).size_bytes
-                    self.gets += gets
+                self.traffic.add(bytes=(packed or entry).size_bytes, gets=gets)  # what came over the link
             with self._accounting() as ledger:  # not while another process counts: it would see neither name, or both
                 for entry, part in zip(missing, parts):
                     os.replace(part.name, self.root / entry.path)
                 renamed = True
                 ledger.add(0, k)
             self._stamp(k, missing)  # verified as they arrived
-            with self._guard:
-                self.shard_downloads += files is None
+            self.traffic.add(shard_downloads=int(files is None))
         finally:
             for part in parts:
                 part.close()

@@ -145,9 +145,7 @@ class Rows:
             pass
         if got is None:
             data = transfer.get_small(self.cache.store, self.cache.url, entry.path + BLOCKS, size)
-            with self.cache._guard:
-                self.cache.gets += 1
-                self.cache.downloaded += len(data or b"")
+            self.cache.traffic.add(gets=1, bytes=len(data or b""))
             if data is not None and matches(data, size, entry):
                 got = data
                 try:
@@ -215,9 +213,7 @@ class Rows:
         start, end = block_span(a, size, block)[0], block_span(b, size, block)[1]
         for _ in (1, 2):
             fits = transfer.get_range(self.cache.store, self.cache.url, entry.path, start, end, target)
-            with self.cache._guard:
-                self.cache.gets += 1
-                self.cache.downloaded += end - start
+            self.cache.traffic.add(gets=1, bytes=end - start)
             if fits and self._check(target, digests, a, b, size, block):
                 with self._guard:
                     self._state.have[entry.path][a:b + 1] = True

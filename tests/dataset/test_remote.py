@@ -469,6 +469,33 @@ def test_a_datasets_traffic_counts_the_gets_the_server_saw_and_the_shards_found_
     assert MMapDataset(built["images"]).traffic == {"bytes": 0, "gets": 0, "shard_downloads": 0, "shard_hits": 0}
 
 
+def test_the_doctor_reports_what_a_dataloaders_workers_fetched_as_the_server_counted(s3, large_rows, tmp_path,
+                                                                                   monkeypatch):
+    """Forked DataLoader workers fetch in their own processes: `ds.traffic` in the script's
+    process sees none of it, `ds.node_traffic` (the entry's count over every process) all of it,
+    and so does the report of `bench doctor`'s watch, to the GET as the proxy counted."""
+    from bench.doctor import watch
+    from loaders import StatefulDataLoader
+
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    proxy = _through_proxy(s3, monkeypatch)
+    try:
+        ds = MMapDataset(url, cache_dir=tmp_path / "c")
+        opened, body = proxy.gets, proxy.body_bytes  # the index files, fetched at the open
+        loader = StatefulDataLoader(ds.batched(8, seed=1), num_workers=2, multiprocessing_context="fork", timeout=120)
+        with watch(loader) as w:
+            batches = sum(1 for _ in loader)
+        report = w.report(ceiling=False)
+        assert batches == 12 and ds.traffic["bytes"] == 0
+        got = report["remote"]
+        assert got["urls"] == [url] and got["gets"] == proxy.gets - opened > 12
+        assert 0 < got["bytes"] <= proxy.body_bytes - body and got["shard_downloads"] == len(ds.manifest.shards)
+        assert ds.node_traffic == {k: got[k] for k in ("bytes", "gets", "shard_downloads", "shard_hits")}
+    finally:
+        proxy.close()
+
+
 def test_a_sequential_order_at_half_the_dataset_fetches_about_half_of_it_each_epoch(s3, tmp_path):
     """Eviction by next use across the epoch's end: beyond what the lookahead sees, the shard
     read last goes first (in a cyclic order it is read last again), and a limited cache fetches
@@ -629,6 +656,18 @@ def test_ds_batched_over_a_url_fetches_its_coming_batches_shards_ahead(s3, large
     assert cache.present(last)
     for a, b in zip(got, want, strict=True):
         assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+    # and StatefulDataLoader's workers, which are handed keyed batches in the same round-robin
+    from loaders import StatefulDataLoader
+
+    ds = MMapDataset(url, cache_dir=tmp_path / "workers")
+    got = iter(StatefulDataLoader(ds.batched(8, shuffle=False), num_workers=1, multiprocessing_context="fork",
+                                  timeout=120))
+    assert next(got)["key"] == first["key"]
+    deadline = time.monotonic() + 60
+    while not ds.reader.cache.present(last) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ds.reader.cache.present(last)
+    del got
 
 
 def test_a_damaged_range_is_fetched_again_then_refused_naming_the_object_and_a_damaged_list_reads_whole(
