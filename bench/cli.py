@@ -116,6 +116,9 @@ def _parser() -> argparse.ArgumentParser:
                      "a link of this many MB/s to the loopback server (default 100; 0: none)")
     re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
                      "a SeaweedFS server on loopback")
+    re_.add_argument("--peers", action="store_true", help="also WebDataset, LitData and MosaicML Streaming with "
+                     "their own S3 readers on the loopback server, where installed (bench/peers-requirements.txt)")
+    re_.add_argument("--workers", type=int, default=2, help="the peers' DataLoader workers (default 2)")
 
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],

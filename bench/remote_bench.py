@@ -1,7 +1,7 @@
 """`bench remote`: Loader over a dataset in object storage against the same dataset on local
 disk, and against the store's raw GET rate measured here: a cold epoch (an empty cache), warm
 epochs (the cache full), time to first batch; bytes downloaded per epoch at cache limits of
-100%, 50% and 10% of the dataset, per order; and per rank with 4 ranks on separate caches.
+100%, 50%, 30% and 10% of the dataset, per order; and per rank with 4 ranks on separate caches.
 The block order reads within a window of 8,192 positions, more than the photo crops' dataset
 holds, so its rows (25% of the dataset, and 4 ranks) use a dataset of many 16 px images.
 
@@ -28,7 +28,7 @@ from .measure import alternated
 from .loaders_bench import _prepared, machine, prepare_images
 
 ORDERS = ("sequential", "block", "random")
-LIMITS = (1.0, 0.5, 0.1)
+LIMITS = (1.0, 0.5, 0.3, 0.1)
 BLOCK_LIMIT = 0.25  # the block order's row, on the dataset of small samples
 RANKS = 4
 ZSTD_LEVEL = 3  # the compressed push's row (packer push --zstd's default)
@@ -142,6 +142,13 @@ def bench_remote(args) -> dict:
              f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
         linked = _through_link(endpoint, args.link_mb, opened, url, local.manifest, loader_kw) if args.url is None \
             else None
+        peers = None
+        if getattr(args, "peers", False) and args.url is None:
+            from .remote_peers import peer_rows
+
+            peers = peer_rows(local, url, work, endpoint, args.batch_size, args.workers)
+            for row in peers:
+                _say(f"{row['system']}: {row.get('skipped') or row.get('error') or row['epochs']}")
         limits = [_limited(opened, url, caches, local, share, order, loader_kw) for order in ORDERS for share in LIMITS]
         ranks = [_rank(opened, local, rank, "sequential", loader_kw) for rank in range(RANKS)]
         # block order needs a dataset many times its window (8,192 samples): small samples, in
@@ -163,7 +170,7 @@ def bench_remote(args) -> dict:
             "zstd_level": ZSTD_LEVEL, "zstd_cold": zstd, "link": linked,
             "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm_shares),
             "warm_of_local_range": [min(warm_shares), max(warm_shares)],
-            "limits": limits, "ranks": ranks}
+            "limits": limits, "ranks": ranks, "peers": peers}
 
 
 def _cold(ds, total: int, loader_kw: dict, drop: bool) -> dict:
@@ -302,7 +309,26 @@ def remote_table(r: dict) -> str:
         lines.append(f"{len(rows)} ranks, each its own cache, one epoch, {order} order ({rows[0].get('images', r['images']):,} "
                      f"images): each reads shards of {touched or '?'} of the dataset; downloaded per rank {shares} "
                      "(with the next epoch's first 64 batches)")
+    lines += _peer_rows(r)
     return "\n".join(lines)
+
+
+def _peer_rows(r: dict) -> list[str]:
+    """Each system over the same server, through a counting proxy: cold and warm epochs."""
+    if not r.get("peers"):
+        return []
+    total = r["dataset_bytes"]
+    lines = ["", "the same pixels over the same server, each system's own S3 reader and cache; bytes and GETs counted "
+             "by a proxy (answers' bytes with their headers)",
+             f"{'system':58} {'epoch':>5} {'images/s':>9} {'first s':>8} {'link/dataset':>12} {'GETs':>7}"]
+    for row in r["peers"]:
+        if "epochs" not in row:
+            lines.append(f"{row['system'][:58]:58} {row.get('skipped') or row.get('error')}"[:160])
+            continue
+        for name, e in zip(("cold", "warm"), row["epochs"]):
+            lines.append(f"{row['system'][:58]:58} {name:>5} {e['samples_per_s']:>9,.0f} {e['first_batch_s'] or 0:>8.2f} "
+                         f"{e['link_bytes'] / total:>11.2f}x {e['gets']:>7,}")
+    return lines
 
 
 def _link_rows(r: dict) -> list[str]:

@@ -130,24 +130,40 @@ def _serving(args: list[str], port: int, log_path: Path, env: dict):
 
 
 @contextlib.contextmanager
-def link(upstream: str, bytes_per_s: float):
+def link(upstream: str, bytes_per_s: float | None, counts: dict | None = None):
     """Yields the URL of a loopback proxy to `upstream` whose answers share one link of
     `bytes_per_s` (the bytes a node's network gives its store's answers, all connections
-    together); requests pass as they are (a signature names the proxy's host, which it is)."""
+    together; None: no limit); requests pass as they are (a signature names the proxy's host,
+    which it is). `counts`, where given, counts what crossed: "bytes" of the answers, "gets" of
+    the requests (whatever reader made them: the peers' as ours)."""
     host, port = upstream.removeprefix("http://").split(":")
     server = socket.create_server(("127.0.0.1", 0))
     clock, lock = [time.monotonic()], threading.Lock()
+    if counts is not None:
+        counts.update(bytes=0, gets=0)
 
     def paced(n: int) -> None:  # n bytes take their turn on the link
         with lock:
+            if counts is not None:
+                counts["bytes"] += n
+            if bytes_per_s is None:
+                return
             clock[0] = max(clock[0], time.monotonic()) + n / bytes_per_s
             due = clock[0]
         time.sleep(max(0.0, due - time.monotonic()))
 
-    def relay(src: socket.socket, dst: socket.socket, pace) -> None:
+    def asked(chunk: bytes) -> None:  # a request line starts a chunk or follows a request's end
+        if counts is not None:
+            with lock:
+                counts["gets"] += chunk.startswith(b"GET ") + chunk.count(b"\r\n\r\nGET ")
+
+    def relay(src: socket.socket, dst: socket.socket, pace, look=None) -> None:
         try:
             while chunk := src.recv(1 << 16):
-                pace(len(chunk))
+                if pace is not None:
+                    pace(len(chunk))
+                if look is not None:
+                    look(chunk)
                 dst.sendall(chunk)
         except OSError:
             pass
@@ -164,7 +180,7 @@ def link(upstream: str, bytes_per_s: float):
             except OSError:
                 return
             store = socket.create_connection((host, int(port)))
-            threading.Thread(target=relay, args=(client, store, lambda n: None), daemon=True).start()
+            threading.Thread(target=relay, args=(client, store, None, asked), daemon=True).start()
             threading.Thread(target=relay, args=(store, client, paced), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()

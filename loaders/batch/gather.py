@@ -32,6 +32,10 @@ from loaders.batch.ragged import RAGGED_BUFFER_BYTES, gather_ragged, gather_stri
 from loaders.batch.rows import in_shares, rows_copy
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
+# A pass's first batch reads its rows by range when its shards not in the cache hold more than
+# this: less comes about as fast whole (a few hundred ranged GETs against one GET a shard), and
+# more would keep it waiting in proportion to the dataset, not the batch
+COLD_ROWS_BYTES = 512 * 2**20
 
 
 class ColumnGather:
@@ -151,6 +155,8 @@ class ColumnGather:
                 self._drop(g, pinned=False)
         self._drop_rows()
         rowed = [g for g in needed if g not in self._live and self._rows_wanted(g)] if self.rows_pass or self.cold else []
+        if not self.rows_pass and sum(self.shard_bytes(g) for g in rowed) <= COLD_ROWS_BYTES:
+            rowed = []  # a cold batch whose shards come about as soon as its rows would
         self.cold = False
         if rowed:
             self._by_rows(rowed, shard, rows)

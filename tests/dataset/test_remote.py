@@ -615,6 +615,9 @@ def test_a_cold_first_batch_waits_for_its_rows_not_every_shard_it_touches(s3, la
     """The first batch of a pass (here a gather's first, without the fetch ahead that a Loader or
     `ds.batched` runs beside it) touches most shards: it comes by ranged reads of its rows (and its
     shards' small files), far less than the dataset; the next batches come in whole shards."""
+    from loaders.batch import gather as gather_module
+
+    monkeypatch.setattr(gather_module, "COLD_ROWS_BYTES", 0)  # a dataset of 3.5 MB stands for a large one
     url = _url(tmp_path, "rows")
     assert main(["push", str(large_rows), url]) == 0
     local, total = MMapDataset(large_rows), _shard_bytes(large_rows)

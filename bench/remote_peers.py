@@ -1,0 +1,166 @@
+"""`bench remote`'s peers: the same decoded pixels in each peer's own format, pushed to the same
+S3 server and read with the peer's own S3 reader and cache, beside mmpack's Loader over its URL:
+a cold epoch (an empty cache) and a warm one, the first batch, and what crossed the link, counted
+by a proxy in front of the server (`stores.link`), not by any reader's own counters.
+
+WebDataset reads tars as HTTP streams (presigned URLs, through curl) and keeps no cache, so its
+warm epoch fetches again. LitData reads its chunks into its cache dir, through boto3 (its obstore
+path cannot reach a plain-http endpoint). MosaicML Streaming does
+not import beside the CPU build of torch (see bench/peers-requirements.txt): its row says so.
+Each adapter imports its peer lazily; a missing one is a row saying why, never an error.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .peers import MP_CONTEXT, NAMES, availability
+
+PEERS = ("webdataset", "litdata", "streaming")
+BUCKET = "mmpack-bench"
+
+
+def _put_dir(endpoint: str, local: Path, prefix: str) -> None:
+    """Every file under `local` as an object under `prefix` (the peer's own layout)."""
+    import boto3
+
+    s3 = boto3.client("s3", endpoint_url=endpoint)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        s3.upload_file(str(path), BUCKET, f"{prefix}/{path.relative_to(local)}")
+
+
+def _epochs(make, counts: dict, count_of) -> list[dict]:
+    """A cold epoch then a warm one of the loader `make()` gives: samples/s, first batch, and
+    the bytes and GETs the proxy counted in each."""
+    out = []
+    for _ in range(2):
+        before = dict(counts)
+        loader = make()
+        started = time.perf_counter()
+        first, n = None, 0
+        for batch in loader:
+            if first is None:
+                first = time.perf_counter() - started
+            n += count_of(batch)
+        seconds = time.perf_counter() - started
+        out.append({"samples": n, "samples_per_s": n / seconds, "first_batch_s": first,
+                    "link_bytes": counts["bytes"] - before["bytes"], "gets": counts["gets"] - before["gets"]})
+    return out
+
+
+def _decoded(local, i: int) -> tuple[np.ndarray, int]:
+    s = local[i]
+    return s["image"].numpy(), int(s["label"])
+
+
+def webdataset_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int) -> dict:
+    import boto3
+    import webdataset as wds
+
+    out = work / "wds"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    per_shard = -(-len(local) // max(4, len(local.manifest.shards)))  # as many shards as mmpack's
+    with wds.ShardWriter(str(out / "shard-%06d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(len(local)):
+            image, label = _decoded(local, i)
+            sink.write({"__key__": f"{i:08d}", "npy": image, "cls": label})
+    _put_dir(endpoint, out, "peers/wds")
+    s3 = boto3.client("s3", endpoint_url=proxy)  # signed for the proxy's host: what the reader asks
+    urls = [f"pipe:curl -s -f {s3.generate_presigned_url('get_object', Params={'Bucket': BUCKET, 'Key': f'peers/wds/{p.name}'}, ExpiresIn=3600)!r}"
+            for p in sorted(out.glob("shard-*.tar"))]
+
+    def make():
+        pipe = wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False).shuffle(1000)
+        pipe = pipe.decode().to_tuple("npy", "cls").batched(batch_size)
+        return torch.utils.data.DataLoader(pipe, batch_size=None, num_workers=workers,
+                                           multiprocessing_context=MP_CONTEXT if workers else None)
+    return {"epochs": _epochs(make, counts, lambda b: len(b[1])), "cache": "none (each epoch streams the tars again)"}
+
+
+class _LitItem:
+    """litdata.optimize's fn: picklable, opens the mmpack dataset in each of its workers."""
+
+    def __init__(self, root: str):
+        self.root, self._ds = root, None
+
+    def __call__(self, i: int) -> dict:
+        if self._ds is None:
+            from loaders import MMapDataset
+
+            self._ds = MMapDataset(self.root, columns=["image", "label"])
+        s = self._ds[i]
+        return {"image": s["image"].numpy().copy(), "label": int(s["label"])}
+
+
+def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int) -> dict:
+    import litdata
+    from litdata.streaming.resolver import Dir
+
+    out = work / "litdata"
+    shutil.rmtree(out, ignore_errors=True)
+    litdata.optimize(fn=_LitItem(str(local.root)), inputs=list(range(len(local))), output_dir=str(out),
+                     chunk_bytes="64MB", num_workers=max(1, workers), mode="overwrite")
+    _put_dir(endpoint, out, "peers/litdata")
+    cache = work / "litdata-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    # its S3 client reads these. Its obstore path gives obstore no allow_http, so it cannot reach
+    # an http:// endpoint such as the loopback server's ("BadScheme"): its boto3 path, which it
+    # takes where obstore is not installed, reads the chunks here
+    from litdata.streaming import downloader
+
+    downloader._OBSTORE_AVAILABLE = False
+    os.environ["AWS_ENDPOINT_URL"] = proxy
+
+    def make():
+        ds = litdata.StreamingDataset(Dir(path=str(cache), url=f"s3://{BUCKET}/peers/litdata"), shuffle=True)
+        return litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                           multiprocessing_context=MP_CONTEXT if workers else None)
+    try:
+        return {"epochs": _epochs(make, counts, lambda b: len(b["label"])), "cache": str(cache)}
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
+def mmpack_row(url: str, work: Path, proxy: str, endpoint: str, counts: dict, batch_size: int) -> dict:
+    from loaders import Loader, MMapDataset
+
+    cache = work / "mmpack-peers-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    os.environ["AWS_ENDPOINT_URL"] = proxy
+    try:
+        ds = MMapDataset(url, cache_dir=cache)
+        return {"epochs": _epochs(lambda: Loader(ds, batch_size, seed=0), counts, lambda b: len(b["label"])),
+                "cache": str(cache)}
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+
+
+ROWS = {"webdataset": webdataset_row, "litdata": litdata_row}
+
+
+def peer_rows(local, url: str, work: Path, endpoint: str, batch_size: int, workers: int) -> list[dict]:
+    """mmpack's row and each peer's (or why it has none), through one counting proxy."""
+    from .stores import link
+
+    counts: dict = {}
+    rows = []
+    with link(endpoint, None, counts) as proxy:
+        rows.append({"system": f"mmpack Loader over {url}", **mmpack_row(url, work, proxy, endpoint, counts, batch_size)})
+        for peer in PEERS:
+            name = f"{NAMES[peer]} (its S3 reader, DataLoader {workers} workers)"
+            why = availability(peer) or (None if peer in ROWS else "no S3 row for it here")
+            if why:
+                rows.append({"system": NAMES[peer], "skipped": why})
+                continue
+            try:
+                rows.append({"system": name, **ROWS[peer](local, work, endpoint, proxy, counts, batch_size, workers)})
+            except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying how
+                rows.append({"system": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
+    return rows
