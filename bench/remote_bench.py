@@ -12,6 +12,7 @@ and the fetch ahead cost, not what a real link gives.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from . import data
 from .measure import alternated
+from .stores import link
 from .loaders_bench import _prepared, machine, prepare_images
 
 ORDERS = ("sequential", "block", "random")
@@ -149,7 +151,17 @@ def bench_remote(args) -> dict:
             peers = peer_rows(local, url, work, endpoint, args.batch_size, args.workers)
             for row in peers:
                 _say(f"{row['system']}: {row.get('skipped') or row.get('error') or row['epochs']}")
-        limits = [_limited(opened, url, caches, local, share, order, loader_kw) for order in ORDERS for share in LIMITS]
+        rows_first = _rows_first(opened, total, loader_kw)
+        _say("a cold first batch by rows (as for a dataset whose first batch's shards hold over 512 MiB): "
+             f"{rows_first['first_batch_s']:.2f} s")
+        counts: dict = {}  # what crossed, counted by a proxy in front of the server (not by our counters)
+        with (link(endpoint, None, counts) if args.url is None else contextlib.nullcontext(None)) as proxy:
+            if proxy is not None:
+                os.environ["AWS_ENDPOINT_URL"] = proxy
+            limits = [_limited(opened, url, caches, local, share, order, loader_kw, counts)
+                      for order in ORDERS for share in LIMITS]
+            if proxy is not None:
+                os.environ["AWS_ENDPOINT_URL"] = endpoint
         ranks = [_rank(opened, local, rank, "sequential", loader_kw) for rank in range(RANKS)]
         # block order needs a dataset many times its window (8,192 samples): small samples, in
         # shards well under a block (1,024 samples), since a shard at a block's edge is read in two
@@ -160,13 +172,13 @@ def bench_remote(args) -> dict:
             small = MMapDataset(small_out)
             packer.push(small_out, url + "-small")
             opened_small = functools.partial(opened, where=url + "-small")
-            limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw))
+            limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw, {}))
             ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
     return {"command": "bench remote", "machine": machine(), "url": args.url or "a SeaweedFS server on loopback",
             "images": len(local), "shards": len(local.manifest.shards), "dataset_bytes": total,
             "batch_size": args.batch_size, "downloads_at_once": DOWNLOADS, "push_bytes_per_s": total / push_s,
             "raw_get_bytes_per_s": raw_rate, "raw_get_to_files_bytes_per_s": to_disk, "local_samples_per_s": local_rate,
-            "cold": cold, "cold_of_raw_get": cold_rate / raw_rate, "cold_of_raw_get_to_files": cold_rate / to_disk,
+            "cold": cold, "cold_rows_first": rows_first, "cold_of_raw_get": cold_rate / raw_rate, "cold_of_raw_get_to_files": cold_rate / to_disk,
             "zstd_level": ZSTD_LEVEL, "zstd_cold": zstd, "link": linked,
             "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm_shares),
             "warm_of_local_range": [min(warm_shares), max(warm_shares)],
@@ -184,6 +196,18 @@ def _cold(ds, total: int, loader_kw: dict, drop: bool) -> dict:
         shutil.rmtree(ds.root)
     return {"samples_per_s": n / s, "bytes_per_s": total / s, "link_bytes_per_s": ds.bytes_downloaded / s,
             "link_share": ds.bytes_downloaded / total, "first_batch_s": first}
+
+
+def _rows_first(opened, total: int, loader_kw: dict) -> dict:
+    """A cold epoch whose first batch reads its rows by range whatever the dataset's size (the
+    rule for a batch whose shards hold over COLD_ROWS_BYTES): its first batch and its bytes."""
+    from loaders.batch import gather
+
+    saved, gather.COLD_ROWS_BYTES = gather.COLD_ROWS_BYTES, 0
+    try:
+        return _cold(opened(), total, loader_kw, drop=True)
+    finally:
+        gather.COLD_ROWS_BYTES = saved
 
 
 def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, loader_kw: dict) -> dict | None:
@@ -211,9 +235,10 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
             "cold_of_raw_get": plain["bytes_per_s"] / raw}
 
 
-def _limited(opened, url: str, caches: Path, local, share: float, order: str, loader_kw: dict) -> dict:
+def _limited(opened, url: str, caches: Path, local, share: float, order: str, loader_kw: dict, counts: dict) -> dict:
     """Two epochs of `order` through a cache of `share` of the dataset (plus its index files):
-    bytes downloaded per epoch over the dataset's, or why the limit was refused."""
+    bytes downloaded per epoch over the dataset's (`ds.traffic`'s, and the proxy's where `counts`
+    counts), or why the limit was refused."""
     from loaders import Loader
     from packer.remote import ShardCache
 
@@ -225,10 +250,15 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
         loader = Loader(ds, **loader_kw, order=order)
         per_epoch = []
         for _ in range(2):
-            before = ds.traffic
+            before, crossed = ds.traffic, dict(counts)
             n, s, _ = _epoch(loader)
             after = ds.traffic
-            per_epoch.append({"downloaded_share": (after["bytes"] - before["bytes"]) / total, "samples_per_s": n / s,
+            if counts:
+                per_epoch.append({"link_share": (counts["bytes"] - crossed["bytes"]) / total,
+                                  "link_gets": counts["gets"] - crossed["gets"]})
+            else:
+                per_epoch.append({})
+            per_epoch[-1].update({"downloaded_share": (after["bytes"] - before["bytes"]) / total, "samples_per_s": n / s,
                               "gets": after["gets"] - before["gets"],
                               "shard_hits": after["shard_hits"] - before["shard_hits"],
                               "shard_downloads": after["shard_downloads"] - before["shard_downloads"]})
@@ -277,6 +307,10 @@ def remote_table(r: dict) -> str:
              f"{statistics.median(c['bytes_per_s'] for c in cold) / 1e6:>8,.0f} "
              f"{statistics.median(c['first_batch_s'] for c in cold):>13.3f} {100 * r['cold_of_raw_get']:>11.0f}%  "
              f"({100 * r['cold_of_raw_get_to_files']:.0f}% of the GETs into files)",
+             *([f"{'  its first batch by rows':34} {r['cold_rows_first']['samples_per_s']:>10,.0f} "
+                f"{r['cold_rows_first']['bytes_per_s'] / 1e6:>8,.0f} {r['cold_rows_first']['first_batch_s']:>13.3f} "
+                f"{'':>12}  (as for a dataset whose first batch's shards hold over 512 MiB)"]
+               if r.get("cold_rows_first") else []),
              f"{'remote, zstd -' + str(r['zstd_level']) + ', cold (empty cache)':34} "
              f"{statistics.median(c['samples_per_s'] for c in zc):>10,.0f} "
              f"{statistics.median(c['bytes_per_s'] for c in zc) / 1e6:>8,.0f} "
@@ -286,8 +320,9 @@ def remote_table(r: dict) -> str:
              *_link_rows(r),
              f"{'remote, warm (cache full)':34} {r['warm_samples_per_s']:>10,.0f} {'':>8} {'':>13} "
              f"{100 * r['warm_of_local']:>11.0f}%  (alternated with local disk, best of 4 passes a round)",
-             "", "cache limit (share of the dataset): bytes downloaded per epoch / the dataset's, epochs 1 and 2; "
-             "epoch 2's GET requests and shards found in the cache (`ds.traffic`)",
+             "", "cache limit (share of the dataset): bytes over the link per epoch / the dataset's, epochs 1 and 2, "
+             "counted by a proxy in front of the server (`ds.traffic` where there is none); epoch 2's GET requests "
+             "and shards found in the cache",
              f"{'order':12} {'limit':>6} {'epoch 1':>8} {'epoch 2':>8} {'images/s 2':>10} {'cache MB':>9} "
              f"{'GETs 2':>7} {'hits 2':>7}"]
     for row in r["limits"]:
@@ -298,9 +333,10 @@ def remote_table(r: dict) -> str:
             lines.append(f"{head} refused: {row['refused'][:110]}")
         else:
             e = row["epochs"]
-            lines.append(f"{head} {e[0]['downloaded_share']:>7.2f}x {e[1]['downloaded_share']:>7.2f}x "
+            share = "link_share" if "link_share" in e[0] else "downloaded_share"
+            lines.append(f"{head} {e[0][share]:>7.2f}x {e[1][share]:>7.2f}x "
                          f"{e[1]['samples_per_s']:>10,.0f} {row['cache_bytes'] / 1e6:>9,.1f} "
-                         f"{e[1].get('gets', 0):>7,} {e[1].get('shard_hits', 0):>7,}")
+                         f"{e[1].get('link_gets', e[1].get('gets', 0)):>7,} {e[1].get('shard_hits', 0):>7,}")
     lines.append("")
     for order in dict.fromkeys(x.get("order", "sequential") for x in r["ranks"]):
         rows = [x for x in r["ranks"] if x.get("order", "sequential") == order]

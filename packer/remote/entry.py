@@ -15,6 +15,7 @@ from packer.dataset.outdir import write_atomic
 from packer.errors import IntegrityError
 from packer.remote.cache import ShardCache
 from packer.remote.limits import check_limit
+from packer.remote.rows import Rows
 from packer.remote import transfer
 from packer.remote.transfer import fetch_file, files_of, pull, read_published
 from packer.remote.url import Remote
@@ -42,9 +43,18 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
     cache = ShardCache(url, root, manifest, limit, packed)
     root.parent.mkdir(parents=True, exist_ok=True)
     cache._here()  # held by this process from now on: never removed whole while it is open
-    if limit is not None:
-        check_limit(url, limit, cache.index_bytes + max(cache.sizes, default=0),
-                    "the dataset's index files and its largest shard", limit=limit)
+    need = cache.index_bytes + max(cache.sizes, default=0)
+    if limit is not None and limit < cache.index_bytes:
+        check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)
+    _open_entry(url, root, cache, manifest, packed)
+    if limit is not None and limit < need and not Rows(cache).usable():
+        # below a shard, only reads by rows serve (a Loader's or ds.batched's batches)
+        check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)
+    return cache
+
+
+def _open_entry(url: str, root: Path, cache: ShardCache, manifest: fmt.Manifest, packed) -> ShardCache:
+    """The entry made (or checked) with its manifest and index files (see `open_cached`)."""
     if (root / fmt.MANIFEST_NAME).is_file():
         if cache.index_unchanged() and not _changed_manifests(root, manifest):
             return cache

@@ -571,6 +571,25 @@ def test_random_order_at_a_third_of_the_dataset_reads_its_rows_by_range_within_t
         proxy.close()
 
 
+def test_a_limit_below_one_shard_reads_batches_by_rows(s3, large_rows, tmp_path):
+    """Reads by rows need room for a batch's rows, not a shard: a limit below the largest shard
+    opens (it was refused) and a Loader and ds.batched give the local batches within it; a read
+    that needs a whole shard (a sample by index) is the one-line refusal."""
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local, cache = MMapDataset(large_rows), tmp_path / "small"
+    fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes
+    limit = fixed + max(s.size_bytes for s in local.manifest.shards) * 2 // 3
+    ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+    for a, b in zip(Loader(ds, 4, seed=2), Loader(local, 4, seed=2), strict=True):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert _bytes_on_disk(cache) <= limit
+    for a, b in zip(ds.batched(4, shuffle=False), local.batched(4, shuffle=False), strict=True):
+        assert torch.equal(a["image"], b["image"])
+    with pytest.raises(ConfigError, match="cache_limit .* too small"):
+        ds[0]
+
+
 ROWS_READER = """
 import sys
 from loaders import Loader, MMapDataset
