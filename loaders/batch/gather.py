@@ -157,10 +157,12 @@ class ColumnGather:
         rowed = [g for g in needed if g not in self._live and self._rows_wanted(g)] if self.rows_pass or self.cold else []
         if not self.rows_pass and sum(self.shard_bytes(g) for g in rowed) <= COLD_ROWS_BYTES:
             rowed = []  # a cold batch whose shards come about as soon as its rows would
-        self.cold = False
-        if rowed:
-            self._by_rows(rowed, shard, rows)
-            needed = [g for g in needed if g not in self._rowed]
+        try:
+            if rowed:  # (the lookahead waits for them: whole shards would share the link with them)
+                self._by_rows(rowed, shard, rows)
+                needed = [g for g in needed if g not in self._rowed]
+        finally:
+            self.cold = False
         if any(r.cache is not None and r.cache.limit is not None for r in self.readers):
             # under a limit only the batch's shards stay mapped (a mapped shard cannot be
             # evicted); those the lookahead still wants stay softly pinned, the others go

@@ -154,6 +154,8 @@ class Lookahead:
         shards_of: dict = {}
         if self.gather.rows_pass:  # its batches' rows come by range: whole shards fetched ahead would only churn
             return
+        while self.gather.cold and not self._stop.is_set():  # a first batch by rows has the link to itself
+            self._wake.wait(0.01)
         with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="mmpack-download") as pool:
             while not self._stop.is_set():
                 self._wake.clear()

@@ -188,8 +188,8 @@ class Rows:
                         f.truncate(entry.size_bytes)  # sparse: only what is fetched takes room
                     have = state.have[path] = np.zeros(num_blocks(entry.size_bytes, block), bool)
             need = blocks_of(wanted, entry.size_bytes, block)
-            head = self._heads.get(path)
-            if head is not None and not have[0]:  # the header, checked once: written, not fetched again
+            head = self._heads.get(path) or self._made_head(entry)
+            if head is not None and not have[0]:  # the header, checked: written, not fetched
                 with open(target, "r+b") as f:
                     os.pwrite(f.fileno(), head, 0)
                 have[0] = True
@@ -205,6 +205,26 @@ class Rows:
             for done in [pool.submit(self._one, *job) for job in todo]:
                 done.result()
         return where
+
+    def _made_head(self, entry: fmt.FileEntry) -> bytes | None:
+        """The header the manifest implies for `entry` (its dtype and shape), where it matches the
+        block list's first digest: the header block without a GET (None: fetched)."""
+        for shard in self.cache.manifest.shards:
+            if not entry.path.startswith(shard.dir + "/"):
+                continue
+            for c in self.cache.manifest.columns:
+                if f"{shard.dir}/{fmt.column_file_names(c)['values']}" == entry.path:
+                    item = np.dtype(c.dtype).itemsize
+                    data = entry.size_bytes - fmt.NPY_HEADER_BYTES
+                    shape = (data // item,) if c.ragged else (shard.num_samples, *c.shape)
+                    try:
+                        head = fmt.npy_header(np.dtype(c.dtype).str, shape)
+                    except (TypeError, ValueError):
+                        return None
+                    if block_digest(head) == self._lists[entry.path][:DIGEST]:
+                        self._heads[entry.path] = head
+                        return head
+        return None
 
     def _one(self, entry: fmt.FileEntry, block: int, target: Path, a: int, b: int) -> None:
         """Blocks a..b of `entry` fetched into `target` and checked: fetched once more where one
