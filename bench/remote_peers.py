@@ -12,8 +12,10 @@ Each adapter imports its peer lazily; a missing one is a row saying why, never a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +26,20 @@ from .peers import MP_CONTEXT, NAMES, availability
 
 PEERS = ("webdataset", "litdata", "streaming")
 BUCKET = "mmpack-bench"
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """File descriptor 1 pointed at 2 while the block runs (child processes' prints too)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _put_dir(endpoint: str, local: Path, prefix: str) -> None:
@@ -105,8 +121,9 @@ def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batc
 
     out = work / "litdata"
     shutil.rmtree(out, ignore_errors=True)
-    litdata.optimize(fn=_LitItem(str(local.root)), inputs=list(range(len(local))), output_dir=str(out),
-                     chunk_bytes="64MB", num_workers=max(1, workers), mode="overwrite")
+    with _stdout_to_stderr():  # its progress, and its workers', stay out of the bench's table
+        litdata.optimize(fn=_LitItem(str(local.root)), inputs=list(range(len(local))), output_dir=str(out),
+                         chunk_bytes="64MB", num_workers=max(1, workers), mode="overwrite")
     _put_dir(endpoint, out, "peers/litdata")
     cache = work / "litdata-cache"
     shutil.rmtree(cache, ignore_errors=True)

@@ -61,7 +61,7 @@ from packer.remote.parts import count_files, drop_abandoned_parts, open_pin, par
 from packer.remote.evict import evict
 from packer.remote.limits import check_limit
 from packer.remote.blocks import list_bytes
-from packer.remote.rows import Rows
+from packer.remote.rows import ROW_REQUESTS, Rows
 from packer.remote.traffic import Traffic
 from packer.remote.stamps import name_of, read_stamps, recheck, stamps_bound, stat_key, unchanged, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
@@ -224,7 +224,7 @@ class ShardCache:
         for k, by_file in spans.items():
             rowed_k, whole_files[k] = rows.split(k, by_file)
             rowed.update(rowed_k)
-        with ThreadPoolExecutor(DOWNLOADS) as pool:
+        with ThreadPoolExecutor(ROW_REQUESTS) as pool:  # small files, each shard's: their latency bounds the rate
             for done in [pool.submit(self._pin_rows, rows, k, files) for k, files in whole_files.items()]:
                 done.result()
         return (rows.fetch(rowed) if rowed else None), set(rowed)

@@ -42,7 +42,6 @@ from packer.dataset import format as fmt
 from packer.dataset.format.checksum import block_digest
 from packer.remote import transfer
 from packer.remote.blocks import BLOCKS, DIGEST, block_span, blocks_of, matches, num_blocks, ranged
-from packer.remote.transfer import DOWNLOADS
 from packer.errors import IntegrityError
 from packer.remote.url import Remote
 from packer.system import flock
@@ -162,7 +161,7 @@ class Rows:
         """The block lists of `paths` (those read by rows) at hand, fetched DOWNLOADS at once."""
         todo = [self.entries[p] for p in dict.fromkeys(paths) if p in self.entries and p not in self._lists]
         if todo:
-            with ThreadPoolExecutor(min(DOWNLOADS, len(todo))) as pool:
+            with ThreadPoolExecutor(min(ROW_REQUESTS, len(todo))) as pool:
                 list(pool.map(self.block_list, todo))
 
     def split(self, k: int, spans: dict[str, np.ndarray]) -> tuple[dict, list]:
@@ -201,9 +200,13 @@ class Rows:
         self.cache.reserve(self, nbytes)
         with self._guard:
             state.reserved += nbytes
-        with ThreadPoolExecutor(min(ROW_REQUESTS, len(todo))) as pool:
-            for done in [pool.submit(self._one, *job) for job in todo]:
-                done.result()
+        self._gets = self._bytes = 0
+        try:
+            with ThreadPoolExecutor(min(ROW_REQUESTS, len(todo))) as pool:
+                for done in [pool.submit(self._one, *job) for job in todo]:
+                    done.result()
+        finally:
+            self.cache.traffic.add(gets=self._gets, bytes=self._bytes)
         return where
 
     def _made_head(self, entry: fmt.FileEntry) -> bytes | None:
@@ -233,7 +236,8 @@ class Rows:
         start, end = block_span(a, size, block)[0], block_span(b, size, block)[1]
         for _ in (1, 2):
             fits = transfer.get_range(self.cache.store, self.cache.url, entry.path, start, end, target)
-            self.cache.traffic.add(gets=1, bytes=end - start)
+            with self._guard:  # added to the cache's counts once the batch's rows are in (`fetch`)
+                self._gets, self._bytes = self._gets + 1, self._bytes + end - start
             if fits and self._check(target, digests, a, b, size, block):
                 with self._guard:
                     self._state.have[entry.path][a:b + 1] = True

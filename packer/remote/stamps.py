@@ -6,12 +6,13 @@ A cache written before stamps is hashed once per file, then stamped."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 from pathlib import Path
 
 from packer.dataset import format as fmt
-from packer.dataset.outdir import write_atomic
 
 STAMPS = ".verified"  # in each shard dir
 
@@ -42,10 +43,15 @@ def stamps_bound(names: list[str]) -> int:
 
 
 def write_stamps(where: Path, stamps: dict) -> None:
+    """Whole or absent (a rename), not fsynced: stamps lost with a crash of the machine only
+    make their files hashed again, and an fsync a shard was most of a small download's time."""
+    temp = where / f"{STAMPS}.{os.getpid()}-{threading.get_ident()}"
     try:
-        write_atomic(where / STAMPS, json.dumps(stamps))
+        temp.write_text(json.dumps(stamps), encoding="utf-8")
+        os.replace(temp, where / STAMPS)
     except OSError:  # a read-only cache: each reader hashes its changed files instead
-        pass
+        with contextlib.suppress(OSError):
+            temp.unlink()
 
 
 def unchanged(root: Path, entries: list[fmt.FileEntry]) -> bool:
