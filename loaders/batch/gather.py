@@ -154,9 +154,7 @@ class ColumnGather:
             for g in list(self._live):
                 self._drop(g, pinned=False)
         self._drop_rows()
-        rowed = [g for g in needed if g not in self._live and self._rows_wanted(g)] if self.rows_pass or self.cold else []
-        if not self.rows_pass and sum(self.shard_bytes(g) for g in rowed) <= COLD_ROWS_BYTES:
-            rowed = []  # a cold batch whose shards come about as soon as its rows would
+        rowed = self._rows_wanted([g for g in needed if g not in self._live]) if self.rows_pass or self.cold else []
         try:
             if rowed:  # (the lookahead waits for them: whole shards would share the link with them)
                 self._by_rows(rowed, shard, rows)
@@ -184,16 +182,26 @@ class ColumnGather:
             self._live.add(g)
             self._remap(g)
 
-    def _rows_of(self, r):
+    def rows_of(self, r):
+        """This process's reads by rows (`packer.remote.rows.Rows`) of reader `r`'s cache."""
         from packer.remote.rows import Rows
 
         if id(r) not in self._rows:
             self._rows[id(r)] = Rows(r.cache._here())
         return self._rows[id(r)]
 
-    def _rows_wanted(self, g: int) -> bool:
-        r, k = self._shards[g]
-        return r.cache is not None and self._rows_of(r).usable() and not r.cache.present(k)
+    def _rows_wanted(self, candidates: list[int]) -> list[int]:
+        """Of a batch's shards not mapped here, those read by rows: not in the cache, of a reader
+        whose files have block lists; in a cold batch only where they hold over COLD_ROWS_BYTES (a
+        cold batch whose shards come about as soon as its rows would reads them whole)."""
+        missing = [g for g in candidates if self._shards[g][0].cache is not None and
+                   not self._shards[g][0].cache.present(self._shards[g][1])]
+        if not self.rows_pass and sum(self.shard_bytes(g) for g in missing) <= COLD_ROWS_BYTES:
+            return []  # (decided before asking the store for a block list)
+        rowed = [g for g in missing if self.rows_of(self._shards[g][0]).usable()]
+        if not self.rows_pass and sum(self.shard_bytes(g) for g in rowed) <= COLD_ROWS_BYTES:
+            return []
+        return rowed
 
     def _by_rows(self, rowed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
         """The batch's rows of shards `rowed` fetched by range and mapped (see `rows_pass`)."""
@@ -204,7 +212,7 @@ class ColumnGather:
             by_reader.setdefault(id(r), (r, {}))[1][k] = dict(r.spans(k, c.name, sel) for c in self.columns)
         first = {id(r): g - k for g, (r, k) in enumerate(self._shards) if k == 0}
         for r, spans in by_reader.values():
-            scratch, paths = r.cache.acquire_rows(self._rows_of(r), spans)
+            scratch, paths = r.cache.acquire_rows(self.rows_of(r), spans)
             for k in spans:
                 self._rowed[first[id(r)] + k] = (scratch, paths)
         for g in self._rowed:

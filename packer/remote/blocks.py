@@ -17,17 +17,35 @@ DIGEST = 16  # bytes of a block's digest in a list
 RAGGED_ROW_BLOCKS = 4  # a ragged column is read by rows where its mean row spans this many blocks
 
 
+def values_files(manifest: fmt.Manifest):
+    """(shard, column, file entry) of each column's values file in each shard."""
+    for shard in manifest.shards:
+        for c in manifest.columns:
+            name = fmt.column_file_names(c)["values"]
+            entry = next((e for e in shard.files if e.path.rsplit("/", 1)[-1] == name), None)
+            if entry is not None:
+                yield shard, c, entry
+
+
+def header_of(shard: fmt.Shard, column: fmt.Column, entry: fmt.FileEntry) -> bytes | None:
+    """The header the manifest implies for a values file (its dtype and shape); None where none
+    fits the header's bytes."""
+    item = np.dtype(column.dtype).itemsize
+    shape = ((entry.size_bytes - fmt.NPY_HEADER_BYTES) // item,) if column.ragged else \
+        (shard.num_samples, *column.shape)
+    try:
+        return fmt.npy_header(np.dtype(column.dtype).str, shape)
+    except (TypeError, ValueError):
+        return None
+
+
 def ranged(manifest: fmt.Manifest) -> dict[str, int]:
     """The column files read by rows, by path: their data block's bytes (FORMAT.md 6). Files of
     rows of a block or more each (fixed rows of over 32 KiB; ragged values whose mean row spans
     RAGGED_ROW_BLOCKS blocks), checksummed by blocks."""
     out = {}
-    for shard in manifest.shards:
-        for c in manifest.columns:
-            names = fmt.column_file_names(c)
-            entry = next((e for e in shard.files if e.path.rsplit("/", 1)[-1] == names["values"]), None)
-            if entry is None or entry.algo != fmt.CHECKSUM or c.encoding:
-                continue
+    for shard, c, entry in values_files(manifest):
+        if entry.algo == fmt.CHECKSUM and not c.encoding:
             item = np.dtype(c.dtype).itemsize
             if not c.ragged:
                 row = item * math.prod(c.shape)

@@ -61,7 +61,7 @@ from packer.remote.parts import count_files, drop_abandoned_parts, open_pin, par
 from packer.remote.evict import evict
 from packer.remote.limits import check_limit
 from packer.remote.blocks import list_bytes
-from packer.remote.rows import ROW_REQUESTS, Rows
+from packer.remote.rows import ROW_REQUESTS, Rows, scratch_bytes
 from packer.remote.traffic import Traffic
 from packer.remote.stamps import name_of, read_stamps, recheck, stamps_bound, stat_key, unchanged, write_stamps
 from packer.remote.transfer import DOWNLOADS, fetch_file
@@ -431,8 +431,9 @@ class ShardCache:
         return self._count()[0]
 
     def _count(self) -> tuple[int, np.ndarray]:
-        """`usage()` and whether each shard has any data file, from one listing of each shard dir."""
-        return count_files(self.root, [self.shard_dir(k) for k in range(len(self.bulk))], self.bulk)
+        """`usage()` and whether each shard has any data file."""
+        total, present = count_files([self.shard_dir(k) for k in range(len(self.bulk))], self.bulk)
+        return total + scratch_bytes(self.root), present  # and the live gathers' rows (a dead one's removed)
 
 
 def _by_dir(entries: list[fmt.FileEntry]) -> dict[str, list[fmt.FileEntry]]:

@@ -75,7 +75,7 @@ def check_room(gather, batch_ids, num_batches: int) -> None:
             if cache is not None and id(cache) in room:
                 need[id(cache)] = need.get(id(cache), 0) + gather.shard_bytes(g)
         over = [key for key, nbytes in need.items() if nbytes > room[key]]
-        if over and all(gather._rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
+        if over and all(gather.rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
             gather.rows_pass = True
             return
         for key, nbytes in need.items():

@@ -4,6 +4,7 @@ one whose writer is gone is abandoned)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
@@ -82,11 +83,23 @@ def abandoned(path: str) -> bool:
         return True
 
 
-def count_files(root: Path, shard_dirs: list[Path], bulk: list) -> tuple[int, np.ndarray]:
-    """Bytes of an entry's data files, live part files and live scratch dirs (a dead writer's
-    removed), and whether each shard has any data file, from one listing of each shard dir."""
-    from packer.remote.rows import scratch_bytes
+def write_whole(path: Path, data: bytes) -> None:
+    """`data` as `path`, whole or absent (written beside it, then renamed), not fsynced: what a
+    cache keeps beside its files (stamps, block lists) is checked again when read, and one lost
+    with a crash of the machine is only made again. An OSError (a read-only cache) is raised."""
+    temp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}")
+    try:
+        temp.write_bytes(data)
+        os.replace(temp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
 
+
+def count_files(shard_dirs: list[Path], bulk: list) -> tuple[int, np.ndarray]:
+    """Bytes of an entry's data files and live part files (a dead writer's removed), and
+    whether each shard has any data file, from one listing of each shard dir."""
     total, present = 0, np.zeros(len(bulk), dtype=bool)
     for k, where in enumerate(shard_dirs):
         try:
@@ -102,4 +115,4 @@ def count_files(root: Path, shard_dirs: list[Path], bulk: list) -> tuple[int, np
                 if abandoned(item.path):
                     continue
                 total += size_of(item)
-    return total + scratch_bytes(root), present
+    return total, present

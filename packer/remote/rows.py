@@ -41,7 +41,9 @@ import numpy as np
 from packer.dataset import format as fmt
 from packer.dataset.format.checksum import block_digest
 from packer.remote import transfer
-from packer.remote.blocks import BLOCKS, DIGEST, block_span, blocks_of, matches, num_blocks, ranged
+from packer.remote.blocks import (BLOCKS, DIGEST, block_span, blocks_of, header_of, matches, num_blocks, ranged,
+                                  values_files)
+from packer.remote.parts import write_whole
 from packer.errors import IntegrityError
 from packer.remote.url import Remote
 from packer.system import flock
@@ -99,7 +101,11 @@ class Rows:
         self.block = ranged(cache.manifest)  # path -> data block bytes
         self.entries = {e.path: e for files in cache.bulk for e in files if e.path in self.block}
         self._lists: dict[str, bytes | None] = {}
-        self._heads: dict[str, bytes] = {}  # each file's header block, once checked
+        # each file's header block: the one the manifest implies until it is checked against the
+        # list's first digest (then kept, or None: fetched), then the one checked
+        self._heads: dict[str, bytes | None] = {}
+        self._made = {e.path: header_of(shard, c, e) for shard, c, e in values_files(cache.manifest)
+                      if e.path in self.block}
         self._state = _Scratch(cache)
         self._usable = None
         self._guard = threading.Lock()
@@ -149,16 +155,14 @@ class Rows:
                 got = data
                 try:
                     kept.parent.mkdir(exist_ok=True)
-                    temp = kept.with_name(f".{kept.name}.{os.getpid()}-{threading.get_ident()}")
-                    temp.write_bytes(data)
-                    os.replace(temp, kept)  # whole or absent (and checked again when read)
+                    write_whole(kept, data)  # (checked again when read)
                 except OSError:  # a read-only cache: kept in this process only
                     pass
         self._lists[entry.path] = got
         return got
 
     def lists(self, paths) -> None:
-        """The block lists of `paths` (those read by rows) at hand, fetched DOWNLOADS at once."""
+        """The block lists of `paths` (those read by rows) at hand, fetched ROW_REQUESTS at once."""
         todo = [self.entries[p] for p in dict.fromkeys(paths) if p in self.entries and p not in self._lists]
         if todo:
             with ThreadPoolExecutor(min(ROW_REQUESTS, len(todo))) as pool:
@@ -187,8 +191,8 @@ class Rows:
                         f.truncate(entry.size_bytes)  # sparse: only what is fetched takes room
                     have = state.have[path] = np.zeros(num_blocks(entry.size_bytes, block), bool)
             need = blocks_of(wanted, entry.size_bytes, block)
-            head = self._heads.get(path) or self._made_head(entry)
-            if head is not None and not have[0]:  # the header, checked: written, not fetched
+            head = None if have[0] else self._head(path)
+            if head is not None:  # the header, checked: written, not fetched
                 with open(target, "r+b") as f:
                     os.pwrite(f.fileno(), head, 0)
                 have[0] = True
@@ -209,25 +213,14 @@ class Rows:
             self.cache.traffic.add(gets=self._gets, bytes=self._bytes)
         return where
 
-    def _made_head(self, entry: fmt.FileEntry) -> bytes | None:
-        """The header the manifest implies for `entry` (its dtype and shape), where it matches the
-        block list's first digest: the header block without a GET (None: fetched)."""
-        for shard in self.cache.manifest.shards:
-            if not entry.path.startswith(shard.dir + "/"):
-                continue
-            for c in self.cache.manifest.columns:
-                if f"{shard.dir}/{fmt.column_file_names(c)['values']}" == entry.path:
-                    item = np.dtype(c.dtype).itemsize
-                    data = entry.size_bytes - fmt.NPY_HEADER_BYTES
-                    shape = (data // item,) if c.ragged else (shard.num_samples, *c.shape)
-                    try:
-                        head = fmt.npy_header(np.dtype(c.dtype).str, shape)
-                    except (TypeError, ValueError):
-                        return None
-                    if block_digest(head) == self._lists[entry.path][:DIGEST]:
-                        self._heads[entry.path] = head
-                        return head
-        return None
+    def _head(self, path: str) -> bytes | None:
+        """The header block of `path` where it is known and checked: the one the manifest implies
+        where it matches the block list's first digest, or one fetched and checked before."""
+        if path not in self._heads:
+            made = self._made.get(path)
+            ok = made is not None and block_digest(made) == self._lists[path][:DIGEST]
+            self._heads[path] = made if ok else None
+        return self._heads[path]
 
     def _one(self, entry: fmt.FileEntry, block: int, target: Path, a: int, b: int) -> None:
         """Blocks a..b of `entry` fetched into `target` and checked: fetched once more where one

@@ -6,10 +6,8 @@ A cache written before stamps is hashed once per file, then stamped."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import threading
 from pathlib import Path
 
 from packer.dataset import format as fmt
@@ -43,15 +41,14 @@ def stamps_bound(names: list[str]) -> int:
 
 
 def write_stamps(where: Path, stamps: dict) -> None:
-    """Whole or absent (a rename), not fsynced: stamps lost with a crash of the machine only
-    make their files hashed again, and an fsync a shard was most of a small download's time."""
-    temp = where / f"{STAMPS}.{os.getpid()}-{threading.get_ident()}"
+    """Not fsynced (`parts.write_whole`): stamps lost with a crash of the machine only make their
+    files hashed again, and an fsync a shard was most of a small download's time."""
+    from packer.remote.parts import write_whole
+
     try:
-        temp.write_text(json.dumps(stamps), encoding="utf-8")
-        os.replace(temp, where / STAMPS)
+        write_whole(where / STAMPS, json.dumps(stamps).encode())
     except OSError:  # a read-only cache: each reader hashes its changed files instead
-        with contextlib.suppress(OSError):
-            temp.unlink()
+        pass
 
 
 def unchanged(root: Path, entries: list[fmt.FileEntry]) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +33,7 @@ from packer.dataset import archive
 from packer.dataset import format as fmt
 from packer.dataset.outdir import write_atomic
 from packer.dataset.reader import DatasetReader
-from packer.dataset.writer import checksum_file
+from packer.dataset.writer import checksum_file, file_digest
 from packer.errors import IntegrityError
 from packer.remote import blocks, client
 from packer.remote.url import Remote
@@ -102,10 +103,7 @@ def block_lists(manifest: fmt.Manifest, root: Path) -> list[tuple]:
 
     def made(entry: fmt.FileEntry):
         def read() -> bytes:
-            digest = fmt.FileChecksum(keep=True)
-            with open(root / entry.path, "rb") as f:
-                while piece := f.read(8 * 2**20):
-                    digest.update(piece)
+            digest = file_digest(root / entry.path, fmt.FileChecksum(keep=True))
             if digest.hexdigest() != entry.checksum:
                 raise IntegrityError(f"{root / entry.path}: its bytes do not match the manifest's checksum; run "
                                      f"'packer verify {root}' before pushing it")
@@ -311,19 +309,25 @@ def _get_ranges(obs, store, key: str, f, size: int, digest) -> bool:
     A range that comes back short leaves bytes that fail the checksum, as a torn stream does;
     False when one came back longer."""
     def one(start: int) -> bool:
-        end, at = min(start + RANGE_BYTES, size), start
-        for chunk in obs.get(store, key, options={"range": (start, end)}):
-            if at + len(chunk) > end:
-                return False
-            os.pwrite(f.fileno(), memoryview(chunk), at)
-            at += len(chunk)
-        return True
+        return _read_range(obs, store, key, f.fileno(), start, min(start + RANGE_BYTES, size))
     with ThreadPoolExecutor(RANGES) as pool:
         fits = all(list(pool.map(one, range(0, size, RANGE_BYTES))))
     for start in range(0, size, RANGE_BYTES):
         digest.update(os.pread(f.fileno(), min(RANGE_BYTES, size - start), start))
     f.seek(size)
     return fits
+
+
+def _read_range(obs, store, key: str, fd: int, start: int, end: int) -> bool:
+    """Bytes [start, end) of the object written at the same offsets of `fd`, read as a stream
+    and stopped at the range's end: False when the answer was longer (never buffered whole)."""
+    at = start
+    for chunk in obs.get(store, key, options={"range": (start, end)}):
+        if at + len(chunk) > end:
+            return False
+        os.pwrite(fd, memoryview(chunk), at)
+        at += len(chunk)
+    return True
 
 
 def get_range(store_of, url: str, path: str, start: int, end: int, target: Path) -> bool:
@@ -335,15 +339,8 @@ def get_range(store_of, url: str, path: str, start: int, end: int, target: Path)
         return client.Helper.get().call({"op": "range", "url": url, "path": path, "start": start, "end": end,
                                          "target": str(target)})["fits"]
     remote = Remote(url)
-    obs = client.obstore(remote)
-    at = start
     with client.errors(remote, f"download {path}"), open(target, "r+b") as f:
-        for chunk in obs.get(store_of(), remote.key(path), options={"range": (start, end)}):
-            if at + len(chunk) > end:
-                return False
-            os.pwrite(f.fileno(), memoryview(chunk), at)
-            at += len(chunk)
-    return True
+        return _read_range(client.obstore(remote), store_of(), remote.key(path), f.fileno(), start, end)
 
 
 def get_small(store_of, url: str, path: str, size: int) -> bytes | None:
@@ -353,19 +350,15 @@ def get_small(store_of, url: str, path: str, size: int) -> bytes | None:
         got = client.Helper.get().call({"op": "small", "url": url, "path": path, "size": size})["hex"]
         return None if got is None else bytes.fromhex(got)
     remote = Remote(url)
-    obs = client.obstore(remote)
-    out = bytearray()
+    out = io.BytesIO()
     with client.errors(remote, f"download {path}"):
         try:
-            for chunk in obs.get(store_of(), remote.key(path)):
-                out += chunk
-                if len(out) > size:
-                    return None
+            got = read_stream(client.obstore(remote).get(store_of(), remote.key(path)), out, size, fmt.new_checksum())
         except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
             if client.not_found(exc):
                 return None
             raise
-    return bytes(out)
+    return None if got is None else out.getvalue()
 
 
 def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None,

@@ -590,23 +590,9 @@ def test_a_limit_below_one_shard_reads_batches_by_rows(s3, large_rows, tmp_path)
         ds[0]
 
 
-ROWS_READER = """
-import sys
-from loaders import Loader, MMapDataset
-ds = MMapDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))
-for epoch in range(100):
-    for batch in Loader(ds, 16, seed=epoch, num_threads=1):
-        print(epoch, flush=True)
-"""
-
-
 def test_a_reader_by_rows_killed_at_any_instant_leaves_nothing_a_later_reader_would_use(s3, large_rows, tmp_path):
     """A scratch is its process's own: killed mid-fetch, it is never read by another, and the
     next count of the entry removes it and its bytes."""
-    import subprocess
-    import sys
-    import time
-
     from packer.remote.rows import SCRATCH
 
     url = _url(tmp_path, "rows")
@@ -614,12 +600,7 @@ def test_a_reader_by_rows_killed_at_any_instant_leaves_nothing_a_later_reader_wo
     local, cache = MMapDataset(large_rows), tmp_path / "killed"
     limit = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes + _shard_bytes(large_rows) * 3 // 10
     for delay in (0.0, 0.05, 0.2):
-        proc = subprocess.Popen([sys.executable, "-c", ROWS_READER, url, str(cache), str(limit)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout.readline()  # reading: a batch made
-        time.sleep(delay)
-        proc.kill()
-        proc.wait()
+        pid = _killed_reader(url, cache, limit, 16, "random", delay)
         ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
         for a, b in zip(Loader(ds, 16, seed=7), Loader(local, 16, seed=7), strict=True):
             assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
@@ -627,7 +608,7 @@ def test_a_reader_by_rows_killed_at_any_instant_leaves_nothing_a_later_reader_wo
         with ds.reader.cache._accounting() as ledger:
             ledger.recount()  # what a reader that finds no room does: the dead scratch goes
             assert ledger.used == ds.reader.cache.usage()
-        assert not [p for p in cache.rglob(f"{SCRATCH}/*") if str(proc.pid) in p.name]
+        assert not [p for p in cache.rglob(f"{SCRATCH}/*") if str(pid) in p.name]
 
 
 def test_a_cold_first_batch_waits_for_its_rows_not_every_shard_it_touches(s3, large_rows, tmp_path, monkeypatch):
@@ -924,27 +905,34 @@ import sys
 from loaders import Loader, MMapDataset
 ds = MMapDataset(sys.argv[1], cache_dir=sys.argv[2], cache_limit=int(sys.argv[3]))
 for epoch in range(100):
-    for batch in Loader(ds, 8, shuffle=False, num_threads=1):
+    for batch in Loader(ds, int(sys.argv[4]), shuffle=sys.argv[5] == "random", seed=epoch, num_threads=1):
         print(epoch, flush=True)
 """
 
 
-def test_a_reader_killed_at_any_instant_leaves_nothing_a_later_reader_would_use(s3, built, tmp_path):
+def _killed_reader(url: str, cache, limit: int, batch_size: int, order: str, delay: float) -> int:
+    """A Loader's reader of `url` in a process of its own, killed `delay` s after its first batch:
+    its pid."""
     import subprocess
     import sys
     import time
 
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_READER, url, str(cache), str(limit), str(batch_size), order],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline()  # reading: a batch made
+    time.sleep(delay)
+    proc.kill()
+    proc.wait()
+    return proc.pid
+
+
+def test_a_reader_killed_at_any_instant_leaves_nothing_a_later_reader_would_use(s3, built, tmp_path):
     url = _url(tmp_path, "images")
     assert main(["push", str(built["images"]), url]) == 0
     limit, cache = _shard_bytes(built["images"]) * 2 // 5, tmp_path / "killed"
     local = MMapDataset(built["images"])
     for delay in (0.0, 0.05, 0.1, 0.2, 0.4, 0.8):
-        proc = subprocess.Popen([sys.executable, "-c", KILLED_READER, url, str(cache), str(limit)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        assert proc.stdout.readline()  # reading: a batch made
-        time.sleep(delay)
-        proc.kill()
-        proc.wait()
+        _killed_reader(url, cache, limit, 8, "sequential", delay)
         ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
         with Loader(ds, 8, shuffle=False, num_threads=1) as loader:  # its close unpins: the next reader may evict
             for a, b in zip(loader, Loader(local, 8, shuffle=False), strict=True):
