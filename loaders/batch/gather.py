@@ -155,11 +155,10 @@ class ColumnGather:
                 self._drop(g, pinned=False)
         self._drop_rows()
         rowed = self._rows_wanted([g for g in needed if g not in self._live]) if self.rows_pass or self.cold else []
-        try:
-            if rowed:  # (the lookahead waits for them: whole shards would share the link with them)
-                self._by_rows(rowed, shard, rows)
-                needed = [g for g in needed if g not in self._rowed]
-        finally:
+        if rowed:  # (the lookahead waits until they are copied: whole shards would share the link and CPU)
+            self._by_rows(rowed, shard, rows)
+            needed = [g for g in needed if g not in self._rowed]
+        else:  # whole shards: the lookahead fetches them beside this gather
             self.cold = False
         if any(r.cache is not None and r.cache.limit is not None for r in self.readers):
             # under a limit only the batch's shards stay mapped (a mapped shard cannot be
@@ -316,6 +315,12 @@ class ColumnGather:
 
     def gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor],
                pool: native.Pool | ThreadPoolExecutor | None = None, num_threads: int = 1) -> dict:
+        try:
+            return self._gather(ids, buffers, pool, num_threads)
+        finally:
+            self.cold = False  # a pass's first batch is gathered: the lookahead goes on
+
+    def _gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor], pool, num_threads: int) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]

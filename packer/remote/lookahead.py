@@ -156,6 +156,7 @@ class Lookahead:
             return
         while self.gather.cold and not self._stop.is_set():  # a first batch by rows has the link to itself
             self._wake.wait(0.01)
+            self._wake.clear()  # (set by `at`, it would make this loop spin, holding the GIL from the gather)
         with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="mmpack-download") as pool:
             while not self._stop.is_set():
                 self._wake.clear()

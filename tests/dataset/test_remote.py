@@ -641,6 +641,32 @@ def test_a_cold_first_batch_waits_for_its_rows_not_every_shard_it_touches(s3, la
         proxy.close()
 
 
+def test_the_fetch_ahead_waits_out_a_cold_first_batch_without_spinning():
+    """While a pass's first batch reads its rows the fetch ahead waits, and the gather moving on
+    (`at`, each batch) must not turn that wait into a busy loop: it would hold the GIL from the
+    very gather it waits for (it made a first batch of 54 shards take 9 s instead of about 1)."""
+    from packer.remote.lookahead import Lookahead
+
+    class Gather:
+        readers, rows_pass, cold, lookahead = [], False, True, None
+
+        def shards_of(self, ids):
+            return np.zeros(0, np.int64)
+
+    gather = Gather()
+    ahead = Lookahead(gather, lambda b: np.zeros(0, np.int64), 4)
+    waits, wait = [], ahead._wake.wait
+    ahead._wake.wait = lambda timeout=None: waits.append(1) or wait(timeout)
+    try:
+        ahead.at(1)
+        time.sleep(0.3)
+        assert gather.cold and ahead._thread.is_alive()
+        assert len(waits) < 100, f"{len(waits)} wakes in 0.3 s: the wait spins"
+    finally:
+        gather.cold = False
+        ahead.close()
+
+
 def test_ds_batched_over_a_url_fetches_its_coming_batches_shards_ahead(s3, large_rows, tmp_path):
     """`ds.batched` (what a DataLoader or StatefulDataLoader iterates) fetches the shards of its
     worker's coming batches ahead, as Loader does: shards the pass reads later arrive while it
