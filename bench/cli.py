@@ -200,7 +200,8 @@ def _doctor(args) -> int:
     if args.plot and result.loop and result.loop.per_step:
         doctor.plot(result, args.plot)
         print(f"plot: {args.plot}")
-    return 0
+    code = result.exit_code or 0  # the script's status, the report made whatever it was
+    return 128 - code if code < 0 else code  # killed by a signal: as a shell reports it
 
 
 if __name__ == "__main__":

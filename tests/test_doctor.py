@@ -20,11 +20,11 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "tools" / "doctor_train.py"
 
 
-def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT) -> tuple[dict, subprocess.CompletedProcess]:
+def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT, status: int = 0) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", str(steps), "--json", str(out), "--",
                            "python", str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == status, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc
 
 
@@ -51,10 +51,16 @@ def test_a_compute_bound_script_is_told_so(tmp_path):
     assert report["verdict"].startswith("compute-bound") and report["wait_share"] < 0.1 and not report["fixes"]
 
 
-def test_a_script_that_fails_gives_a_partial_report_not_a_traceback(tmp_path):
-    report, proc = _doctor(tmp_path, 0.002, 0.005, 4)
+def test_a_script_that_fails_gives_a_partial_report_not_a_traceback_and_its_status(tmp_path):
+    """The report covers what ran, and `bench doctor` exits as the script did (a CI step that
+    runs its training under the doctor must still fail when the training does)."""
+    report, proc = _doctor(tmp_path, 0.002, 0.005, 4, status=1)
     assert report["batches"] == 5 and "the script's own failure" in report["error"]
-    assert report["exit_code"] == 0 and "Traceback" not in proc.stderr and "stopped early" in proc.stdout
+    assert report["exit_code"] == 1 and "Traceback" not in proc.stderr and "stopped early" in proc.stdout
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\nsys.exit(3)\n")
+    report, proc = _doctor(tmp_path, script=exits, status=3)
+    assert report["exit_code"] == 3 and "exit 3" in proc.stdout
 
 
 def test_watch_reports_a_loop_in_this_process(built):

@@ -51,6 +51,7 @@ def child_main(argv: list[str]) -> None:
     __main__, as `python` would, with its loaders watched, then write the report."""
     steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
     w = Watch(steps)
+    status = 0
     with patched(w, loader_classes()):
         try:
             _run_main(argv)
@@ -59,9 +60,13 @@ def child_main(argv: list[str]) -> None:
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 w.error = f"exit {exc.code}"
+                status = exc.code if isinstance(exc.code, int) else 1
         except BaseException as exc:  # noqa: BLE001 - the script's failure is part of the report
             w.error = f"{type(exc).__name__}: {exc}"[:300]
+            status = 1
     write_report(w.diagnose(), Path(os.environ[REPORT_ENV]))
+    if status:  # the script's own status, as `python script.py` gives it (a CI step must see the failure)
+        sys.exit(status)
 
 
 def _run_main(argv: list[str]) -> None:
