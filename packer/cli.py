@@ -124,7 +124,8 @@ def _cmd_build(args) -> int:
     _summary(result, local, seconds, quiet=args.quiet, appended=getattr(args, "append", False))
     if remote_url(args.out):  # the built dataset went there
         zstd = " zstd-compressed" if getattr(args, "zstd", None) is not None else ""
-        print(f"pushed -> {args.out}{zstd} (built in {local})")
+        print(f"pushed -> {args.out}{zstd} (built in {local}, kept so that this command resumes or pushes again; "
+              "remove it to free its disk)")
     return 0
 
 
@@ -265,6 +266,9 @@ def _cmd_verify(args) -> int:
             print(f"packer verify: FAILED: {len(result['removed'])} cached files no longer matched their checksums "
                   f"and were removed (fetched again when read): {', '.join(result['removed'][:5])}", file=sys.stderr)
             return 1
+        if result.get("empty"):
+            print(f"nothing to verify: no copy of {args.out} (its build published now) is cached in {result['cache']}")
+            return 0
         print(f"ok: {result['files']} cached files, {human_bytes(result['size_bytes'])} verified in {result['cache']}")
         return 0
     print(f"ok: {result['files']} files, {human_bytes(result['size_bytes'])}, {result['num_samples']:,} samples verified")

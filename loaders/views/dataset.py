@@ -71,7 +71,7 @@ class MMapDataset(torch.utils.data.Dataset):
             self._cache = remote.open_cached(root, cache_dir, remote.parse_limit(cache_limit))
             self.root = self._cache.root
         elif cache_limit is not None:
-            raise ConfigError(f"{root}: cache_limit is for datasets in object storage (s3:// URLs); "
+            raise ConfigError(f"{root}: cache_limit is for datasets in object storage (s3:// and az:// URLs); "
                               "a local dataset is never a cache")
         else:
             self.root = resolve_root(root, cache_dir)

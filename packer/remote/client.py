@@ -124,9 +124,12 @@ def errors(remote: Remote, what: str):
             if exc is None or isinstance(exc, (ConfigError, IntegrityError)):
                 return False
             name = type(exc).__name__
-            text = str(exc).splitlines()[0][:200] if str(exc) else name
+            text = str(exc).splitlines()[0].split(": <?xml")[0][:200] if str(exc) else name  # (no XML of the store)
             if not_found(exc):
                 raise IntegrityError(f"{remote.url}: {what}: not found ({text})") from None
+            if "error sending request" in str(exc) or "Connection refused" in str(exc):
+                raise ConfigError(f"{remote.url}: {what}: the store did not answer; check its endpoint and that it is "
+                                  f"up ({text})") from None
             if "PermissionDenied" in name or "Unauthenticated" in name or any(
                     s in text for s in ("403", "Forbidden", "AccessDenied", "SignatureDoesNotMatch", "InvalidAccessKeyId")):
                 raise ConfigError(f"{remote.url}: {what}: access denied; {CREDENTIALS[remote.scheme]}") from None

@@ -34,7 +34,7 @@ from packer.dataset import format as fmt
 from packer.dataset.outdir import write_atomic
 from packer.dataset.reader import DatasetReader
 from packer.dataset.writer import checksum_file, file_digest
-from packer.errors import IntegrityError
+from packer.errors import ConfigError, IntegrityError
 from packer.remote import blocks, client
 from packer.remote.url import Remote
 from packer.system import flock
@@ -191,8 +191,10 @@ def read_pointer(remote: Remote) -> tuple[str, str]:
             try:
                 return fmt.ARCHIVE_NAME, text(fmt.ARCHIVE_NAME)
             except Exception as other:  # noqa: BLE001
-                if client.not_found(other):
-                    raise exc from None
+                if client.not_found(other):  # no dataset here: a wrong URL, not a damaged dataset
+                    raise ConfigError(f"{remote.url}: no mmpack dataset there (neither {fmt.MANIFEST_NAME} nor "
+                                      f"{fmt.ARCHIVE_NAME}, or no such bucket); check the URL, or packer push one "
+                                      "there") from None
                 raise
 
 

@@ -224,11 +224,26 @@ def test_a_damaged_or_expanding_compressed_object_is_refused_naming_it(s3, built
 
 def test_wrong_credentials_and_a_missing_dataset_are_one_line_errors(s3, built, tmp_path, monkeypatch, capsys):
     url = _url(tmp_path, "nothing-here")
-    with pytest.raises(IntegrityError, match="not found"):
+    with pytest.raises(ConfigError, match="no mmpack dataset there"):  # a wrong URL, not a damaged dataset
         MMapDataset(url)
+    for argv in (["info", url], ["verify", url], ["pull", url, str(tmp_path / "copy")],
+                 ["verify", "s3://no-such-bucket-mmpack/photos"]):
+        assert main(argv) == 2, argv  # (verify's 1 says the dataset is damaged)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "no mmpack dataset there" in err, err
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     with pytest.raises(ConfigError, match="AWS_SECRET_ACCESS_KEY"):
         MMapDataset(url)
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on: the store is down, or the endpoint wrong
+        closed.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.getsockname()[1]}")
+        monkeypatch.setenv("MMPACK_REMOTE_DEADLINE", "1")
+        assert main(["info", url]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the store did not answer; check its endpoint" in err, err
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3)
     assert main(["push", str(built["images"]), _url(tmp_path, "images")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "access denied" in err
@@ -384,6 +399,8 @@ def test_verify_of_a_urls_cache_rehashes_every_cached_file_and_removes_what_no_l
     named, and the next read fetches it again."""
     url, cache = _url(tmp_path, "images"), tmp_path / "c"
     assert main(["push", str(built["images"]), url]) == 0
+    assert main(["verify", url, "--cache", str(cache)]) == 0  # nothing cached yet: said, and nothing fetched
+    assert "nothing to verify" in capsys.readouterr().out and not cache.exists()
     local = MMapDataset(built["images"])
     _same_batches(MMapDataset(url, cache_dir=cache), local)
     assert main(["verify", url, "--cache", str(cache)]) == 0
