@@ -54,7 +54,7 @@ def verify_cache(url: str, cache_dir=None, *, on_progress=None) -> dict:
     """The node's cache of the dataset at `url` (its build published now): every file cached
     there hashed against the manifest; one that no longer matches is removed, to be fetched
     again by the next reader that needs it (an index file, which every open maps, at once).
-    {"files", "size_bytes", "removed": [paths]}."""
+    {"files", "size_bytes", "removed": [paths], "cache"}, with "empty" where nothing is cached."""
     from packer.remote.entry import entry_dir, open_cached
 
     root = entry_dir(url, read_published(url)[0], cache_dir)
