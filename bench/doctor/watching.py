@@ -124,8 +124,9 @@ def _remote(before: dict, after: dict) -> RemoteTraffic | None:
     """What came over the link between the two counts (None: no dataset in object storage)."""
     if not after:
         return None
-    fields = ("bytes", "gets", "shard_downloads", "shard_hits")
-    sums = {k: sum(after[u][k] - before.get(u, {}).get(k, 0) for u in after) for k in fields}
+    from packer.remote.traffic import FIELDS
+
+    sums = {k: sum(after[u][k] - before.get(u, {}).get(k, 0) for u in after) for k in FIELDS}
     return RemoteTraffic(urls=sorted(after), **sums)
 
 

@@ -20,6 +20,7 @@ import torch
 from packer.dataset.format import Column, Manifest
 from packer.dataset.reader import DatasetReader, decode_text
 from packer.errors import ConfigError
+from packer.remote.traffic import FIELDS
 
 from loaders.batch.gather import ColumnGather, batch_dtype
 from loaders.batched import BatchedDataset
@@ -99,13 +100,13 @@ class MMapDataset(torch.utils.data.Dataset):
         the GET requests (a range is one; the client's own retries are not counted), the shards
         it downloaded, and the times a shard it needed was in the node's cache already (fetched
         by another process, an earlier run, or itself before). Zeros for a local dataset."""
-        return dict(self._cache._here().traffic.mine) if self._cache is not None else _NO_TRAFFIC
+        return dict(self._cache._here().traffic.mine) if self._cache is not None else dict.fromkeys(FIELDS, 0)
 
     @property
     def node_traffic(self) -> dict:
         """`traffic` added up over every process on this node that read this dataset's cache
         entry (DataLoader workers, ranks, earlier runs): what `bench doctor` reports."""
-        return self._cache._here().traffic.node() if self._cache is not None else _NO_TRAFFIC
+        return self._cache._here().traffic.node() if self._cache is not None else dict.fromkeys(FIELDS, 0)
 
     @property
     def manifest(self) -> Manifest:
@@ -172,5 +173,3 @@ class MMapDataset(torch.utils.data.Dataset):
     def __repr__(self) -> str:
         return f"MMapDataset({str(self.root)!r}, samples={len(self)}, columns={self._names})"
 
-
-_NO_TRAFFIC = {"bytes": 0, "gets": 0, "shard_downloads": 0, "shard_hits": 0}
