@@ -33,12 +33,13 @@ def build_dir(url: str) -> Path:
     return transfer.DEFAULT_CACHE.parent / "builds" / hashlib.sha256(url.encode()).hexdigest()[:16]
 
 
-def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None = None) -> ShardCache:
+def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None = None, *,
+                published: tuple[fmt.Manifest, dict | None] | None = None) -> ShardCache:
     """The node's cache entry of the dataset at `url`, made with its manifest and index files on
     first open (the processes of every rank wait for the first one); its other files come per
-    shard as readers need them. Pinned to the manifest read now: a push after this open is
-    another entry."""
-    manifest, packed = read_published(url)
+    shard as readers need them. Pinned to the manifest read now (`published`: what
+    `read_published` gave the caller): a push after this open is another entry."""
+    manifest, packed = published or read_published(url)
     root = entry_dir(url, manifest, cache_dir)
     cache = ShardCache(url, root, manifest, limit, packed)
     root.parent.mkdir(parents=True, exist_ok=True)

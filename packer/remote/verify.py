@@ -57,10 +57,11 @@ def verify_cache(url: str, cache_dir=None, *, on_progress=None) -> dict:
     {"files", "size_bytes", "removed": [paths], "cache"}, with "empty" where nothing is cached."""
     from packer.remote.entry import entry_dir, open_cached
 
-    root = entry_dir(url, read_published(url)[0], cache_dir)
+    published = read_published(url)
+    root = entry_dir(url, published[0], cache_dir)
     if not (root / fmt.MANIFEST_NAME).is_file():  # none to check: not made here (an open would fetch its index)
         return {"files": 0, "size_bytes": 0, "removed": [], "cache": str(root), "empty": True}
-    cache = open_cached(url, cache_dir)
+    cache = open_cached(url, cache_dir, published=published)
     fetched = cache.check_index(every=True)
     checked, size = len(cache.index), sum(e.size_bytes for e in cache.index)
     removed = [e.path for e in fetched]
