@@ -234,6 +234,7 @@ class _Scheduler:
         self.results: list[ShardResult] = []
         self.unexplained: list[str] = []  # what the workers were on, at each death no one item explains
         self.finisher = ThreadPoolExecutor(1, thread_name_prefix="mmpack-finish") if self.sliced else None
+        self.finish_failed = False  # set on the finisher thread, read there too
 
     def run(self) -> list[ShardResult]:
         try:
@@ -300,6 +301,8 @@ class _Scheduler:
 
     def _collect(self, future: Future) -> None:
         unit = self.pending.pop(future)
+        if unit is None and isinstance(future.exception(), _Dropped):
+            return  # the finish that failed before it raises its own error
         value = future.result()  # re-raises a worker's error here
         if unit is None or unit.whole:  # a shard finished here, or in its worker
             if unit is not None:
@@ -314,8 +317,19 @@ class _Scheduler:
         shard.flattened += flat
         if shard.units_left == 0:
             del self.open[unit.index]
-            self.pending[self.finisher.submit(finish_pieces, self.ctx, shard.task, shard.records, shard.skips,
-                                              shard.digests, shard.flattened)] = None
+            self.pending[self.finisher.submit(self._finish, shard)] = None
+
+    def _finish(self, shard: _Open) -> ShardResult:
+        """On the finisher thread: a finish queued behind one that failed does not start, so a
+        failed build drops the shards after it whatever the timing (the run's cleanup cancels
+        only the finishes the thread has not taken yet)."""
+        if self.finish_failed:
+            raise _Dropped()
+        try:
+            return finish_pieces(self.ctx, shard.task, shard.records, shard.skips, shard.digests, shard.flattened)
+        except BaseException:
+            self.finish_failed = True
+            raise
 
     def _recover(self) -> None:
         """The pool broke: every unit it had runs again in a new pool, less the item that killed
@@ -338,6 +352,10 @@ class _Scheduler:
             self.unexplained.append(", ".join(on))
             if len(self.unexplained) >= RETRIES:
                 raise _unexplained(self.ctx, self.unexplained)
+
+
+class _Dropped(Exception):
+    """A shard's finish not started: one before it failed."""
 
 
 def _unexplained(ctx: ShardContext, unexplained: list[str]) -> SourceError:

@@ -110,9 +110,11 @@ def test_full_disk_is_one_line_and_leaves_no_dataset(tmp_path, image_raw):
 
 def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, image_raw, capsys, monkeypatch):
     """One process closes shard k on a thread while it fills shard k+1: when that close fails
-    (a full disk at its fsync), the filled shard k+1 is dropped too and its lock released."""
+    (a full disk at its fsync), the filled shard k+1 is dropped too and its lock released, even
+    when its finish was already queued behind the one that failed."""
     import errno
     import fcntl
+    import time
 
     from packer.dataset import writer
 
@@ -120,6 +122,7 @@ def test_a_close_that_fails_while_the_next_shard_fills_drops_both(tmp_path, imag
 
     def failing(self):
         if self.index == 1:
+            time.sleep(1.0)  # long enough for shard 2's pieces to come back and its finish to queue
             raise OSError(errno.ENOSPC, "No space left on device", str(self.dir / "image.npy"))
         return close(self)
 
