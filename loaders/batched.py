@@ -10,7 +10,7 @@ import torch
 
 from packer.remote import Lookahead, check_first_batches
 
-from loaders.source import as_source, epochs_of
+from loaders.source import as_source, epochs_of, gather
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 
 
@@ -101,7 +101,7 @@ class BatchedDataset(EpochDataset):
             self._fetch_ahead(self.source, p, b)
         memory = "shared" if torch.utils.data.get_worker_info() else "plain"
         ids = self._epochs.batch_ids(p, b)
-        return self.source.gather(ids, self.source.alloc(len(ids), memory))
+        return gather(self.source, ids, self.source.alloc(len(ids), memory), epoch=p.epoch)
 
     def __iter__(self):
         for p, b in self._worker_pass(self.source):

@@ -23,7 +23,7 @@ from packer.system import available_cores
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
-from loaders.source import as_source, epochs_of
+from loaders.source import as_source, epochs_of, gather
 from loaders.cuda import to_device
 from loaders.order.sampler import Order, Pass, Resumable, check_int
 from loaders.producer import made_ahead, stop_all
@@ -209,7 +209,7 @@ class Loader(Resumable):
             try:
                 if ahead is not None:
                     ahead.at(b)
-                return source.gather(epochs.batch_ids(p, b), buffers, pool, threads)
+                return gather(source, epochs.batch_ids(p, b), buffers, pool, threads, epoch=p.epoch)
             finally:
                 ring.filled(buffers)
 

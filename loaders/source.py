@@ -44,6 +44,14 @@ def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
     return dataset
 
 
+def gather(source: BatchSource, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1, *, epoch: int):
+    """Batch `ids` of `epoch`: a view whose samples change with the epoch (`per_epoch`:
+    AudioClips' crops) is told it."""
+    if getattr(source, "per_epoch", False):
+        return source.gather(ids, buffers, pool, num_threads, epoch=epoch)
+    return source.gather(ids, buffers, pool, num_threads)
+
+
 def epochs_of(source: BatchSource, batch_size: int, *, bucket_by: str | None = None, **kwargs) -> Epochs:
     """The epochs over a batch source: its permutations, a mixture's stream (`order_for`), or
     with `bucket_by="aspect"` batches whose images share an aspect-ratio bucket."""

@@ -179,6 +179,7 @@ def info(path: str | Path) -> dict:
         "empty_classes": empty_classes(reader) if reader is not None else None,
         "counts": m.counts,
         "tokenizer": m.tokenizer,
+        "audio": _audio(m),
         "images": _image_policy(m),
         "input": m.build.get("input"),
         "flattened": m.build.get("flattened", 0),
@@ -191,6 +192,18 @@ def empty_classes(reader: DatasetReader) -> list[str]:
     """The classes no packed sample has (an empty folder, or only files that were skipped)."""
     counts = reader.class_counts()
     return [] if counts is None else [reader.manifest.classes[i] for i in np.flatnonzero(counts == 0)]
+
+
+def _audio(m: fmt.Manifest) -> dict | None:
+    """An audio dataset's rate, channels and dtype, and the seconds of audio it holds (from
+    the column files' sizes: nothing read)."""
+    if m.audio is None:
+        return None
+    column = m.column("audio")
+    values = sum(f.size_bytes - fmt.NPY_HEADER_BYTES for s in m.shards for f in s.files
+                 if f.path.endswith(f"/{fmt.column_file_names(column)['values']}"))
+    frames = values // np.dtype(column.dtype).itemsize // m.audio["channels"]
+    return {**m.audio, "seconds": round(frames / m.audio["sample_rate"], 3)}
 
 
 def _image_policy(m: fmt.Manifest) -> str | None:

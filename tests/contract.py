@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from loaders import (BatchedDataset, Loader, Mixture, MMapDataset, MMapIterableDataset, PackedDocuments, StatefulDataLoader,
+from loaders import (AudioClips, BatchedDataset, Loader, Mixture, MMapDataset, MMapIterableDataset, PackedDocuments, StatefulDataLoader,
                      TokenWindows)
 
 BATCH = 8
@@ -21,7 +21,8 @@ EPOCHS = 3
 READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", "StatefulDataLoader(batched)",
            "StatefulDataLoader(MMapIterableDataset)", "StatefulDataLoader(TokenWindows)",
            "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)",
-           "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)")
+           "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)", "Loader(audio)",
+           "Loader(AudioClips)", "StatefulDataLoader(AudioClips)")
 
 
 def opened(paths: dict, key: str, **kwargs) -> MMapDataset:
@@ -51,6 +52,10 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         return Loader(packed(), BATCH, num_threads=par, **common)
     if reader == "Loader(Mixture)":
         return Loader(mixture(paths), BATCH, num_threads=par, **common)
+    if reader == "Loader(audio)":
+        return Loader(opened(paths, "audio"), BATCH, num_threads=par, **common)
+    if reader == "Loader(AudioClips)":
+        return Loader(AudioClips(paths["audio"], 0.5, seed=9), BATCH, num_threads=par, **common)
     if reader == "Loader(images, bucket_by)":
         return Loader(opened(paths, "aspect", columns=["image", "key"]), BATCH, num_threads=par, bucket_by="aspect",
                       **common)
@@ -63,6 +68,8 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         source = BatchedDataset(windows(), BATCH, **common)
     elif reader == "StatefulDataLoader(Mixture)":
         source = BatchedDataset(mixture(paths), BATCH, **common)
+    elif reader == "StatefulDataLoader(AudioClips)":
+        source = BatchedDataset(AudioClips(paths["audio"], 0.5, seed=9), BATCH, **common)
     elif reader == "StatefulDataLoader(batched, bucket_by)":
         source = opened(paths, "aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
     else:
@@ -71,11 +78,19 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
 
 
 def samples(batch) -> list[str]:
-    """The identities of a batch's samples, in order."""
+    """The identities of a batch's samples, in order (an audio sample's: its key and a digest of
+    its frames, which tell one crop of a clip from another)."""
+    if isinstance(batch, dict) and "audio" in batch:
+        return [f"{key}@{_digest(row[:n])}" for key, row, n in zip(batch["key"], batch["audio"],
+                                                                 batch["audio_lengths"].tolist())]
     if isinstance(batch, dict) and "key" in batch:
         return list(batch["key"])
     rows = batch["tokens"] if isinstance(batch, dict) else torch.cat([batch[0], batch[1][:, -1:]], dim=1)
     return [hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest() for row in rows]
+
+
+def _digest(row) -> str:
+    return hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest()
 
 
 def train(loader, *, first_epoch: int = 0, stop_after: int | None = None):

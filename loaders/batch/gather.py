@@ -28,7 +28,7 @@ from packer.dataset.reader import ColumnArrays, DatasetReader
 from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.canvas import CANVAS_BUFFER_BYTES, canvas_copy
-from loaders.batch.ragged import RAGGED_BUFFER_BYTES, gather_ragged, gather_strings
+from loaders.batch.ragged import AUDIO_BUFFER_BYTES, RAGGED_BUFFER_BYTES, frames_of, gather_ragged, gather_strings
 from loaders.batch.rows import in_shares, rows_copy
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
@@ -92,7 +92,7 @@ class ColumnGather:
     def image_column(self) -> str:
         """The column whose samples have their own sizes (height, width, channels): what a batch
         grouped by shape groups by."""
-        ragged = [c.name for c in self.columns if c.ragged and len(c.shape) > 1]
+        ragged = [c.name for c in self.columns if c.ragged and len(c.shape) > 1 and frames_of(c) is None]
         if not ragged:
             raise ConfigError(f"{self.reader.root}: no column of own-sized images to group batches by "
                               f"(columns {[c.name for c in self.columns]}); build with --keep-aspect or --image-size keep")
@@ -264,23 +264,25 @@ class ColumnGather:
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         """Buffers for the fixed-shape columns; in a Loader's ring (long-lived), also for each
-        ragged 1-D column a flat buffer (a batch of width w is its first B x w elements: a
-        contiguous [B, w] tensor) of B x its longest sample, at most RAGGED_BUFFER_BYTES (a
-        wider batch gets a fresh plain one), and its `{name}_lengths`; for each ragged image
+        column ragged along its first axis (tokens, audio) a flat buffer (a batch of width w is
+        its first B x w elements: a contiguous [B, w] tensor) of B x its longest sample, at most
+        RAGGED_BUFFER_BYTES (AUDIO_BUFFER_BYTES for audio; a wider batch gets a fresh plain
+        one), and its `{name}_lengths`; for each ragged image
         column a flat canvas buffer of B x its largest height x largest width, at most
         CANVAS_BUFFER_BYTES, and its `{name}_size`."""
         out = {}
         for c in self.columns:
             if not c.ragged:
                 out[c.name] = empty((batch_size, *c.shape), batch_dtype(c.dtype), memory)
-            elif len(c.shape) > 1 and memory in ("huge", "pinned"):
+            elif len(c.shape) > 1 and frames_of(c) is None and memory in ("huge", "pinned"):
                 dtype = np.dtype(c.dtype)
                 most = max(1, CANVAS_BUFFER_BYTES // dtype.itemsize)
                 out[c.name] = empty((min(batch_size * math.prod(self._largest(c.name)), most),), dtype, memory)
                 out[f"{c.name}_size"] = empty((batch_size, 2), np.int64, memory)
-            elif len(c.shape) == 1 and memory in ("huge", "pinned"):
+            elif frames_of(c) is not None and memory in ("huge", "pinned"):
                 dtype = batch_dtype(c.dtype)
-                most = max(1, RAGGED_BUFFER_BYTES // dtype.itemsize)
+                cap = AUDIO_BUFFER_BYTES if c.name == "audio" and self.reader.manifest.kind == "audio" else RAGGED_BUFFER_BYTES
+                most = max(1, cap // dtype.itemsize)
                 out[c.name] = empty((min(batch_size * self._longest(c.name), most),), dtype, memory)
                 out[f"{c.name}_lengths"] = empty((batch_size,), np.int64, memory)
         return out
@@ -334,7 +336,7 @@ class ColumnGather:
                 out[col.name] = buffers[col.name][:n]
                 copies.append(rows_copy(out[col.name].numpy(), self._arrays(col.name), self._regions(col.name),
                                     shard, rows, order))
-            elif col.ragged and len(col.shape) > 1:
+            elif col.ragged and len(col.shape) > 1 and frames_of(col) is None:
                 fill, batch = canvas_copy(col.name, self._arrays(col.name), self._regions(col.name), shard, rows,
                                       order, buffers, f"{self.reader.root}: column {col.name}")
                 out.update(batch)
@@ -363,7 +365,7 @@ class ColumnGather:
             if col.encoding:
                 out[col.name] = gather_strings(arrays, shard, rows, col.encoding, f"{self.reader.root}: column {col.name}")
             elif col.ragged:
-                out.update(gather_ragged(col.name, arrays, shard, rows, buffers, self.padding_value))
+                out.update(gather_ragged(col.name, arrays, shard, rows, buffers, self.padding_value, col.shape[1:]))
             else:
                 buf = buffers[col.name][:n]
                 dst = buf.numpy()

@@ -7,6 +7,8 @@ lengths, in the batch's buffers when they hold it). Ragged images go into a canv
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -15,6 +17,15 @@ from packer.dataset.reader import ColumnArrays, decode_text
 from loaders.batch.buffers import batch_dtype, values_dtype
 
 RAGGED_BUFFER_BYTES = 16 << 20  # a ragged column's batch buffer: up to B x its longest sample, at most this
+AUDIO_BUFFER_BYTES = 256 << 20  # ... an audio column's: a batch of 64 clips of 30 s at 48 kHz stereo int16 is 369 MB
+
+
+def frames_of(column) -> int | None:
+    """Values per step of a column ragged along its first axis only ([T] tokens or mono audio,
+    [T, C] audio): batched padded along T with `{name}_lengths`; None for any other column."""
+    if not column.ragged or column.encoding or column.shape[0] is not None or None in column.shape[1:]:
+        return None
+    return math.prod(column.shape[1:])
 SHORT_PIECES = 256  # ragged samples up to this long on average are gathered vectorised, longer ones one by one
 
 
@@ -55,9 +66,10 @@ def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(int(lengths.sum()))
 
 
-def gather_ragged(name, arrays, shard, rows, buffers, pad: int = 0) -> dict:
-    """Ragged 1-D columns: padded [B, longest in the batch] (`pad` after each sample) plus
-    `{name}_lengths`, in the batch's buffers when they hold it.
+def gather_ragged(name, arrays, shard, rows, buffers, pad: int = 0, step: tuple[int, ...] = ()) -> dict:
+    """Columns ragged along their first axis: padded [B, longest in the batch, *step] (`pad`
+    after each sample) plus `{name}_lengths` (steps: tokens, frames), in the batch's buffers
+    when they hold it.
     Vectorised, because short documents would otherwise cost a Python-level copy each into a
     fresh array; for long ones the two ways are about even, most of the work being the padding."""
     starts, lengths, pieces = spans(arrays, shard, rows)
@@ -83,4 +95,8 @@ def gather_ragged(name, arrays, shard, rows, buffers, pad: int = 0) -> dict:
                 dst[i, :m] = values[s:s + m]
                 if not fresh:
                     dst[i, m:] = pad
+    if step:  # [T, C] samples: their flat values padded as one row each, and lengths in frames
+        each = math.prod(step)
+        lens.numpy()[:] //= each
+        padded = padded.view(n, width // each, *step)
     return {name: padded, f"{name}_lengths": lens}

@@ -15,6 +15,9 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from packer.builder.audio import DEFAULT_MAX_SECONDS, AudioSpec
+from packer.builder.audio import DTYPES as AUDIO_DTYPES
+from packer.builder.audio import require as require_audio
 from packer.builder.forms import FORMS
 from packer.builder.forms.fields import FieldOptions
 from packer.builder.forms.labels import read_names
@@ -47,7 +50,7 @@ class BuildConfig:
 
     raw: Path = flag(bytes=ALWAYS)  # recorded resolved and printable
     out: Path = flag()
-    kind: str | None = flag(bytes=ALWAYS, help="force the layout instead of detecting it (images, pairs, text), or "
+    kind: str | None = flag(bytes=ALWAYS, help="force the layout instead of detecting it (images, pairs, text, audio), or "
                             "the input form (parquet, tar, manifest: as --input)",
                             choices=fmt.KINDS + FORMS[1:])  # recorded as the kind the build packs, given or detected
     image_size: int | None = flag(224, bytes=ALWAYS, append=True, help="shorter side resized to S, centre-cropped "
@@ -100,7 +103,16 @@ class BuildConfig:
     split: str | None = flag(bytes=UNLESS_DEFAULT, help="build this split of a Hugging Face or WebDataset dataset: "
                              "its train-*.parquet, train-*.tar, train.jsonl or train/ files", metavar="NAME")
     no_text: bool = flag(False, bytes=UNLESS_DEFAULT, help="pack the images of an input that has captions without "
-                                                            "them (else --tokenizer is needed)")
+                                                            "them (else --tokenizer is needed); the audio without its "
+                                                            "transcripts")
+    sample_rate: int | None = flag(bytes=UNLESS_DEFAULT, append=True, help="audio: every clip resampled to this rate "
+                                   "(Hz; required to pack audio)", type=int, metavar="HZ")
+    channels: int | None = flag(bytes=UNLESS_DEFAULT, append=True, help="audio: 1 (the mean of a file's channels; "
+                                "the default) or 2", type=int, choices=(1, 2))
+    dtype: str | None = flag(bytes=UNLESS_DEFAULT, append=True, help="audio: stored as int16 PCM (the default) or "
+                             "float32", choices=tuple(AUDIO_DTYPES))
+    max_seconds: float | None = flag(bytes=UNLESS_DEFAULT, help="audio: skip a clip longer than this (default "
+                                     f"{DEFAULT_MAX_SECONDS:g} s)", type=float, metavar="S")
 
     def __post_init__(self) -> None:
         if self.raw is None or self.out is None:
@@ -142,6 +154,14 @@ class BuildConfig:
             raise ConfigError(f"--max-doc-bytes: {self.max_doc_bytes} must lie between 1 and 2**40")
         if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
             raise ConfigError(f"--max-skipped: {self.max_skipped} is not a fraction between 0 and 1")
+        if self.sample_rate is not None and not 1000 <= self.sample_rate <= fmt.MAX_SAMPLE_RATE:
+            raise ConfigError(f"--sample-rate: {self.sample_rate} Hz is out of range (1000..{fmt.MAX_SAMPLE_RATE})")
+        if self.channels not in (None, 1, 2):
+            raise ConfigError(f"--channels: {self.channels} is not 1 or 2")
+        if self.dtype not in (None, *AUDIO_DTYPES):
+            raise ConfigError(f"--dtype: {self.dtype!r} is not one of {', '.join(AUDIO_DTYPES)}")
+        if self.max_seconds is not None and not 0 < self.max_seconds <= 86400:
+            raise ConfigError(f"--max-seconds: {self.max_seconds} is not between 0 and 86400 (a day)")
 
     def _read_spellings(self) -> None:
         """The values the command line spells as text, as the fields hold them."""
@@ -211,10 +231,29 @@ class BuildConfig:
         """The recorded names of the flags an --append must repeat."""
         return tuple(f.name for f in fields(BuildConfig) if f.metadata["append"])
 
-    def tokenizer_for(self, kind: str, why: str = ""):
-        """(tokenizer, TokenizerSpec) of a text or pairs build, None for images, whose build
-        refuses text flags."""
-        if kind == "images":
+    def audio_spec(self, kind: str) -> AudioSpec | None:
+        """What an audio build makes of each clip (None for other kinds, which refuse the audio
+        flags)."""
+        given = [f"--{f.replace('_', '-')}" for f in ("sample_rate", "channels", "dtype", "max_seconds")
+                 if getattr(self, f) is not None]
+        if kind != "audio":
+            if given:
+                raise ConfigError(f"{', '.join(given)}: RAW {self.raw} holds {kind}, not audio; drop the flag, or "
+                                  "pass --kind audio")
+            return None
+        require_audio()
+        if self.sample_rate is None:
+            raise ConfigError(f"--sample-rate HZ is required to pack audio (RAW {self.raw}): the rate every clip is "
+                              "resampled to, e.g. 16000 for speech models")
+        return AudioSpec(self.sample_rate, self.channels or 1, AUDIO_DTYPES[self.dtype or "int16"],
+                         self.max_seconds or DEFAULT_MAX_SECONDS)
+
+    def tokenizer_for(self, kind: str, why: str = "", *, transcribed: bool = True):
+        """(tokenizer, TokenizerSpec) of a text or pairs build, or of audio with transcripts;
+        None for images and audio without, whose builds refuse text flags."""
+        if kind == "audio" and self.no_text:
+            transcribed = False
+        if kind == "images" or (kind == "audio" and not transcribed):
             text_flags = [flag for flag, given in (("--tokenizer", self.tokenizer is not None),
                                                     ("--text-key", self.text_key != "text"),
                                                     ("--append-eos", self.append_eos is not None),
@@ -224,7 +263,11 @@ class BuildConfig:
                                   "tokenized; drop the flag, or pass --kind pairs or --kind text if RAW is not images")
             return None
         if self.tokenizer is None:
-            images = "; or --no-text to pack its images without their captions" if kind == "pairs" else ""
+            images = {"pairs": "; or --no-text to pack its images without their captions",
+                      "audio": "; or --no-text to pack its audio without the transcripts"}.get(kind, "")
+            if kind == "audio":
+                raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack the transcripts of RAW "
+                                  f"{self.raw} ({why}){images}")
             raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack {kind}: RAW {self.raw} holds "
                               f"{why}; if it is not {kind}, pass --kind{images}")
         tok = load_tokenizer(self.tokenizer)
@@ -242,6 +285,10 @@ class BuildConfig:
         key = fmt.Column("key", "|u1", (None,), encoding="utf-8")
         if kind == "images":  # a flat folder has no classes: no label column
             return (image, fmt.Column("label", "<i8", ()), key) if labeled else (image, key)
+        if kind == "audio":
+            spec = self.audio_spec(kind)
+            return (fmt.audio_column(spec.dtype, spec.channels), *((fmt.Column("label", "<i8", ()),) if labeled else ()),
+                    *((fmt.Column("tokens", tokenizer.dtype, (None,)),) if tokenizer else ()), key)
         tokens = fmt.Column("tokens", tokenizer.dtype, (None,))
         return (image, tokens, key) if kind == "pairs" else (tokens, key)
 

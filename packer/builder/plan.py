@@ -19,6 +19,9 @@ import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
+from packer.builder.audio import AudioSpec, header_frames
 from packer.errors import ConfigError
 from packer.dataset.format import Skip
 from packer.dataset.geometry import keep_aspect_size
@@ -108,7 +111,7 @@ class _Cutter:
 
 def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows: int | None,
          shard_bytes: int | None, first_index: int = 0, max_side: int | None = None, text_key: str = "text",
-         max_doc_bytes: int = MAX_DOC_BYTES) -> Plan:
+         max_doc_bytes: int = MAX_DOC_BYTES, audio: AudioSpec | None = None) -> Plan:
     """Cut the records of a scan into shard tasks numbered from `first_index` (`max_side`: a
     keep-aspect build's cap, whose samples' sizes come from each file's header). A JSONL or
     Parquet file none of whose records has `text_key` is a ConfigError: a typo in --text-key
@@ -120,6 +123,11 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
     elif found.kind in ("images", "pairs"):
         for i, record in enumerate(found.records):
             cutter.add(Span(i), 1, _image_bytes(record, image_size, max_side, found))
+    elif found.kind == "audio":  # each clip's size from its header (capped), as the image sizes of 'keep'
+        frame = audio.channels * np.dtype(audio.dtype).itemsize
+        for i, record in enumerate(found.records):
+            frames = header_frames(record.path, audio.sample_rate, audio.max_seconds)
+            cutter.add(Span(i), 1, frames * frame + _SAMPLE_OVERHEAD)
     else:
         for i, record in enumerate(found.records):
             ext = os.path.splitext(record.path)[1].lower()

@@ -93,6 +93,7 @@ def commit_staged(out: Path, *, seconds: float | None = None, workers: int | str
         tokenizer=doc["tokenizer"] if base is None else base.tokenizer,
         build=build_info,
         generation=doc["generation"],
+        audio=doc.get("audio") if base is None else base.audio,
     )
     kept = outdir.publish(out, manifest)
     if kept:

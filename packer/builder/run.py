@@ -123,7 +123,8 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     if existing is not None:
         append.check_unchanged(config, existing, found)
         found = append.only_new(found, existing)
-    tok = config.tokenizer_for(found.kind, found.why)
+    audio = config.audio_spec(found.kind)
+    tok = config.tokenizer_for(found.kind, found.why, transcribed=found.fields is not None)
     tokenizer = tok[1] if tok else None
     params = config.params(found.kind, tokenizer)
     columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None)
@@ -133,7 +134,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
     the_plan = plan(found, image_size=config.image_size, max_side=config.side_cap, token_itemsize=itemsize,
                     shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first,
-                    text_key=config.text_key, max_doc_bytes=config.max_doc_bytes)
+                    text_key=config.text_key, max_doc_bytes=config.max_doc_bytes, audio=audio)
     skipped = (*found.skipped, *the_plan.skipped)
     if config.strict and skipped:
         raise SourceError(f"{config.raw / skipped[0].key}: {skipped[0].reason} (--strict)")
@@ -147,7 +148,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         "fingerprint": fingerprint, "params": params, "inputs": digest, "records": len(found.records),
         "kind": found.kind, "columns": [asdict(c) for c in columns],
         "classes": list(found.classes) if found.classes is not None else None,
-        "tokenizer": asdict(tokenizer) if tokenizer else None,
+        "tokenizer": asdict(tokenizer) if tokenizer else None, "audio": audio.manifest() if audio else None,
         "skipped": [asdict(s) for s in skipped], "shards": [t.index for t in the_plan.tasks],
         "items": the_plan.items, "base": base_sha, "layout": found.why,
         "input": {"form": found.form, "fields": dict(found.fields), "not_packed": list(found.ignored)}
@@ -158,7 +159,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         inputs.write(outdir.staging_dir(config.out), found,
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
     ctx = ShardContext(config, doc["generation"], fingerprint, found.kind, columns, tokenizer, found.form,
-                       dict(found.fields) if found.fields else None)
+                       dict(found.fields) if found.fields else None, audio=audio)
     return Prepared(config, found, the_plan, ctx, base, published)
 
 

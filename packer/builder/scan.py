@@ -20,6 +20,7 @@ from pathlib import Path
 from packer.builder.records import (CAPTION_EXTS, IMAGE_EXTS, JSONL, MULTI_DOC_EXTS, PARQUET, TEXT_EXTS, TXT, Record,
                                     Scan, T)
 from packer.builder import forms
+from packer.builder.audio_scan import is_audio, scan_audio
 from packer.builder.forms.fields import FieldOptions
 from packer.errors import ConfigError, SourceError
 from packer.system import ChildDied, in_forked_child, single_threaded
@@ -160,9 +161,13 @@ def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], st
             raise ConfigError(f"{raw}: --append adds a folder's new files; {forms.NAMES[form]} is built whole: "
                               "build it again with --overwrite")
         return forms.scan(form, raw, files, skipped, stats, options, kind)
-    files = _without_audio(files, skipped)
+    audio = sum(is_audio(rel) for rel, _ in files)
+    if kind == "audio" or (kind is None and audio and audio >= sum(_ext(rel) in IMAGE_EXTS for rel, _ in files)):
+        found = scan_audio(raw, files, skipped, classes, options.split, options.max_doc_bytes, options.no_text)
+        return replace(found, stats=stats, why=found.why if kind is None else f"forced with --kind ({found.why})")
+    files = _without_audio(files, skipped, kind)
     if not files:
-        raise SourceError(f"{raw}: nothing to pack: its audio files are not packed yet (first: {skipped[0].key})")
+        raise SourceError(f"{raw}: nothing to pack as {kind}: its files are audio; pass --kind audio")
     detected, why = detect_kind(files)
     kind, why = (kind, "forced with --kind") if kind else (detected, why)
     if not kind:
@@ -184,21 +189,21 @@ def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], st
     return replace(found, stats=stats, why=why, ignored=ignored)
 
 
-AUDIO_EXTS = frozenset({".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".aac"})
-
-
-def _without_audio(files: list[tuple[str, str]], skipped: list[Skip]) -> list[tuple[str, str]]:
+def _without_audio(files: list[tuple[str, str]], skipped: list[Skip], kind: str | None) -> list[tuple[str, str]]:
     """RAW's files less its audio files and their transcripts (`<stem>.txt` / `.json` beside
-    one), which are skips: a folder of audio files with transcripts is not a text dataset."""
-    audio = {_stem(rel): rel for rel, _ in files if _ext(rel) in AUDIO_EXTS}
+    one), which are skips of an image or text build: audio files with transcripts are not a
+    text dataset."""
+    audio = {_stem(rel): rel for rel, _ in files if is_audio(rel)}
     if not audio:
         return files
+    why = "forced with --kind" if kind else "more images than audio files"
     kept = []
     for rel, path in files:
-        if _ext(rel) in AUDIO_EXTS:
-            skipped.append(Skip(rel, "scan", "audio: not packed yet (mmpack packs images and text)"))
+        if is_audio(rel):
+            skipped.append(Skip(rel, "scan", f"audio, in a build of {kind or 'images'} ({why}); build it apart "
+                                             "with --kind audio"))
         elif _ext(rel) in CAPTION_EXTS and _stem(rel) in audio:
-            skipped.append(Skip(rel, "scan", f"the transcript of {audio[_stem(rel)]}, whose audio is not packed yet"))
+            skipped.append(Skip(rel, "scan", f"the transcript of {audio[_stem(rel)]}, whose audio is not packed here"))
         else:
             kept.append((rel, path))
     return kept

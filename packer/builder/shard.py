@@ -27,6 +27,7 @@ from packer.dataset import format as fmt
 from packer.dataset import writer
 from packer.errors import SourceError
 from packer.dataset.outdir import write_atomic
+from packer.builder.audio import AudioSpec, decode_audio
 from packer.builder.forms.read import caption_of, image_source
 from packer.builder.images import decode_image, flattened
 from packer.builder.plan import ShardTask, Span
@@ -54,6 +55,7 @@ class ShardContext:
     # Pillow's decompression-bomb limit in the build process (a script may change it): workers
     # start from a forkserver and would otherwise decode with Pillow's default
     max_image_pixels: int | None = field(default_factory=lambda: Image.MAX_IMAGE_PIXELS)
+    audio: AudioSpec | None = None  # an audio build's rate, channels and dtype
 
     def decode(self, record: Record):
         """A record's pixels, as this build decodes them (read-only), wherever its bytes are."""
@@ -299,6 +301,7 @@ def check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
 
 
 CRASHED = {"images": ("decode", "the decoder crashed (its process died) on this file"),
+           "audio": ("decode", "the decoder crashed (its process died) on this file"),
            "pairs": ("decode", "its process died reading, decoding or tokenizing this pair"),
            "text": ("tokenize", "the tokenizer crashed (its process died) on this document")}
 
@@ -310,19 +313,21 @@ def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, b
     busy(lo, hi): see `tokenized`. `stop`: no item from that place on."""
     records = read_ahead(records, lambda item: item[1])
     stage, reason = CRASHED[ctx.kind]
-    if ctx.kind == "images":
+    if ctx.kind == "images" or (ctx.kind == "audio" and ctx.tokenizer is None):
+        sample = _image_sample if ctx.kind == "images" else _audio_item
         for n, (_, record) in enumerate(islice(records, stop)):
             if busy is not None:
                 busy(n, n + 1)
-            yield fmt.Skip(record.key, stage, reason) if skip(n) else _image_sample(ctx, record)
+            yield fmt.Skip(record.key, stage, reason) if skip(n) else sample(ctx, record)
             ticker.tick()
         return
 
     def items() -> Iterator:
         n = 0
         for span, record in records:
-            if ctx.kind == "pairs":
-                yield fmt.Skip(record.key, stage, reason) if skip(n) else _pair_item(ctx, record)
+            if ctx.kind in ("pairs", "audio"):
+                item = _pair_item if ctx.kind == "pairs" else _audio_item
+                yield fmt.Skip(record.key, stage, reason) if skip(n) else item(ctx, record)
                 n += 1
             else:
                 for doc in iter_documents(record, ctx.config.text_key, span.start, span.stop, span.first_line,
@@ -349,6 +354,22 @@ def image_fields(record: Record) -> dict:
     """Label (not in a flat folder's dataset) and key of an image record."""
     key = {"key": key_bytes(record.key)}
     return key if record.label is None else {"label": np.int64(record.label), **key}
+
+
+def _audio_item(ctx: ShardContext, record: Record):
+    """An audio record's sample (with a tokenizer: its transcript as a Document, and the rest)."""
+    if ctx.tokenizer is not None:
+        try:
+            transcript = ctx.caption(record)
+        except SourceError as exc:
+            return fmt.Skip(record.key, "transcript", str(exc).replace("caption", "transcript"))
+    try:
+        clip = decode_audio(record.path, ctx.audio)
+    except SourceError as exc:
+        return fmt.Skip(record.key, "decode", str(exc))
+    fields = {"audio": clip} if record.label is None else {"audio": clip, "label": np.int64(record.label)}
+    return (Document(record.key, transcript), fields) if ctx.tokenizer is not None else {
+        **fields, "key": key_bytes(record.key)}
 
 
 def _pair_item(ctx: ShardContext, record: Record):

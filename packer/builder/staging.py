@@ -41,7 +41,7 @@ def inputs_digest(found: Scan) -> str:
             if path is not None:
                 size, mtime = found.stats[path]
                 digest.update(f"{r.key}\0{os.path.basename(path)}\0{size}\0{mtime}\n".encode())
-        if found.form != "folder":  # its label, caption and place come from a file, not from its key
+        if found.form != "folder" or r.text is not None:  # its label, caption and place come from a file, not its key
             digest.update(f"{r.label}\0{r.text}\0{r.at}\0{r.text_at}\n".encode())
     for s in found.skipped:
         digest.update(f"skip\0{s.key}\0{s.reason}\n".encode())

@@ -46,6 +46,9 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
             raise ConfigError(f"{path}: a {m.kind} dataset cannot merge with {inputs[0]} ({first.kind})")
         if m.columns != first.columns:
             raise ConfigError(f"{path}: columns differ from {inputs[0]}'s ({fmt.columns_text(m.columns)} vs {fmt.columns_text(first.columns)})")
+        if m.audio != first.audio:
+            raise ConfigError(f"{path}: its audio ({m.audio}) is not {inputs[0]}'s ({first.audio}); build them at one "
+                              "rate, channels and dtype")
         sha = (m.tokenizer or {}).get("sha256"), (first.tokenizer or {}).get("sha256")
         if sha[0] != sha[1]:
             raise ConfigError(f"{path}: built with another tokenizer than {inputs[0]} (sha256 "
@@ -74,7 +77,7 @@ def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,
         manifest = fmt.Manifest(
             kind=first.kind, columns=first.columns, shards=tuple(shards), counts=counts,
             skipped=tuple(s for m in manifests for s in m.skipped),
-            classes=tuple(classes) if classes is not None else None, tokenizer=first.tokenizer,
+            classes=tuple(classes) if classes is not None else None, tokenizer=first.tokenizer, audio=first.audio,
             build={"merged_from": [fmt.printable(str(p.resolve())) for p in inputs], "created_unix": round(time.time(), 3)},
             generation=generation,
         )

@@ -289,16 +289,6 @@ def test_hostile_tar_members_are_skips_with_their_reasons(photos, tmp_path):
     assert m.counts["packed"] == len(_samples(photos)) and m.counts["found"] == m.counts["packed"] + m.counts["skipped"]
 
 
-def test_audio_files_with_transcripts_are_skips_not_a_text_dataset(tmp_path, capsys):
-    raw = tmp_path / "speech"
-    raw.mkdir()
-    for i in range(3):
-        (raw / f"clip{i}.wav").write_bytes(b"RIFF....WAVEfmt ")
-        (raw / f"clip{i}.txt").write_text("hello there")
-    err = one_line_error(capsys, ["build", str(raw), str(tmp_path / "out")])
-    assert "audio" in err and "not packed yet" in err
-
-
 def test_packer_info_names_the_input_form_and_its_fields(photos, tmp_path, capsys):
     raw = _hf(photos, tmp_path / "hf")
     assert main(["build", str(raw), str(tmp_path / "out"), *SIZE]) == 0

@@ -9,11 +9,13 @@ from packer.dataset.format.archive_form import (ARCHIVE_FORMAT, ARCHIVE_NAME, AR
                                                 archive_from_json, archive_to_json)
 from packer.dataset.format.checksum import (BLOCK_BYTES, FileChecksum, block_digest, checksum_of_blocks,
                                             data_block_bytes, hasher, new_checksum, rows_per_block)
-from packer.dataset.format.layout import (CHECKSUM, FORMAT_NAME, FORMAT_VERSION, INPUTS_NAME, KINDS, LOCK_NAME,
+from packer.dataset.format.layout import (BASE_VERSION, KIND_VERSIONS, written_version,
+                                          CHECKSUM, FORMAT_NAME, FORMAT_VERSION, INPUTS_NAME, KINDS, LOCK_NAME,
                                           MANIFEST_NAME, READABLE_MAJORS, READERS_LOCK, STAGING_DIR, check_version,
                                           column_file_names, generation_name, is_generation, shard_dir_name,
                                           shard_path)
-from packer.dataset.format.manifest import (DTYPES, ENCODINGS, HEX_DIGITS, LEGACY_CHECKSUMS, MAX_DIM, MAX_NDIM,
+from packer.dataset.format.manifest import (AUDIO_DTYPES, MAX_CHANNELS, MAX_SAMPLE_RATE, audio_column, check_audio,
+                                            DTYPES, ENCODINGS, HEX_DIGITS, LEGACY_CHECKSUMS, MAX_DIM, MAX_NDIM,
                                             Column, FileEntry, Manifest, Shard, Skip, columns_text, printable)
 from packer.dataset.format.npy import (NPY_HEADER_BYTES, NPY_MAGIC, OFFSETS_DTYPE, SHAPES_DTYPE, choose_token_dtype,
                                        npy_header, parse_npy_header)
@@ -22,10 +24,10 @@ __all__ = [
     "ARCHIVE_FORMAT", "ARCHIVE_NAME", "ARCHIVE_SUFFIX", "ArchiveFile", "archive_from_json", "archive_to_json",
     "BLOCK_BYTES", "FileChecksum", "block_digest", "checksum_of_blocks", "data_block_bytes", "hasher",
     "new_checksum", "rows_per_block",
-    "CHECKSUM", "FORMAT_NAME", "FORMAT_VERSION", "INPUTS_NAME", "KINDS", "LOCK_NAME", "MANIFEST_NAME",
+    "BASE_VERSION", "KIND_VERSIONS", "written_version", "CHECKSUM", "FORMAT_NAME", "FORMAT_VERSION", "INPUTS_NAME", "KINDS", "LOCK_NAME", "MANIFEST_NAME",
     "READABLE_MAJORS", "READERS_LOCK", "STAGING_DIR", "check_version", "column_file_names", "generation_name",
     "is_generation", "shard_dir_name", "shard_path",
-    "DTYPES", "ENCODINGS", "HEX_DIGITS", "LEGACY_CHECKSUMS", "MAX_DIM", "MAX_NDIM", "Column", "FileEntry",
+    "AUDIO_DTYPES", "MAX_CHANNELS", "MAX_SAMPLE_RATE", "audio_column", "check_audio", "DTYPES", "ENCODINGS", "HEX_DIGITS", "LEGACY_CHECKSUMS", "MAX_DIM", "MAX_NDIM", "Column", "FileEntry",
     "Manifest", "Shard", "Skip", "columns_text", "printable",
     "NPY_HEADER_BYTES", "NPY_MAGIC", "OFFSETS_DTYPE", "SHAPES_DTYPE", "choose_token_dtype", "npy_header",
     "parse_npy_header",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-from packer.dataset.format.layout import FORMAT_VERSION, check_version
+from packer.dataset.format.layout import check_version, written_version
 from packer.dataset.format.manifest import Manifest, _fields, _list
 from packer.errors import ManifestError
 
@@ -25,7 +25,7 @@ class ArchiveFile:
 
 
 def archive_to_json(manifest: Manifest, files: list[ArchiveFile], level: int) -> str:
-    doc = {"format": ARCHIVE_FORMAT, "version": "%d.%d" % FORMAT_VERSION, "codec": "zstd", "level": level,
+    doc = {"format": ARCHIVE_FORMAT, "version": written_version(manifest.kind), "codec": "zstd", "level": level,
            "files": [asdict(f) for f in files], "manifest": json.loads(manifest.to_json())}
     return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 

@@ -13,7 +13,17 @@ if TYPE_CHECKING:
 
 # -- 1. Identity and versioning ------------------------------------------------------------
 FORMAT_NAME = "mmpack"
-FORMAT_VERSION = (4, 0)  # (major, minor): minor bumps are additive, a newer major is refused.
+FORMAT_VERSION = (4, 1)  # (major, minor): minor bumps are additive, a newer major is refused.
+# What a writer writes: the oldest version that has what the dataset uses, so a dataset of a kind
+# 4.0 knew is the same bytes as before, and opens in a 4.0 reader; 4.1 added audio
+KIND_VERSIONS = {"audio": (4, 1)}
+BASE_VERSION = (4, 0)
+
+
+def written_version(kind: str) -> str:
+    return "%d.%d" % KIND_VERSIONS.get(kind, BASE_VERSION)
+
+
 READABLE_MAJORS = (1, 2, 3, 4)  # 1.x-3.x differ from 4.x in checksum keys and the shard dirs' place
 CHECKSUM = "xxh3_128_rows"  # what this writer hashes column files with (section 6)
 
@@ -23,7 +33,7 @@ STAGING_DIR = ".staging"
 INPUTS_NAME = "inputs.jsonl"  # in a generation dir: one [key, size_bytes, mtime_ns] line per RAW file
 LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OUT
 READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
-KINDS = ("images", "pairs", "text")
+KINDS = ("images", "pairs", "text", "audio")
 _GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 

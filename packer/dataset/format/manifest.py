@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from packer.dataset.format.layout import (CHECKSUM, FORMAT_NAME, FORMAT_VERSION, INPUTS_NAME, KINDS, _NAME,
-                                          check_version, column_file_names, is_generation, shard_dir_name, shard_path)
+from packer.dataset.format.layout import (CHECKSUM, FORMAT_NAME, INPUTS_NAME, KINDS, _NAME, check_version,
+                                          column_file_names, is_generation, shard_dir_name, shard_path, written_version)
 from packer.dataset.format.npy import NPY_HEADER_BYTES
 from packer.errors import ColumnError, ManifestError
 
@@ -127,11 +127,14 @@ class Manifest:
     build: dict[str, Any] = field(default_factory=dict)
     generation: str | None = None  # the generation dir this build's shards went into (4.x)
     inputs: FileEntry | None = None  # INPUTS_NAME in the generation: every RAW file's size and mtime
-    version: str = "%d.%d" % FORMAT_VERSION
+    audio: dict[str, Any] | None = None  # an audio dataset's {"sample_rate", "channels", "dtype"} (4.1)
+    version: str | None = None  # None: the version this writer writes for the kind (`written_version`)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ManifestError(f"unknown dataset kind {self.kind!r}; expected one of {KINDS}")
+        if self.version is None:
+            object.__setattr__(self, "version", written_version(self.kind))
         if not self.columns or len({c.name for c in self.columns}) != len(self.columns):
             raise ManifestError("columns must be a non-empty list of distinct names")
         counts = self.counts
@@ -149,6 +152,7 @@ class Manifest:
         if self.inputs is not None and (self.generation is None or self.inputs.path != f"{self.generation}/{INPUTS_NAME}"
                                         or type(self.inputs.size_bytes) is not int or self.inputs.size_bytes < 0):
             raise ManifestError(f"inputs {self.inputs.path!r} is not {self.generation}/{INPUTS_NAME}")
+        check_audio(self.kind, self.audio, self.columns)
         for shard in self.shards:
             self._check_shard(shard)
         for a, b in zip(self.shards, self.shards[1:]):
@@ -207,6 +211,8 @@ class Manifest:
         doc["shards"] = [{"index": s.index, "num_samples": s.num_samples, "files": [f.to_json() for f in s.files]}
                          for s in self.shards]
         doc["inputs"] = self.inputs.to_json() if self.inputs else None
+        if self.audio is None:  # a key of 4.1: the other kinds' manifests are what 4.0 wrote
+            del doc["audio"]
         return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 
     @classmethod
@@ -237,12 +243,45 @@ class Manifest:
                 build=_dict(doc.get("build", {})),
                 generation=_generation(doc.get("generation"), major),
                 inputs=_file_entry(doc["inputs"], major) if doc.get("inputs") is not None else None,
+                audio=_dict(doc["audio"]) if doc.get("audio") is not None else None,
                 version=doc["version"],
             )
         except ManifestError as exc:
             raise ManifestError(f"{where}: {exc}") from None
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(f"{where}: malformed manifest ({type(exc).__name__}: {exc})") from None
+
+
+AUDIO_DTYPES = ("<i2", "<f4")  # int16 PCM, or float32 as decoded
+MAX_CHANNELS = 8
+MAX_SAMPLE_RATE = 768_000
+
+
+def audio_column(dtype: str, channels: int) -> Column:
+    """The `audio` column of an audio dataset: [T] mono, [T, C] with more channels."""
+    return Column("audio", dtype, (None,) if channels == 1 else (None, channels))
+
+
+def check_audio(kind: str, audio, columns: tuple[Column, ...]) -> None:
+    """An audio dataset's `audio` object (FORMAT.md section 5): its rate, channels and dtype,
+    and an `audio` column that matches them; no other kind has one."""
+    if kind != "audio":
+        if audio is not None:
+            raise ManifestError(f"a {kind} dataset has no audio object")
+        return
+    if not isinstance(audio, dict):
+        raise ManifestError("an audio dataset needs its audio object {sample_rate, channels, dtype}")
+    rate, channels, dtype = audio.get("sample_rate"), audio.get("channels"), audio.get("dtype")
+    if type(rate) is not int or not 1 <= rate <= MAX_SAMPLE_RATE:
+        raise ManifestError(f"audio sample_rate {rate!r} is not an int in 1..{MAX_SAMPLE_RATE}")
+    if type(channels) is not int or not 1 <= channels <= MAX_CHANNELS:
+        raise ManifestError(f"audio channels {channels!r} is not an int in 1..{MAX_CHANNELS}")
+    if dtype not in AUDIO_DTYPES:
+        raise ManifestError(f"audio dtype {dtype!r} is not one of {', '.join(AUDIO_DTYPES)}")
+    want = audio_column(dtype, channels)
+    if want not in columns:
+        raise ManifestError(f"an audio dataset of {channels} channel(s) {dtype} needs column audio {dtype} "
+                            f"{list(want.shape)}; it has {columns_text(columns)}")
 
 
 LEGACY_CHECKSUMS = {1: "sha256", 2: "xxh3_128", 3: "xxh3_128_rows"}  # the key each major used, by algorithm
