@@ -5,6 +5,15 @@ named members kept under `$MMPACK_CACHE/data`, every file sha256-checked (a chan
 loudly). The .deb files come over plain HTTP from Debian's pool and are unpacked here in Python
 (ar, then tar.xz or tar.gz), so no apt is needed. `make_audio_folders` turns them into RAW class
 folders, `hostile_audio` writes files a packer must survive. Needs `soundfile` (and numpy).
+
+What these files taught (libsndfile 1.2.2, soundfile 0.14): alsa-utils holds 8 voices and a noise
+clip; 8 of the freedesktop .oga files are symlinks, and its spoken `audio-channel-*` clips are
+the ALSA recordings again (a dedup or class-balance test should know). An MP3's header frame
+count is an estimate (house_lo.mp3: 80,151 claimed, 80,064 decoded). A FLAC whose STREAMINFO
+claims 2**36 frames makes `soundfile.read` allocate 128 GiB; a WAV that claims 2**31 is cut to
+what it holds. Garbage named `.mp3` opens as "File does not exist", a truncated FLAC as "lost
+sync" or "psf_fseek() failed", and mpg123 prints notes on damaged input to fd 2. pygame 2.6.1
+has wheels up to Python 3.13.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loaders import Loader, MMapDataset, PackedDocuments, TokenWindows
+from loaders import AudioClips, Loader, MMapDataset, PackedDocuments, TokenWindows
 from packer.dataset import format as fmt
 from packer.errors import MmpackError
 from packer.dataset.reader import load_manifest, map_column
@@ -124,6 +124,9 @@ def use(root: Path, text: bool) -> dict:
         values[i] = {k: (v if isinstance(v, str) else v.numpy().tobytes()) for k, v in sample.items()}
     for batch in Loader(ds, 5, seed=1, num_threads=2):  # ragged images too: the canvas gather
         pass
+    if root.name.endswith("audio"):  # whole clips above; crops too
+        for batch in Loader(AudioClips(root, 0.25), 4, num_threads=1):
+            pass
     if text:
         for batch in Loader(TokenWindows(root, 32), 4, num_threads=1):
             pass

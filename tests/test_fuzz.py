@@ -21,7 +21,8 @@ def test_four_hundred_damaged_datasets_give_our_errors_or_right_values(tmp_path,
     work = tmp_path / "work"
     work.mkdir()
     halves = [subprocess.Popen([sys.executable, "-m", "tests.fuzz_driver", "20261124", cases, str(work),
-                                str(built["images"]), str(built["text"]), str(built["pairs"]), str(aspect)],
+                                str(built["images"]), str(built["text"]), str(built["pairs"]), str(aspect),
+                                str(built["audio"])],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
               for cases in ("0:200", "200:400")]  # each case its own draws: two processes, one run of 400
     done = {"ok": 0, "refused": 0}

@@ -49,10 +49,11 @@ finally:
 
 
 @pytest.fixture(scope="module")
-def readme_dir(tmp_path_factory, image_raw, text_raw, minilm):
+def readme_dir(tmp_path_factory, image_raw, text_raw, audio_raw, minilm):
     """A working dir with the datasets the README's blocks open: out/ (images), text-out/ (text),
-    prose-out/ (text), data/train (keep-aspect images)."""
+    prose-out/ (text), data/train (keep-aspect images), speech-out/ (audio at 16 kHz)."""
     work = tmp_path_factory.mktemp("readme")
+    assert main(["build", str(audio_raw), str(work / "speech-out"), "--sample-rate", "16000", "-q"]) == 0
     assert main(["build", str(image_raw), str(work / "out"), "--image-size", "48", "-q"]) == 0
     assert main(["build", str(text_raw), str(work / "text-out"), "--tokenizer", str(minilm), "-q"]) == 0
     assert main(["build", str(image_raw), str(work / "data" / "train"), "--image-size", "40", "--keep-aspect", "-q"]) == 0
@@ -65,7 +66,8 @@ def readme_dir(tmp_path_factory, image_raw, text_raw, minilm):
 def test_the_readme_has_the_blocks_a_user_needs():
     text = "\n".join(BLOCKS)
     for needed in ("load_state_dict", "set_epoch", "StatefulDataLoader", "TokenWindows", "PackedDocuments",
-                   "cu_seqlens", "Mixture", "normalize", "train_transform", "eval_transform", "image_size"):
+                   "cu_seqlens", "Mixture", "normalize", "train_transform", "eval_transform", "image_size",
+                   "AudioClips", "audio_lengths"):
         assert needed in text, needed
 
 

@@ -258,3 +258,23 @@ def test_the_manifest_refuses_an_audio_object_that_does_not_fit(built, tmp_path)
             Manifest.from_doc({**doc, "audio": bad}, where="m")
     with pytest.raises(ManifestError, match="has no audio object"):
         Manifest.from_doc({**doc, "kind": "images"}, where="m")
+
+
+def test_append_adds_clips_and_merge_refuses_another_rate(audio_raw, tmp_path, capsys):
+    import shutil
+
+    raw = tmp_path / "raw"
+    shutil.copytree(audio_raw / "speech", raw / "speech")
+    shutil.copytree(audio_raw / "music", raw / "music")
+    out = tmp_path / "out"
+    assert main(["build", str(raw), str(out), "--sample-rate", "16000", "-q"]) == 0
+    shutil.copytree(audio_raw / "effects", raw / "effects")
+    err = one_line_error(capsys, ["build", str(raw), str(out), "--append"])
+    assert "--sample-rate" in err  # an append repeats the flags the samples' bytes depend on
+    assert main(["build", str(raw), str(out), "--sample-rate", "16000", "--append", "-q"]) == 0
+    m = load_manifest(out)
+    assert m.classes == ("music", "speech", "effects") and m.counts["packed"] == len(list(audio_raw.rglob("*.*")))
+    other = tmp_path / "other"
+    assert main(["build", str(raw), str(other), "--sample-rate", "22050", "-q"]) == 0
+    err = one_line_error(capsys, ["merge", str(out), str(other), str(tmp_path / "merged")])
+    assert "22050" in err and "16000" in err
