@@ -1,6 +1,7 @@
 """`bench`: measured comparisons, one run each, as a table, `--json PATH` and `--plot PATH.png`.
 
     bench loaders  every loader on the same data vs the on-the-fly baseline, peers and memcpy
+                   (--audio: Loader(AudioClips) vs soundfile + soxr in DataLoader workers)
     bench sweep    DataLoader workers / Loader threads x batch size: throughput and the doctor's wait share, a plot
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
     bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
@@ -59,6 +60,12 @@ def _parser() -> argparse.ArgumentParser:
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")
     stall_args(lo, None)
+    lo.add_argument("--audio", action="store_true",
+                    help="audio rows instead: Loader(AudioClips) crops vs soundfile + soxr in DataLoader workers, "
+                         "same clips and crops, against memcpy (--clips, --seconds, --batch-size, --workers, "
+                         "--threads-list, --passes, --cold)")
+    lo.add_argument("--clips", type=int, default=2000, help="real audio clips to use with --audio")
+    lo.add_argument("--seconds", type=float, default=3.0, help="crop length in seconds with --audio")
 
     sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput, and the share of a loop with a stand-in step "
                         "spent waiting (bench doctor's measure)")
@@ -129,7 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2},
+QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2, "clips": 300},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
          "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]},
          "augment": {"images": 300, "passes": 2, "batch_size": 64},
@@ -145,7 +152,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if getattr(args, "audio", False) and (args.model or args.step_ms is not None):
+        ap.error("--audio measures the loaders alone: no --model or --step-ms with it")
     if args.command == "doctor":
         return _doctor(args)
     if getattr(args, "plot", None):
@@ -154,7 +164,11 @@ def _main(argv: list[str] | None) -> int:
         for k, v in QUICK[args.command].items():
             cur = getattr(args, k)
             setattr(args, k, min(cur, v) if isinstance(v, (int, float)) else v)
-    if args.command == "loaders":
+    if args.command == "loaders" and args.audio:
+        from .audio_bench import audio_table, bench_audio, plot_audio
+
+        result, text, plot = bench_audio(args), audio_table, plot_audio
+    elif args.command == "loaders":
         from .loaders_bench import bench_loaders
 
         result, text, plot = bench_loaders(args), report.loaders_table, report.plot_loaders

@@ -113,10 +113,19 @@ class PeakMemory:
 
 
 def cpu_seconds() -> float:
-    """User + system CPU of this process and its reaped children (DataLoader workers are reaped
-    when an epoch's iterator ends)."""
+    """User + system CPU of this process, its reaped children (DataLoader workers are reaped
+    when an epoch's iterator ends) and its live descendants (persistent workers), each of
+    these with its own reaped children: a worker's time counts once, alive or reaped."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+    live, tick = 0, os.sysconf("SC_CLK_TCK")
+    for pid in tree_pids()[1:]:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # from field 3 (state) on: utime is field 14
+            live += sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime in clock ticks
+        except (OSError, ValueError, IndexError):
+            continue
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime + live / tick
 
 
 def disk_write_rate(folder: Path, nbytes: int = 256 << 20, chunk: int = 8 << 20) -> float:

@@ -208,20 +208,23 @@ def _plt():
     return plt
 
 
-def plot_loaders(report: dict, path: Path) -> None:
+def plot_loaders(report: dict, path: Path, *, kind: str = "images", unit: str = "images/s (224x224x3 uint8") -> None:
+    """Samples/s of the rows of `kind` on a log axis, with the memcpy limit of the most threads
+    in samples of the report's size (`sample_bytes`, else an image's)."""
     plt = _plt()
-    rows = [r for r in report["results"] if r["kind"] == "images" and "samples_per_s" in r]
+    rows = [r for r in report["results"] if r["kind"] == kind and "samples_per_s" in r]
     fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 1.6))
     names = [r["system"] for r in rows][::-1]
     rates = [r["samples_per_s"] for r in rows][::-1]
     colors = {"mmpack": "tab:blue", "baseline": "tab:red", "peer": "tab:gray"}
     ax.barh(names, rates, color=[colors[r["family"]] for r in rows][::-1])
     top = max(report.get("memcpy_by_threads", {"1": report["memcpy_bytes_per_s"]}).items(), key=lambda kv: int(kv[0]))
-    ax.axvline(top[1] / (report["memcpy_bytes_per_s"] / report["memcpy_images_per_s"]), color="k", linestyle="--",
+    sample_bytes = report.get("sample_bytes") or report["memcpy_bytes_per_s"] / report["memcpy_images_per_s"]
+    ax.axvline(top[1] / sample_bytes, color="k", linestyle="--",
                label=f"memcpy limit ({top[0]} threads)")
     ax.set_xscale("log")
-    ax.set_xlabel(f"images/s (224x224x3 uint8, batch {report['batch_size']}, warm cache; log scale)")
-    ax.set_title(f"bench loaders on {report['machine']['cores']} cores")
+    ax.set_xlabel(f"{unit}, batch {report['batch_size']}, warm cache; log scale)")
+    ax.set_title(f"{report.get('command', 'bench loaders')} on {report['machine']['cores']} cores")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

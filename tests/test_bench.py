@@ -59,6 +59,52 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert mixture["samples_per_s"] > 0 and mixture["of_one_source_pct"] > 0 and "A Mixture of 3 datasets" in table
 
 
+def test_bench_loaders_audio_quick_rows_and_the_same_crops_as_on_the_fly(work, tmp_path, capsys):
+    import numpy as np
+
+    from bench.audio_bench import OnTheFlyAudio, CropSampler, raw_files
+    from loaders import AudioClips, Loader
+
+    out, png = tmp_path / "audio.json", tmp_path / "audio.png"
+    assert main(["loaders", "--audio", "--quick", "--clips", "24", "--batch-size", "8", "--passes", "1",
+                 "--threads-list", "1,2", "--work", str(work), "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["system"]: r for r in report["results"]}
+    assert set(rows) == {"on-the-fly (soundfile + soxr), DataLoader 2 workers", "mmpack Loader(AudioClips), 1 thread(s)",
+                         "mmpack Loader(AudioClips), 2 thread(s)", "mmpack Loader(MMapDataset) whole clips, 2 thread(s)"}
+    for name, r in rows.items():
+        assert r["samples_per_s"] > 0 and r["audio_s_per_s"] > 0 and r["mb_per_s"] > 0, name
+        assert r["pct_memcpy"] > 0 and r["x_on_the_fly"] > 0 and r["peak_rss_mb"] > 0 and r["disk_bytes"] > 0, name
+    assert rows["mmpack Loader(AudioClips), 1 thread(s)"]["convert_s"] > 0
+    assert report["num_clips"] == 24 and report["frames"] == 48000 and report["machine"]["cores"] >= 1
+    assert report["memcpy_by_threads"]["2"] > 0 and len(report["summary"]) == 2
+    check = report["crop_check"]  # the run's own like-for-like check on one batch
+    assert check["clips"] == 8 and check["lengths_equal"] and check["max_diff_lsb"] <= 1
+    assert png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "packed vs on-the-fly" in table and "same crops" in table and "%memcpy" in table
+    # like for like: every batch of an epoch of Loader(AudioClips) against the on-the-fly pipeline's
+    # crops of the same clips, whose starts the on-the-fly sampler draws the same way
+    clips = AudioClips(work / "out-audio", seconds=3.0, seed=0)
+    keys, files, labels = raw_files(work / "out-audio", work / "raw-audio")
+    otf = OnTheFlyAudio(files, labels, clips.frames)
+    sampler = CropSampler(clips, len(clips), seed=0, epoch=3)
+    drawn = dict(iter(sampler))
+    with Loader(clips, 8, num_threads=2, seed=0) as loader:
+        loader.set_epoch(3)
+        starts = []
+        for batch in loader:
+            ids = [keys.index(k) for k in batch["key"]]
+            starts += [drawn[i] for i in ids]
+            mine = torch.utils.data.default_collate([otf[(i, drawn[i])] for i in ids])
+            assert torch.equal(mine["audio_lengths"], batch["audio_lengths"])
+            assert torch.equal(mine["label"], batch["label"])
+            assert (mine["audio"].int() - batch["audio"].int()).abs().max() <= 1
+            assert mine["audio"].dtype == torch.int16 and mine["audio"].shape == batch["audio"].shape
+    assert len(starts) == 24 and np.any(np.array(starts) > 0)  # crops cut inside long clips, not only at 0
+    assert (clips._lengths < clips.frames).any()  # and short clips padded
+
+
 def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "sampler.json"
     assert main(["sampler", "--samples", "1e6,1e10", "--json", str(out)]) == 0

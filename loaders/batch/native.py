@@ -37,7 +37,7 @@ def _load():
             pointer, size = ctypes.c_void_p, ctypes.c_size_t
             lib.mm_gather_rows.argtypes = [pointer, pointer, pointer, size, size, ctypes.c_int]
             lib.mm_gather_rows.restype = None
-            lib.mm_gather_canvas.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size]
+            lib.mm_gather_canvas.argtypes = [pointer, pointer, pointer, pointer, size, size, size, size, ctypes.c_int]
             lib.mm_gather_canvas.restype = None
             lib.mm_pool_new.argtypes = [ctypes.c_int]
             lib.mm_pool_new.restype = pointer
@@ -202,7 +202,7 @@ class Job:
         else:
             LIB.mm_gather_canvas(self.dst.ctypes.data, self.sources[a:].ctypes.data, self.positions[a:].ctypes.data,
                                  self.sizes[a:].ctypes.data, b - a, self.dst.shape[1], self.dst.shape[2],
-                                 self.pixel_bytes)
+                                 self.pixel_bytes, int(self.stream))
 
     def start(self, pool_handle, shares: int) -> None:
         """On a pool (`Pool.running`): mm_pool_finish, from this thread, completes it."""

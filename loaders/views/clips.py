@@ -20,8 +20,10 @@ import torch
 from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 
+from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.gather import ColumnGather
+from loaders.batch.rows import in_shares
 from loaders.order.orders import Order, Permutation
 from loaders.views.dataset import resolve_root
 
@@ -85,6 +87,7 @@ class AudioClips:
                               "tokens would not match a crop)")
         self._more = ColumnGather(reader, extra) if extra else None  # label, key: as an MMapDataset's batch
         self._values = [reader.column(k, "audio").values for k in range(len(m.shards))]
+        self._regions = None  # where each shard's values lie, for the native copies: made at the first batch
         starts = [np.asarray(reader.column(k, "audio").offsets, np.int64) // self.channels for k in range(len(m.shards))]
         self._starts = np.concatenate([s[:-1] for s in starts]) if starts else np.zeros(0, np.int64)
         self._lengths = np.concatenate([np.diff(s) for s in starts]) if starts else np.zeros(0, np.int64)
@@ -123,18 +126,42 @@ class AudioClips:
         dst, lens = audio.numpy().reshape(n, -1), lengths.numpy()
         starts = self.offsets(ids, epoch)
         lens[:] = np.minimum(self._lengths[ids], self.frames)
-        first = (self._starts[ids] + starts) * c
-        for i, (k, a, m) in enumerate(zip(self._shard[ids].tolist(), first.tolist(), lens.tolist())):
-            dst[i, : m * c] = self._values[k][a: a + m * c]
-            dst[i, m * c:] = 0
-        return {"audio": audio, "audio_lengths": lengths, **(self._more.gather(ids, buffers) if self._more else {})}
+        first = (self._starts[ids] + starts) * c  # in values
+        more = (lambda: self._more.gather(ids, buffers)) if self._more else dict  # label, key: while the crops copy
+        if native.LIB is not None and n:  # each crop a canvas slot of F x 1 "pixels" of C values, zeros after it
+            if self._regions is None:
+                self._regions = native.regions(self._values)
+            item = self._values[0].dtype.itemsize
+            job = native.Job(dst.reshape(n, self.frames, 1, c), self._regions, self._shard[ids], first * item,
+                             np.arange(n), sizes=np.stack([lens, np.ones(n, np.int64)], axis=1), pixel_bytes=c * item,
+                             stream=dst.nbytes >= native.STREAM_FROM)
+            if isinstance(pool, native.Pool):
+                with pool.running(job, num_threads):
+                    rest = more()
+            else:
+                job(0, n)
+                rest = more()
+        else:
+            jobs = list(zip(self._shard[ids].tolist(), first.tolist(), (lens * c).tolist()))
+
+            def fill(lo: int, hi: int) -> None:  # numpy's copies release the GIL: shares run side by side
+                for i in range(lo, hi):
+                    k, a, m = jobs[i]
+                    dst[i, :m] = self._values[k][a: a + m]
+                    dst[i, m:] = 0
+
+            pending = in_shares(fill, n, pool, num_threads)
+            rest = more()
+            for future in pending:
+                future.result()
+        return {"audio": audio, "audio_lengths": lengths, **rest}
 
     def __getitem__(self, index: int) -> dict:
         """Clip `index`'s crop in epoch 0."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"clip {index} out of range for {len(self)} clips")
         batch = self.gather(np.array([index % len(self)]), self.alloc(1, "plain"))
-        return {k: v[0] if not isinstance(v, list) else v[0] for k, v in batch.items()}
+        return {k: v[0] for k, v in batch.items()}
 
     def __iter__(self):
         perm = Permutation(len(self), order=self.order, seed=self.seed, epoch=0)

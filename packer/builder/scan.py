@@ -155,7 +155,9 @@ def scan(raw: str | Path, kind: str | None = None, classes: tuple[str, ...] | No
 
 def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], stats: dict, kind: str | None,
                 classes: tuple[str, ...] | None, options: FieldOptions, form: str | None) -> Scan:
-    form = form or (None if kind == "text" else forms.detect(files, options)) or "folder"
+    if kind == "audio" and form not in (None, "folder"):
+        raise ConfigError(f"--kind audio reads a folder of audio files, not {forms.NAMES[form]}; drop --input")
+    form = form or (None if kind in ("text", "audio") else forms.detect(files, options)) or "folder"
     if form != "folder":
         if classes is not None:
             raise ConfigError(f"{raw}: --append adds a folder's new files; {forms.NAMES[form]} is built whole: "

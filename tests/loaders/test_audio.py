@@ -43,14 +43,15 @@ def test_whole_clips_batch_padded_with_their_lengths(built, stereo, threads):
         assert seen == set(keys)
 
 
-def test_a_crop_is_the_same_slice_of_the_packed_clip(built):
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_crop_is_the_same_slice_of_the_packed_clip(built, copies, threads):
     clips = AudioClips(built["audio"], 0.25, seed=4)
     ds = MMapDataset(built["audio"])
     keys = {ds[i]["key"]: i for i in range(len(ds))}
     assert clips.frames == 4000 and len(clips) == len(ds)
     lengths = np.array([ds[i]["audio"].shape[0] for i in range(len(ds))])
     assert (lengths < 4000).any() and (lengths > 8000).any()  # short clips padded, long ones cropped
-    loader = Loader(clips, 8, seed=1)
+    loader = Loader(clips, 8, seed=1, num_threads=threads)
     for epoch in range(2):
         loader.set_epoch(epoch)
         for batch in loader:
