@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--cold", action="store_true", help="also one pass after evicting the files from the page cache")
     lo.add_argument("--threads-list", type=_ints, default=sorted({1, cores}),
                     help="a Loader row for each thread count, each against memcpy on as many threads")
+    lo.add_argument("--no-peers", action="store_true", help="leave out the peers' rows (WebDataset, LitData, ...)")
     lo.add_argument("--model", action="store_true",
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")

@@ -246,7 +246,7 @@ def bench_loaders(args) -> dict:
     peer_state = {}
     src = peers.Source(ds, raw_files, labels, ds.columns["image"].shape[0])
     for module, adapter in peers.ADAPTERS.items():
-        reason = peers.availability(module)
+        reason = "left out (--no-peers)" if getattr(args, "no_peers", False) else peers.availability(module)
         peer_state[module] = reason or "ran"
         if reason:
             results.append({"system": peers.NAMES[module], "family": "peer", "kind": "images", "skipped": reason})

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ import torch
 from bench import doctor
 
 ROOT = Path(__file__).resolve().parent.parent
+MEMMAP = ROOT / "tests" / "tools" / "doctor_memmap.py"
 SCRIPT = ROOT / "tests" / "tools" / "doctor_train.py"
 
 
@@ -44,6 +46,19 @@ def test_a_data_bound_script_is_told_so_with_the_wait_its_sleeps_imply(tmp_path)
     assert sweep[-1]["prefetch_factor"] == 4 and all(x["samples_per_s"] > 0 for x in sweep)
     if not torch.cuda.is_available():  # nothing to pin for
         assert not any("pin_memory" in f["fix"] for f in report["fixes"])
+
+
+def test_a_loop_with_no_loader_is_judged_from_its_optimizer_steps_naming_what_holds_it(tmp_path):
+    """nanoGPT's shape: get_batch() slices an np.memmap, no DataLoader or Loader anywhere. Its
+    optimizer's steps mark the iterations and the stack between them names get_batch when it
+    holds the loop, and nothing when the model does."""
+    slow, proc = _doctor(tmp_path, 60, 100, script=MEMMAP)
+    top = slow["steps"]["functions"][0]
+    assert slow["verdict"].startswith("data-bound") and "get_batch (doctor_memmap.py:22)" in slow["verdict"]
+    assert top["function"] == "get_batch (doctor_memmap.py:22)" and top["share"] > 0.15  # its list comprehensions too
+    assert slow["steps"]["steps"] == 12 and slow["steps"]["samples"] > 50 and "optimizer: 12 steps" in proc.stdout
+    fast, _ = _doctor(tmp_path, 0, 100, script=MEMMAP)
+    assert fast["verdict"].startswith("compute-bound") and fast["steps"]["model_share"] > 0.8
 
 
 def test_a_compute_bound_script_is_told_so(tmp_path):
@@ -515,3 +530,65 @@ def test_processes_there_before_the_watch_count_only_for_what_they_do_in_it():
             if p is not None:
                 p.kill()
                 p.wait()
+
+
+LINGERS = """
+import multiprocessing, sys, time
+import torch
+
+def sleeper():
+    time.sleep(300)
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("fork").Process(target=sleeper)  # not a daemon: python's exit waits for it
+    child.start()
+    open(sys.argv[1], "w").write(str(child.pid))
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(int(sys.argv[2])):
+        model(torch.randn(8, 4)).sum().backward()
+        optimizer.step()
+        time.sleep(float(sys.argv[3]))
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone too: it runs nothing
+        return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_a_script_that_does_not_exit_after_its_report_is_stopped_and_leaves_nothing(tmp_path, monkeypatch):
+    """A non-daemon child process keeps the script's exit waiting for ever: the doctor reports,
+    stops the script's process group LINGER_S after the report, and says so."""
+    from bench.doctor import child
+
+    monkeypatch.setattr(child, "LINGER_S", 1.0)
+    script, pidfile = tmp_path / "lingers.py", tmp_path / "pid"
+    script.write_text(LINGERS)
+    started = time.monotonic()
+    report = doctor.run(["python", str(script), str(pidfile), "5", "0"], steps=None)
+    assert time.monotonic() - started < 60
+    assert report.verdict.startswith("compute-bound") and report.steps.steps == 5
+    assert "had not exited" in report.note and _gone(int(pidfile.read_text()))
+
+
+def test_sigterm_to_the_doctor_ends_the_script_and_its_children(tmp_path):
+    script, pidfile = tmp_path / "lingers.py", tmp_path / "pid"
+    script.write_text(LINGERS)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "doctor", "--", "python", str(script), str(pidfile),
+                             "1000", "0.05"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (pidfile.exists() and pidfile.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    grandchild = int(pidfile.read_text())
+    proc.terminate()
+    proc.communicate(timeout=30)
+    assert proc.returncode == -signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while not _gone(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(grandchild)  # the script's child, and so the script, ended with the doctor

@@ -8,12 +8,15 @@ import importlib.util
 import io
 import os
 import runpy
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 import zipfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from .command import interpreter, python_command
@@ -21,6 +24,7 @@ from .hooks import loader_classes, patched
 from .report import Report, read_report, write_report
 from .watching import Stop, Watch
 
+LINGER_S = 10.0  # how long the script may still run after it wrote its report
 REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 
@@ -36,14 +40,86 @@ def run(command: list[str], *, steps: int | None) -> Report:
         out = Path(tmp) / "report.json"
         env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or "")}
         started = time.perf_counter()
-        proc = subprocess.run([python, *options, "-c", "import sys; from bench.doctor import child_main; "
-                               "child_main(sys.argv[1:])", *target], env=env)
+        proc = subprocess.Popen([python, *options, "-c", "import sys; from bench.doctor import child_main; "
+                                 "child_main(sys.argv[1:])", *target], env=env, start_new_session=True)
+        with _group_ends_with_us(proc):
+            code, lingered = _wait(proc, out)
         if not out.exists():
-            return Report(wall_s=time.perf_counter() - started, exit_code=proc.returncode,
-                          verdict=f"the script ended (exit {proc.returncode}) before a report could be made")
+            return Report(wall_s=time.perf_counter() - started, exit_code=code,
+                          verdict=f"the script ended (exit {code}) before a report could be made")
         r = read_report(out)
-    r.command, r.exit_code, r.python, r.note = command, proc.returncode, python, note
+    r.command, r.exit_code, r.python = command, code, python
+    r.note = "; ".join(n for n in (note, lingered) if n) or None
     return r
+
+
+def _wait(proc: subprocess.Popen, report: Path) -> tuple[int, str | None]:
+    """The script's exit status, once it exits; a script still running LINGER_S after it wrote
+    its report (a child process or thread it never ends holds its exit) is stopped, and said."""
+    written = None
+    while True:
+        try:
+            return proc.wait(timeout=0.2), None
+        except subprocess.TimeoutExpired:
+            pass
+        if written is None and report.exists():
+            written = time.monotonic()
+        if written is not None and time.monotonic() - written > LINGER_S:
+            _end_group(proc)
+            return proc.wait(), (f"the script had not exited {LINGER_S:g} s after its report (a process or thread "
+                                 "it started still ran): the doctor stopped it")
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the script's process group, SIGKILL to what is left of it a moment later."""
+    for sig, wait_s in ((signal.SIGTERM, 2.0), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and _group_alive(proc.pid):
+            time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+@contextmanager
+def _group_ends_with_us(proc: subprocess.Popen):
+    """The script runs in a process group of its own (its workers and children with it): a
+    SIGTERM to the doctor ends that group before the doctor ends, and so does the doctor's own
+    end; nothing of the script outlives it. A first Ctrl-C (SIGINT) goes on to the script, which
+    stops where it is and leaves its partial report; a second ends the group as SIGTERM does."""
+    interrupted = []
+
+    def stop(signum, frame):
+        if signum == signal.SIGINT and not interrupted:
+            interrupted.append(signum)
+            try:
+                os.killpg(proc.pid, signal.SIGINT)
+            except (ProcessLookupError, PermissionError):
+                pass
+            return
+        _end_group(proc)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+    saved = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)} \
+        if threading.current_thread() is threading.main_thread() else {}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+        if _group_alive(proc.pid):  # what the script left running (a daemon it started), or a failure here
+            _end_group(proc)
+        proc.wait()
 
 
 def child_main(argv: list[str]) -> None:

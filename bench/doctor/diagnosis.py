@@ -6,23 +6,27 @@ from __future__ import annotations
 import dataclasses
 
 from .probes import ceiling, per_sample
-from .report import Loop, Probes, Rate, Report, Run, Trials
+from .report import Loop, OptimizerSteps, Probes, Rate, Report, Run, Trials
 from .trials import best, loader_alternatives, packed, persistent, workers_sweep
-from .verdict import DATA_BOUND, decide, nothing_iterated
+from .verdict import DATA_BOUND, decide, from_steps, nothing_iterated
 
 
-def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float, measure: bool = True) -> Report:
-    """The report on `loader`'s watched `loop` (None: no loader was iterated). `measure`: the
-    loader is measured alone after the loop, and, where the loop waited, with each fix."""
+def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float, measure: bool = True,
+             steps: OptimizerSteps | None = None) -> Report:
+    """The report on `loader`'s watched `loop` (None: no loader was iterated; the optimizer's
+    `steps` then judge, where it stepped). `measure`: the loader is measured alone after the
+    loop, and, where the loop waited, with each fix."""
     if loop is None:
-        return Report(batches=batches, wall_s=wall_s, run=run, verdict=nothing_iterated(run))
+        verdict = from_steps(steps) if steps and steps.samples else nothing_iterated(run)
+        return Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=verdict)
     probes = Probes(per_sample=per_sample(loader), loader_alone=ceiling(loader) if measure else None)
     try_fixes = measure and loop.wait_share > DATA_BOUND
     sweep = workers_sweep(loader) if try_fixes else None
     trials = Trials(workers_sweep=sweep, more_workers=best(sweep), packed=packed(loader) if try_fixes else None,
                     persistent=persistent(loader) if try_fixes else None,
                     loader_alternatives=loader_alternatives(loader) if try_fixes else None)
-    measured = Report(batches=batches, wall_s=wall_s, run=run, loop=loop, probes=probes, trials=trials, verdict="")
+    measured = Report(batches=batches, wall_s=wall_s, run=run, loop=loop, steps=steps, probes=probes, trials=trials,
+                      verdict="")
     said, fixes = decide(measured)
     return dataclasses.replace(measured, verdict=said, fixes=fixes, rates=rates(measured))
 

@@ -1,6 +1,7 @@
 """The hooks that watch a loop from inside: `__iter__` of DataLoader, of mmpack's Loader and of
-their subclasses hands each iterator to the watch, and `Tensor.to`/`.cuda` count the copies to
-the GPU; all given back as they were afterwards."""
+their subclasses hands each iterator to the watch, `Tensor.to`/`.cuda` count the copies to the
+GPU, and every optimizer's step marks an iteration (`steps`); all given back as they were
+afterwards."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from contextlib import contextmanager
 def patched(watch, classes):
     """`watch.iterate` over each iterator of `classes` (and their subclasses), and
     `watch.copies` over Tensor.to and Tensor.cuda, while active."""
-    with _iterators_watched(watch, classes), _copies_counted(watch.copies):
+    from .steps import hooked
+
+    with _iterators_watched(watch, classes), _copies_counted(watch.copies), hooked(watch.optimizer):
         yield
 
 

@@ -5,6 +5,7 @@ trials, the verdict and its fixes. `write_report` is the one writer of its JSON 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -243,6 +244,29 @@ class Loop:
 
 
 @dataclass(kw_only=True)
+class GapFunction:
+    """A function of the user's code and its share of the loop's time (`steps.Steps`)."""
+
+    function: str  # "get_batch (train.py:112)"
+    share: float
+
+
+@dataclass(kw_only=True)
+class OptimizerSteps:
+    """The loop seen from its optimizer's steps: each iteration's time, and the shares of the
+    training thread's stack samples between the first and last step: in the model's forward,
+    backward and step; in the loop's own lines; outside both, by function."""
+
+    steps: int
+    iteration: Stats
+    samples: int
+    model_share: float | None
+    loop_share: float | None
+    outside_share: float | None
+    functions: list[GapFunction]
+
+
+@dataclass(kw_only=True)
 class Probes:
     """The loader after the loop: alone, and one sample's work."""
 
@@ -270,6 +294,7 @@ class Report:
     wall_s: float
     run: Run | None = flat(optional=True)
     loop: Loop | None = flat(optional=True)
+    steps: OptimizerSteps | None = omitted()  # the optimizer's steps, where the script has one
     probes: Probes | None = flat(optional=True)
     trials: Trials | None = flat(optional=True)
     verdict: str
@@ -282,7 +307,10 @@ class Report:
 
 
 def write_report(report: Report, path: Path, *, indent: int | None = None) -> None:
-    path.write_text(json.dumps(to_json(report), indent=indent, default=str))
+    """Whole or not at all (a reader waiting for it never reads half of it)."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(json.dumps(to_json(report), indent=indent, default=str))
+    os.replace(part, path)
 
 
 def read_report(path: Path) -> Report:

@@ -4,7 +4,7 @@ the report's figures; and the report said in a few lines, as `bench doctor` prin
 from __future__ import annotations
 
 from .codec import from_json, to_json
-from .report import Fix, LoaderAlternatives, Probes, Report, Run, SampleCost, Trials
+from .report import Fix, LoaderAlternatives, OptimizerSteps, Probes, Report, Run, SampleCost, Trials
 
 DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
 AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
@@ -49,6 +49,27 @@ def nothing_iterated(run: Run) -> str:
         "bench.doctor.watch() inside it" if children else "")
 
 
+def from_steps(s: OptimizerSteps) -> str:
+    """The verdict on a loop that iterated no DataLoader or Loader, seen from its optimizer's
+    steps and its stack: data-bound where a function it calls outside the model's forward,
+    backward and step holds more than DATA_BOUND of it."""
+    top = (s.functions or [None])[0]
+    how = (f"{s.steps} optimizer steps, p50 {s.iteration.p50_ms or 0:.1f} ms an iteration, "
+           f"{100 * (s.model_share or 0):.0f}% of it in the model's forward, backward and step; no DataLoader or "
+           "Loader was iterated: seen from the optimizer's steps and the training thread's stack")
+    if top is None or top.share <= DATA_BOUND:
+        return f"compute-bound: no function outside the model holds the loop ({how})"
+    return (f"data-bound: {100 * top.share:.0f}% of the loop in {top.function}, outside the model's work ({how}); "
+            "if it makes the batches, make them once (packer build, then loaders.Loader) or ahead of the step "
+            "(a DataLoader with workers)")
+
+
+def _steps_line(s: OptimizerSteps) -> str:
+    named = ", ".join(f"{f.function} {100 * f.share:.0f}%" for f in s.functions[:3]) or "none"
+    return (f"optimizer: {s.steps} steps, p50 {s.iteration.p50_ms or 0:.1f} ms an iteration; the model "
+            f"{100 * (s.model_share or 0):.0f}% of the loop, outside it: {named}")
+
+
 def text(r: Report) -> str:
     """The verdict, the fixes numbered, and the loop's figures in a line."""
     lines = [r.verdict]
@@ -59,6 +80,8 @@ def text(r: Report) -> str:
     if r.loop:
         lines.append(f"{r.batches} batches of {r.loop.loader}: step p50 {r.loop.step.p50_ms or 0:.1f} ms, "
                      f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
+    if r.steps and r.steps.samples:
+        lines.append(_steps_line(r.steps))
     if r.loop and r.loop.remote:
         t = r.loop.remote
         lines.append(f"object storage ({', '.join(t.urls)}): {t.bytes / 1e6:,.1f} MB in {t.gets:,} GETs, "

@@ -16,6 +16,7 @@ from .hooks import loader_classes, patched
 from .probes import batch_len
 from .processes import Processes
 from .report import Loop, RemoteTraffic, Report, Run, Stats, StepTime, share
+from .steps import Steps
 
 
 class Stop(BaseException):
@@ -34,6 +35,12 @@ class Watch:
         self.processes = Processes() if processes and Path("/proc/self/stat").exists() else None
         self.nvml = Nvml.start() if processes else None
         self.copies = Copies()
+        self.optimizer = Steps(on_step=self._stepped)
+
+    def _stepped(self) -> None:
+        """After an optimizer's step: a loop that iterates no loader stops at the step limit."""
+        if self.steps is not None and not self.by_loader and len(self.optimizer.times) >= self.steps:
+            raise Stop
 
     def iterate(self, loader, it):
         """`it` (the loader's iterator), timed: each next() is a wait, each gap between a batch
@@ -81,7 +88,7 @@ class Watch:
                   cores=os.cpu_count(), processes=self.processes.report(loop_s) if self.processes else None,
                   gpu=self.nvml.report(*_window(main)) if self.nvml else None)
         return diagnose(main["loader"] if main else None, loop=self._loop(main) if main else None, run=run,
-                        batches=self.batches(), wall_s=wall, measure=ceiling)
+                        batches=self.batches(), wall_s=wall, measure=ceiling, steps=self.optimizer.figures())
 
     def _loop(self, main: dict) -> Loop:
         waits, steps = main["waits"][1:], main["steps"]  # the first wait is the loader's start-up
