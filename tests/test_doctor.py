@@ -52,12 +52,12 @@ def test_a_loop_with_no_loader_is_judged_from_its_optimizer_steps_naming_what_ho
     """nanoGPT's shape: get_batch() slices an np.memmap, no DataLoader or Loader anywhere. Its
     optimizer's steps mark the iterations and the stack between them names get_batch when it
     holds the loop, and nothing when the model does."""
-    slow, proc = _doctor(tmp_path, 60, 100, script=MEMMAP)
+    slow, proc = _doctor(tmp_path, 60, 100, script=MEMMAP, steps=8)
     top = slow["steps"]["functions"][0]
     assert slow["verdict"].startswith("data-bound") and "get_batch (doctor_memmap.py:22)" in slow["verdict"]
     assert top["function"] == "get_batch (doctor_memmap.py:22)" and top["share"] > 0.15  # its list comprehensions too
-    assert slow["steps"]["steps"] == 12 and slow["steps"]["samples"] > 50 and "optimizer: 12 steps" in proc.stdout
-    fast, _ = _doctor(tmp_path, 0, 100, script=MEMMAP)
+    assert slow["steps"]["steps"] == 8 and slow["steps"]["samples"] > 50 and "optimizer: 8 steps" in proc.stdout
+    fast, _ = _doctor(tmp_path, 0, 100, script=MEMMAP, steps=8)
     assert fast["verdict"].startswith("compute-bound") and fast["steps"]["model_share"] > 0.8
 
 
@@ -570,7 +570,7 @@ def test_a_script_that_does_not_exit_after_its_report_is_stopped_and_leaves_noth
     script, pidfile = tmp_path / "lingers.py", tmp_path / "pid"
     script.write_text(LINGERS)
     started = time.monotonic()
-    report = doctor.run(["python", str(script), str(pidfile), "5", "0"], steps=None)
+    report = doctor.run(["python", str(script), str(pidfile), "5", "0.05"], steps=None)
     assert time.monotonic() - started < 60
     assert report.verdict.startswith("compute-bound") and report.steps.steps == 5
     assert "had not exited" in report.note and _gone(int(pidfile.read_text()))

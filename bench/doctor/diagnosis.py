@@ -17,7 +17,7 @@ def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float
     `steps` then judge, where it stepped). `measure`: the loader is measured alone after the
     loop, and, where the loop waited, with each fix."""
     if loop is None:
-        verdict = from_steps(steps) if steps and steps.samples else nothing_iterated(run)
+        verdict = from_steps(steps) if steps and steps.steps > 1 else nothing_iterated(run)
         return Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=verdict)
     probes = Probes(per_sample=per_sample(loader), loader_alone=ceiling(loader) if measure else None)
     try_fixes = measure and loop.wait_share > DATA_BOUND

@@ -53,6 +53,9 @@ def from_steps(s: OptimizerSteps) -> str:
     """The verdict on a loop that iterated no DataLoader or Loader, seen from its optimizer's
     steps and its stack: data-bound where a function it calls outside the model's forward,
     backward and step holds more than DATA_BOUND of it."""
+    if not s.samples:
+        return (f"too short to judge: {s.steps} optimizer step(s) and no DataLoader or Loader iterated, over less "
+                "time than the stack is sampled in; watch more steps (--steps)")
     top = (s.functions or [None])[0]
     how = (f"{s.steps} optimizer steps, p50 {s.iteration.p50_ms or 0:.1f} ms an iteration, "
            f"{100 * (s.model_share or 0):.0f}% of it in the model's forward, backward and step; no DataLoader or "
