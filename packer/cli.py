@@ -237,7 +237,8 @@ def _cmd_info(args) -> int:
     if d["audio"]:
         a = d["audio"]
         print(f"audio     {a['sample_rate']:,} Hz, {a['channels']} channel{'s' if a['channels'] > 1 else ''}, "
-              f"{'int16' if a['dtype'] == '<i2' else 'float32'}; {a['seconds'] / 3600:,.2f} h in all")
+              f"{'int16' if a['dtype'] == '<i2' else 'float32'}; " + (f"{a['seconds'] / 3600:,.2f} h" if a['seconds'] >= 3600
+              else f"{a['seconds']:,.1f} s") + " in all")
     for line in _input_notes({"input": d["input"], "flattened": d["flattened"]}):
         print(f"          {line}")
     if d["classes"] is not None:

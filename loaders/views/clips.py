@@ -46,8 +46,12 @@ def draw(seed: int, epoch: int, ids: np.ndarray) -> np.ndarray:
 def to_float(audio: torch.Tensor) -> torch.Tensor:
     """Clips as float32 in [-1, 1) on their own device: int16 / 32768 (libsndfile's scale); a
     float32 dataset's as they are. Call it after the copy to the GPU, which then moves half
-    the bytes."""
-    return audio.float() / 32768.0 if audio.dtype == torch.int16 else audio
+    the bytes. Any other dtype is not an audio batch of ours: a ValueError, not a guess."""
+    if audio.dtype == torch.int16:
+        return audio.float() / 32768.0
+    if audio.dtype == torch.float32:
+        return audio
+    raise ValueError(f"to_float takes an audio batch (int16 or float32), not {audio.dtype}")
 
 
 class AudioClips:
@@ -76,7 +80,8 @@ class AudioClips:
         self._reader = reader = DatasetReader(self.root, self.generation)
         self.generation, m = reader.generation, reader.manifest
         if m.kind != "audio" or m.audio is None:
-            raise ConfigError(f"{self.root}: a {m.kind} dataset; AudioClips reads one built with --sample-rate")
+            raise ConfigError(f"{self.root}: holds {m.kind}, not audio; AudioClips reads a dataset built from audio "
+                              "files with --sample-rate")
         self.sample_rate, self.channels = m.audio["sample_rate"], m.audio["channels"]
         self.frames = max(1, round(self.seconds * self.sample_rate))
         names = [c.name for c in m.columns]

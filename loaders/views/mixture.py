@@ -142,6 +142,10 @@ def _parts(sources) -> list:
             other = next(s for s in sources[1:] if list(s.columns) != names)
             raise ConfigError(f"{other.root}: columns {list(other.columns)} differ from {sources[0].root}'s {names}; "
                               "mixed datasets must hold the same columns (open them with columns=[...])")
+        other = next((s for s in sources[1:] if s.manifest.audio != sources[0].manifest.audio), None)
+        if other is not None:  # the same frames would mean another time at another rate
+            raise ConfigError(f"{other.root}: its audio ({other.manifest.audio}) is not {sources[0].root}'s "
+                              f"({sources[0].manifest.audio}); mix datasets built at one rate, channels and dtype")
         if "label" in names:  # a label is an index into its dataset's classes: mixed, they must mean the same
             other = next((s for s in sources[1:] if s.classes != sources[0].classes), None)
             if other is not None:

@@ -64,6 +64,7 @@ def decode_audio(source, spec: AudioSpec) -> np.ndarray:
     try:
         with quiet(), sf.SoundFile(source) as f:
             rate, channels, claimed, subtype = f.samplerate, f.channels, f.frames, f.subtype
+            _check_whole(f, source)
             _check_channels(channels, spec.channels)
             data = _read_blocks(f, rate, spec.max_seconds)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError) as exc:
@@ -94,6 +95,40 @@ def convert(data: np.ndarray, rate: int, spec: AudioSpec) -> np.ndarray:
     return np.ascontiguousarray(data[:, 0] if spec.channels == 1 else data)
 
 
+_SHOULD_BE = re.compile(r"^\s*(\w+)\s*:\s*(\d+)\s*\(should be (\d+)\)", re.M)
+OGG_PAGE = b"OggS"
+
+
+def _check_whole(f, source) -> None:
+    """SourceError for a file that holds less than its header says: libsndfile reads a WAV or
+    AIFF cut short as a shorter clip, noting in its log what the chunk "should be"; an Ogg
+    stream (Vorbis, Opus, FLAC in Ogg) takes its length from its last page, so a cut one reads
+    as a shorter clip unless its last page is checked for the end-of-stream flag. (An MP3 holds
+    no length to check: one cut short is packed as what it decodes to.)"""
+    said = sorted(_SHOULD_BE.findall(f.extra_info), key=lambda m: m[0] not in ("data", "SSND"))  # the audio's own
+    if said:
+        chunk, claims, holds = said[0][0], int(said[0][1]), int(said[0][2])
+        raise SourceError(f"truncated: its header says {claims:,} bytes of {chunk}, the file holds {holds:,} (cut "
+                          "short, or a header never finished; rewrite it, e.g. sox in.wav out.wav, to keep it)")
+    if f.format == "OGG" and isinstance(source, (str, os.PathLike)) and not _ogg_ended(source):
+        raise SourceError("truncated: its last Ogg page does not end the stream (cut short)")
+
+
+def _ogg_ended(path) -> bool:
+    """Whether an Ogg file ends with a whole page that has the end-of-stream flag."""
+    with open(path, "rb") as f:
+        size = f.seek(0, os.SEEK_END)
+        f.seek(max(0, size - 65_307 - 27))  # a page is at most 27 + 255 + 255 * 255 bytes
+        tail = f.read()
+    at = len(tail)
+    while (at := tail.rfind(OGG_PAGE, 0, at)) >= 0:
+        if at + 27 <= len(tail):
+            lacing = tail[at + 27: at + 27 + tail[at + 26]]
+            if at + 27 + len(lacing) + sum(lacing) == len(tail) and len(lacing) == tail[at + 26]:
+                return bool(tail[at + 5] & 0x04)
+    return False
+
+
 def _check_channels(have: int, want: int) -> None:
     if have < 1:
         raise SourceError("no channels")
@@ -113,8 +148,9 @@ def _read_blocks(f, rate: int, max_seconds: float) -> np.ndarray:
             break
         frames += len(block)
         if frames > limit:
-            raise SourceError(f"longer than --max-seconds {max_seconds:g} ({max_seconds * rate:,.0f} frames at "
-                              f"{rate:,} Hz); pass a larger --max-seconds to keep it")
+            length = f"{f.frames / rate:,.2f} s by its header" if f.frames > limit else f"over {max_seconds:g} s"
+            raise SourceError(f"longer than --max-seconds {max_seconds:g} ({length}); pass a larger --max-seconds "
+                              "to keep it")
         blocks.append(block)
     return np.concatenate(blocks) if blocks else np.zeros((0, f.channels), np.float32)
 

@@ -161,7 +161,7 @@ class BuildConfig:
         if self.dtype not in (None, *AUDIO_DTYPES):
             raise ConfigError(f"--dtype: {self.dtype!r} is not one of {', '.join(AUDIO_DTYPES)}")
         if self.max_seconds is not None and not 0 < self.max_seconds <= 86400:
-            raise ConfigError(f"--max-seconds: {self.max_seconds} is not between 0 and 86400 (a day)")
+            raise ConfigError(f"--max-seconds: {self.max_seconds:g} must be more than 0 and at most 86400 (a day)")
 
     def _read_spellings(self) -> None:
         """The values the command line spells as text, as the fields hold them."""
@@ -189,6 +189,17 @@ class BuildConfig:
             put("part", tuple(self.part))
         if self.tokenizer is not None:
             put("tokenizer", Path(self.tokenizer))
+        for name, kind in (("sample_rate", int), ("channels", int), ("max_seconds", float)):
+            value = getattr(self, name)
+            try:  # "16000" as the flag spells it, 16000.0 as a number; 16000.5 is no rate
+                if value is not None and not isinstance(value, bool) and float(value) == kind(float(value)):
+                    put(name, kind(float(value)))
+                    continue
+            except (TypeError, ValueError):
+                pass
+            if value is not None:
+                raise ConfigError(f"--{name.replace('_', '-')}: {value!r} is not a whole number"
+                                  if kind is int else f"--{name.replace('_', '-')}: {value!r} is not a number")
 
     def form_options(self) -> FieldOptions:
         """What the input forms' scans read (`packer.builder.forms`)."""

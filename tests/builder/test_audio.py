@@ -106,17 +106,36 @@ def test_hostile_files_are_skips_with_reasons_in_bounded_memory(tmp_path):
     m = load_manifest(out)
     reasons = {s.key: s.reason for s in m.skipped}
     assert reasons.keys() == {"truncated.flac", "garbage.mp3", "eight_channels.wav", "empty.wav", "not_audio.ogg",
-                              "one_frame.wav", "claims_2_36.flac"}, reasons
+                              "one_frame.wav", "claims_2_36.flac", "claims_2g_frames.wav"}, reasons
     assert "damaged or truncated" in reasons["truncated.flac"]
     assert "format not recognised" in reasons["garbage.mp3"] and "format not recognised" in reasons["not_audio.ogg"]
     assert "8 channels cannot be mixed down to 2" in reasons["eight_channels.wav"]
     assert "no audio (0 frames)" in reasons["empty.wav"]
     assert "resample to none" in reasons["one_frame.wav"]
     assert "damaged or truncated" in reasons["claims_2_36.flac"]
+    assert "header says 4,294,967,280 bytes of data, the file holds 9,600" in reasons["claims_2g_frames.wav"]
     assert m.counts["found"] == len(made) + 2 == m.counts["packed"] + m.counts["skipped"]
-    ds = MMapDataset(out)  # the WAV whose header claims 2**31 frames holds 0.1 s: what it holds is packed
-    assert sorted(ds[i]["key"] for i in range(len(ds))) == ["claims_2g_frames.wav", "real.wav"]
-    assert ds[0]["audio"].shape == (1600, 2)
+    ds = MMapDataset(out)
+    assert [ds[i]["key"] for i in range(len(ds))] == ["real.wav"] and ds[0]["audio"].shape[1] == 2
+
+
+def test_files_cut_short_are_skips_not_shorter_clips(tmp_path):
+    """A WAV (its data chunk says more than the file holds) and an Ogg Vorbis file (its last page
+    does not end the stream) cut to a third are skips; whole, they are packed. An MP3 carries no
+    length to check: cut short, it is packed as what it decodes to (FORMAT-free, said in usage.md)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for src in (sounds.speech()[0], sounds.effects()[0], next(p for p in sounds.music() if p.suffix == ".ogg")):
+        data = src.read_bytes()
+        (raw / f"whole-{src.name}").write_bytes(data)
+        (raw / f"cut-{src.name}").write_bytes(data[: len(data) // 3])
+    out = tmp_path / "out"
+    assert main(["build", str(raw), str(out), "--sample-rate", "16000", "-q"]) == 0
+    m = load_manifest(out)
+    reasons = {s.key: s.reason for s in m.skipped}
+    assert set(reasons) == {p.name for p in raw.iterdir() if p.name.startswith("cut-")}, reasons
+    assert all(r.startswith("truncated: ") for r in reasons.values())
+    assert m.counts["packed"] == 3
 
 
 def test_a_clip_over_max_seconds_is_a_skip_and_one_frame_at_the_rate_is_kept(tmp_path):
@@ -128,7 +147,7 @@ def test_a_clip_over_max_seconds_is_a_skip_and_one_frame_at_the_rate_is_kept(tmp
     assert main(["build", str(raw), str(out), "--sample-rate", "11025", "--max-seconds", "5", "-q"]) == 0
     reasons = {s.key: s.reason for s in load_manifest(out).skipped}
     assert set(reasons) == {"house_lo.mp3", "house_lo.ogg", "house_lo.wav"}  # 7.1 s of music each
-    assert all("longer than --max-seconds 5" in r for r in reasons.values())
+    assert all("longer than --max-seconds 5 (7." in r for r in reasons.values())  # the clip's own length
     for i, sample in enumerate(MMapDataset(out)):  # at the files' own rate: no resampling, the frames as decoded
         want = reference(raw / sample["key"], 11025)
         assert np.array_equal(sample["audio"].numpy(), want), sample["key"]
@@ -224,6 +243,16 @@ def test_audio_flags_and_missing_pieces_are_one_line_errors(tmp_path, image_raw,
     assert "--sample-rate" in err and "not audio" in err
     err = one_line_error(capsys, ["build", str(audio_raw), str(tmp_path / "c"), "--sample-rate", "100"])
     assert "out of range" in err
+    import packer  # the Python API takes the flags' spellings, and refuses what no flag would take
+
+    from packer.errors import ConfigError
+    from packer.builder.config import BuildConfig
+
+    assert BuildConfig(raw=audio_raw, out=tmp_path / "e", sample_rate="16000", channels="2", max_seconds="5")\
+        .audio_spec("audio") == packer.builder.audio.AudioSpec(16000, 2, "<i2", 5.0)
+    for bad, words in (({"sample_rate": 16000.5}, "not a whole number"), ({"max_seconds": 0}, "more than 0")):
+        with pytest.raises(ConfigError, match=words):
+            BuildConfig(raw=audio_raw, out=tmp_path / "e", **bad)
     monkeypatch.setitem(sys.modules, "soxr", None)  # the audio extra not installed
     err = one_line_error(capsys, ["build", str(audio_raw), str(tmp_path / "d"), "--sample-rate", "16000"])
     assert 'pip install "mmpack[audio]"' in err

@@ -96,12 +96,14 @@ def test_a_stereo_crop_and_to_float(stereo):
     assert batch["audio"].shape == (4, 4000, 2) and batch["audio"].dtype == torch.int16
     x = to_float(batch["audio"])
     assert x.dtype == torch.float32 and x.abs().max() <= 1 and torch.equal(x * 32768, batch["audio"].float())
+    with pytest.raises(ValueError, match="int16 or float32"):
+        to_float(batch["audio_lengths"])
     one = clips[0]
     assert one["audio"].shape == (4000, 2) and isinstance(one["key"], str)
 
 
 def test_audio_clips_refuse_what_they_cannot_crop(built):
-    with pytest.raises(ConfigError, match="AudioClips reads one built with --sample-rate"):
+    with pytest.raises(ConfigError, match="holds images, not audio"):
         AudioClips(built["images"], 1.0)
     with pytest.raises(ConfigError, match="tokens would not match a crop"):
         AudioClips(built["audio"], 1.0, columns=["tokens"])
@@ -109,3 +111,10 @@ def test_audio_clips_refuse_what_they_cannot_crop(built):
         Mixture([AudioClips(built["audio"], 1.0), AudioClips(built["audio"], 2.0)], [1, 1])
     with pytest.raises(ValueError):
         AudioClips(built["audio"], 0)
+
+
+def test_a_mixture_of_audio_at_two_rates_is_refused(built, stereo, audio_raw, tmp_path):
+    other = tmp_path / "at8k"
+    assert main(["build", str(audio_raw), str(other), "--sample-rate", "8000", "-q"]) == 0
+    with pytest.raises(ConfigError, match="one rate"):  # the same frames would be another time
+        Mixture([MMapDataset(built["audio"]), MMapDataset(other)], [1, 1])
