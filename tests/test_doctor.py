@@ -592,3 +592,39 @@ def test_sigterm_to_the_doctor_ends_the_script_and_its_children(tmp_path):
     while not _gone(grandchild) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(grandchild)  # the script's child, and so the script, ended with the doctor
+
+
+EPOCHS = """
+import sys, time
+import torch
+
+def slow_start(worker_id):
+    time.sleep(0.2)  # a worker's start-up: imports, opening files
+
+class Eight(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.zeros(4)
+
+if __name__ == "__main__":
+    loader = torch.utils.data.DataLoader(Eight(), batch_size=4, num_workers=2, worker_init_fn=slow_start)
+    for epoch in range(20):  # 2 batches an epoch, each epoch's workers started again
+        for x in loader:
+            time.sleep(0.05)  # the step
+"""
+
+
+def test_waits_at_epoch_starts_are_told_from_waits_inside_epochs(tmp_path):
+    """Each short epoch starts its workers again (0.2 s) while its steps never wait: the verdict
+    names the epoch starts and persistent workers, measured; the waits inside epochs stay the
+    steps' (one stall at an epoch boundary is not read as a data-bound loop)."""
+    script = tmp_path / "epochs.py"
+    script.write_text(EPOCHS)
+    report, proc = _doctor(tmp_path, steps=8, script=script)
+    assert report["verdict"].startswith("data-bound at epoch starts"), report["verdict"]
+    assert report["epoch_starts"]["n"] == 3 and report["epoch_starts"]["p50_ms"] > 150
+    assert report["epoch_start_share"] > 0.5 and report["wait_share"] < 0.1  # inside epochs: the steps' time
+    fix = report["fixes"][-1]
+    assert fix["fix"] == "persistent_workers=True" and fix["how"].startswith("measured"), report["fixes"]

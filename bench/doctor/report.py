@@ -241,6 +241,8 @@ class Loop:
     model_samples_per_s: float | None
     per_step: list[StepTime]
     remote: RemoteTraffic | None = omitted()
+    epoch_starts: Stats | None = omitted()  # the first wait of each epoch after the first
+    epoch_start_share: float | None = omitted()  # their share of the loop, epoch starts included
 
 
 @dataclass(kw_only=True)

@@ -20,6 +20,8 @@ def decide(r: Report) -> tuple[str, list[Fix]]:
     # on the host while its GPU still works
     events = r.loop.cuda_events
     bound = events.gap_share if events else r.loop.wait_share
+    if bound <= DATA_BOUND and (r.loop.epoch_start_share or 0.0) > DATA_BOUND:
+        return _epoch_starts(r, seen, fixes)
     if bound <= DATA_BOUND:
         return f"compute-bound: {seen}: the data is not what the step waits for", fixes
     cost = _cost(r)
@@ -31,6 +33,21 @@ def decide(r: Report) -> tuple[str, list[Fix]]:
         fixes += _loader_fixes(alt, _alone(r))
     fixes.sort(key=lambda f: -(f.gain or 0.0))
     return f"data-bound: {seen}{_why(r, cost, alt)}", fixes
+
+
+def _epoch_starts(r: Report, seen: str, fixes: list[Fix]) -> tuple[str, list[Fix]]:
+    """Inside epochs the step does not wait, but each epoch's first batch does (DataLoader workers
+    started again, an iterator set up): said apart, with persistent workers measured where they
+    were."""
+    starts = r.loop.epoch_starts
+    cost = _cost(r)
+    fix = _persistent_fix(r)
+    if fix is None and cost and cost.num_workers:
+        fix = Fix(fix="persistent_workers=True", expected="its workers start once, not at every epoch",
+                  how="estimated from the waits at the epochs' starts")
+    return (f"data-bound at epoch starts: {100 * r.loop.epoch_start_share:.0f}% of the loop waiting for the first "
+            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms); inside epochs {seen}",
+            fixes + ([fix] if fix else []))
 
 
 def decide_json(r: dict) -> tuple[str, list[dict]]:

@@ -48,6 +48,7 @@ class Watch:
         rec = self.by_loader.setdefault(id(loader), {"loader": loader, "waits": [], "steps": [], "samples": 0,
                                                      "cuda": CudaMarks(), "remote": _node_traffic(loader)})
         last = None
+        rec.setdefault("starts", []).append(len(rec["waits"]))  # this pass's first wait: an epoch's start
         while True:
             asked = time.perf_counter()
             rec["cuda"].mark("end")
@@ -91,12 +92,21 @@ class Watch:
                         batches=self.batches(), wall_s=wall, measure=ceiling, steps=self.optimizer.figures())
 
     def _loop(self, main: dict) -> Loop:
-        waits, steps = main["waits"][1:], main["steps"]  # the first wait is the loader's start-up
+        """The loop's figures. The first wait of each pass is an epoch's start, apart: the first
+        is the loader's start-up, and later ones (workers started again, a first batch made) are
+        told from the waits inside epochs, so one stall at an epoch boundary is no verdict on
+        the steps around it."""
+        starts = set(main.get("starts", [0]))
+        waits = [w for i, w in enumerate(main["waits"]) if i not in starts]
+        again = [w for i, w in enumerate(main["waits"]) if i in starts and i > 0]
+        steps = main["steps"]
         work, batches = sum(steps), len(main["waits"])
         per_batch = main["samples"] / batches if batches else 0
         return Loop(loader=type(main["loader"]).__name__, wait=Stats.of(waits), step=Stats.of(steps),
                     cuda_events=main["cuda"].report(), copies=self.copies.report(batches),
                     first_batch_s=main["waits"][0] if main["waits"] else None, wait_share=share(sum(waits), work),
+                    epoch_starts=Stats.of(again) if again else None,
+                    epoch_start_share=sum(again) / (sum(again) + sum(waits) + work) if again else None,
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
                     remote=_remote(main["remote"], _node_traffic(main["loader"])))
