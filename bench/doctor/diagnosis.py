@@ -21,10 +21,9 @@ def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float
         return Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=verdict)
     probes = Probes(per_sample=per_sample(loader), loader_alone=ceiling(loader) if measure else None)
     try_fixes = measure and loop.wait_share > DATA_BOUND
-    restarts = measure and (loop.epoch_start_share or 0.0) > DATA_BOUND  # epochs that start slow: persist
     sweep = workers_sweep(loader) if try_fixes else None
     trials = Trials(workers_sweep=sweep, more_workers=best(sweep), packed=packed(loader) if try_fixes else None,
-                    persistent=persistent(loader) if try_fixes or restarts else None,
+                    persistent=persistent(loader) if try_fixes else None,
                     loader_alternatives=loader_alternatives(loader) if try_fixes else None)
     measured = Report(batches=batches, wall_s=wall_s, run=run, loop=loop, steps=steps, probes=probes, trials=trials,
                       verdict="")

@@ -242,7 +242,7 @@ class Loop:
     per_step: list[StepTime]
     remote: RemoteTraffic | None = omitted()
     epoch_starts: Stats | None = omitted()  # the first wait of each epoch after the first
-    epoch_start_share: float | None = omitted()  # their share of the loop, epoch starts included
+    epoch_start_share: float | None = omitted()  # their share of the loop (a part of wait_share)
 
 
 @dataclass(kw_only=True)

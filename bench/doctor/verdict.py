@@ -8,6 +8,7 @@ from .report import Fix, LoaderAlternatives, OptimizerSteps, Probes, Report, Run
 
 DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
 AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
+EPOCH_STARTS = 0.5  # of the waiting at epochs' first batches: said to wait there, not in the steps
 NAMED_GAIN = 1.1  # a measured fix is named where it makes the data at least this much faster: below, runs spread
 
 
@@ -20,7 +21,7 @@ def decide(r: Report) -> tuple[str, list[Fix]]:
     # on the host while its GPU still works
     events = r.loop.cuda_events
     bound = events.gap_share if events else r.loop.wait_share
-    if bound <= DATA_BOUND and (r.loop.epoch_start_share or 0.0) > DATA_BOUND:
+    if bound > DATA_BOUND and (r.loop.epoch_start_share or 0.0) >= EPOCH_STARTS * r.loop.wait_share:
         return _epoch_starts(r, seen, fixes)
     if bound <= DATA_BOUND:
         return f"compute-bound: {seen}: the data is not what the step waits for", fixes
@@ -46,8 +47,8 @@ def _epoch_starts(r: Report, seen: str, fixes: list[Fix]) -> tuple[str, list[Fix
         fix = Fix(fix="persistent_workers=True", expected="its workers start once, not at every epoch",
                   how="estimated from the waits at the epochs' starts")
     return (f"data-bound at epoch starts: {100 * r.loop.epoch_start_share:.0f}% of the loop waiting for the first "
-            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms); inside epochs {seen}",
-            fixes + ([fix] if fix else []))
+            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms), of {seen}",
+            ([fix] if fix else []) + fixes)
 
 
 def decide_json(r: dict) -> tuple[str, list[dict]]:

@@ -92,12 +92,11 @@ class Watch:
                         batches=self.batches(), wall_s=wall, measure=ceiling, steps=self.optimizer.figures())
 
     def _loop(self, main: dict) -> Loop:
-        """The loop's figures. The first wait of each pass is an epoch's start, apart: the first
-        is the loader's start-up, and later ones (workers started again, a first batch made) are
-        told from the waits inside epochs, so one stall at an epoch boundary is no verdict on
-        the steps around it."""
+        """The loop's figures. The first wait is the loader's start-up, left out; the first wait
+        of each later pass is an epoch's start (workers started again, a first batch made),
+        counted in the waiting and also apart, so that waiting mostly there is said so."""
         starts = set(main.get("starts", [0]))
-        waits = [w for i, w in enumerate(main["waits"]) if i not in starts]
+        waits = main["waits"][1:]
         again = [w for i, w in enumerate(main["waits"]) if i in starts and i > 0]
         steps = main["steps"]
         work, batches = sum(steps), len(main["waits"])
@@ -106,7 +105,7 @@ class Watch:
                     cuda_events=main["cuda"].report(), copies=self.copies.report(batches),
                     first_batch_s=main["waits"][0] if main["waits"] else None, wait_share=share(sum(waits), work),
                     epoch_starts=Stats.of(again) if again else None,
-                    epoch_start_share=sum(again) / (sum(again) + sum(waits) + work) if again else None,
+                    epoch_start_share=share(sum(again), sum(waits) - sum(again) + work) if again else None,
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
                     remote=_remote(main["remote"], _node_traffic(main["loader"])))
