@@ -21,8 +21,6 @@ def decide(r: Report) -> tuple[str, list[Fix]]:
     # on the host while its GPU still works
     events = r.loop.cuda_events
     bound = events.gap_share if events else r.loop.wait_share
-    if bound > DATA_BOUND and (r.loop.epoch_start_share or 0.0) >= EPOCH_STARTS * r.loop.wait_share:
-        return _epoch_starts(r, seen, fixes)
     if bound <= DATA_BOUND:
         return f"compute-bound: {seen}: the data is not what the step waits for", fixes
     cost = _cost(r)
@@ -32,23 +30,23 @@ def decide(r: Report) -> tuple[str, list[Fix]]:
     alt = (r.trials or Trials()).loader_alternatives
     if alt:
         fixes += _loader_fixes(alt, _alone(r))
+    if (r.loop.epoch_start_share or 0.0) >= EPOCH_STARTS * r.loop.wait_share:
+        return _epoch_starts(r, seen, fixes)
     fixes.sort(key=lambda f: -(f.gain or 0.0))
     return f"data-bound: {seen}{_why(r, cost, alt)}", fixes
 
 
 def _epoch_starts(r: Report, seen: str, fixes: list[Fix]) -> tuple[str, list[Fix]]:
-    """Inside epochs the step does not wait, but each epoch's first batch does (DataLoader workers
-    started again, an iterator set up): said apart, with persistent workers measured where they
-    were."""
-    starts = r.loop.epoch_starts
-    cost = _cost(r)
-    fix = _persistent_fix(r)
-    if fix is None and cost and cost.num_workers:
-        fix = Fix(fix="persistent_workers=True", expected="its workers start once, not at every epoch",
-                  how="estimated from the waits at the epochs' starts")
+    """A data-bound loop that does at least EPOCH_STARTS of its waiting at each epoch's first batch
+    (DataLoader workers started again, an iterator set up): said so, with persistent workers
+    among the fixes (measured where they were), all ranked by their measured gain."""
+    starts, cost = r.loop.epoch_starts, _cost(r)
+    if cost and cost.num_workers and not any(f.fix == "persistent_workers=True" for f in fixes):
+        fixes = fixes + [Fix(fix="persistent_workers=True", expected="its workers start once, not at every epoch",
+                             how="estimated from the waits at the epochs' starts")]
+    fixes.sort(key=lambda f: -(f.gain or 0.0))  # the largest measured gain first, whatever it fixes
     return (f"data-bound at epoch starts: {100 * r.loop.epoch_start_share:.0f}% of the loop waiting for the first "
-            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms), of {seen}",
-            ([fix] if fix else []) + fixes)
+            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms), of {seen}", fixes)
 
 
 def decide_json(r: dict) -> tuple[str, list[dict]]:
