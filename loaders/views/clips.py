@@ -25,7 +25,7 @@ from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.gather import ColumnGather
 from loaders.batch.rows import in_shares
 from loaders.order.orders import Order, Permutation
-from loaders.views.dataset import resolve_root
+from loaders.views.dataset import Reopens, resolve_root
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -54,7 +54,7 @@ def to_float(audio: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"to_float takes an audio batch (int16 or float32), not {audio.dtype}")
 
 
-class AudioClips:
+class AudioClips(Reopens):
     """Fixed-length random crops of an audio dataset dir, one per clip per epoch.
 
     Args:
@@ -98,13 +98,6 @@ class AudioClips:
         self._lengths = np.concatenate([np.diff(s) for s in starts]) if starts else np.zeros(0, np.int64)
         self._shard = np.repeat(np.arange(len(starts)), [len(s) - 1 for s in starts])
         self.source_id = f"{reader.content_id}:clips:{self.frames}:{self.seed}"
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "source_id"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._open()
 
     def __len__(self) -> int:
         return len(self._lengths)

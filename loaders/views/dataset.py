@@ -43,6 +43,19 @@ def resolve_root(root: str | Path, cache_dir: str | Path | None = None) -> Path:
     return materialize(root, cache_dir)[0] if is_archive(root) else Path(root)
 
 
+class Reopens:
+    """A view pickled by its arguments (its public attributes, the generation it opened among
+    them) and opened again by `_open()` where it is unpickled: a DataLoader worker maps the same
+    build, never the maps themselves."""
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "source_id"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._open()
+
+
 class MMapDataset(torch.utils.data.Dataset):
     """A packed dataset dir as a map-style dataset.
 

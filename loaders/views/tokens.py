@@ -19,14 +19,14 @@ from numpy.lib.stride_tricks import sliding_window_view
 from packer.errors import ConfigError
 from packer.dataset.reader import DatasetReader
 
-from loaders.views.dataset import resolve_root
+from loaders.views.dataset import Reopens, resolve_root
 from loaders.batch.buffers import Memory, empty
 from loaders.order.orders import Order, Permutation
 
 ITER_CHUNK = 4096  # windows whose ids are computed at once when a TokenWindows is iterated directly
 
 
-class TokenWindows:
+class TokenWindows(Reopens):
     """Token windows of a text (or pairs) dataset dir.
 
     Args:
@@ -63,13 +63,6 @@ class TokenWindows:
             raise ConfigError(f"{self.root}: holds {self.num_tokens:,} tokens, and a window of seq_len {self.seq_len:,} "
                               f"needs {self.seq_len + 1:,} (its inputs and the next token); use a shorter seq_len")
         self.source_id = f"{self._reader.content_id}:windows:{self.column}:{self.seq_len}:{self.stride}"
-
-    def __getstate__(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") and k != "source_id"}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._open()
 
     def __len__(self) -> int:
         span = self.seq_len + 1
