@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     do = sub.add_parser("doctor", help="whether your training script waits for data, why, and what to try",
                         description="bench doctor [--steps N] [--json R] [--plot R.png] -- python train.py ARGS...")
     do.add_argument("--steps", type=int, default=50, help="training steps to watch (then the script is stopped)")
+    do.add_argument("--deadline", type=float, default=None, metavar="S",
+                    help="the longest the loop may go without a batch or an optimizer step, and any run of the "
+                         "loader alone without an answer, before the doctor reports what it has (default 300)")
     do.add_argument("--json", type=Path, default=None, help="write every figure here")
     do.add_argument("--plot", type=Path, default=None, help="per-step waiting and working, as a PNG")
     do.add_argument("script", nargs=argparse.REMAINDER, help="-- python train.py ARGS...")
@@ -208,7 +211,7 @@ def _doctor(args) -> int:
     if args.plot:
         report._plt()
     command = args.script[1:] if args.script[:1] == ["--"] else args.script
-    result = doctor.run(command, steps=args.steps)
+    result = doctor.run(command, steps=args.steps, deadline_s=args.deadline)
     print(doctor.text(result))
     if args.json:
         doctor.write_report(result, args.json, indent=1)

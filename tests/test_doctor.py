@@ -628,3 +628,65 @@ def test_waits_at_epoch_starts_are_told_from_waits_inside_epochs(tmp_path):
     assert report["epoch_start_share"] > 0.4 and report["epoch_start_share"] > 0.8 * report["wait_share"]
     fix = next(f for f in report["fixes"] if f["fix"] == "persistent_workers=True")
     assert fix["how"].startswith("measured") and fix["gain"] > 1.5, report["fixes"]
+
+
+HANGS = ROOT / "tests" / "tools" / "doctor_hang.py"
+
+
+def _pids_gone(pids: Path) -> bool:
+    deadline = time.monotonic() + 10
+    alive = [int(p) for p in pids.read_text().split()]
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if not _gone(p)]
+        time.sleep(0.1)
+    return not alive
+
+
+def test_a_loop_stuck_on_one_item_is_reported_at_the_deadline_and_stopped(tmp_path):
+    """A DataLoader worker that never returns item 40: the loop gets no batch for the deadline;
+    the report of the 10 batches that came is written, the script and its workers stopped, and
+    the doctor exits 124 (as `timeout` does)."""
+    pids = tmp_path / "pids"
+    started = time.monotonic()
+    report = doctor.run(["python", str(HANGS), "40", str(pids)], steps=50, deadline_s=3)
+    assert time.monotonic() - started < 60
+    assert report.exit_code == 124 and report.batches == 10
+    assert "no batch and no optimizer step for 3 s" in report.run.error
+    assert _pids_gone(pids)
+
+
+def test_a_loader_alone_stuck_on_one_item_is_a_probe_that_says_so_not_a_hang(tmp_path):
+    """The loop stops at 3 batches; the doctor's own run of the loader alone reaches item 70,
+    which never returns: that probe is a failure naming the deadline, no trial runs after it
+    (each would reach the same item), and the verdict comes."""
+    pids = tmp_path / "pids"
+    started = time.monotonic()
+    report = doctor.run(["python", str(HANGS), "70", str(pids)], steps=3, deadline_s=3)
+    assert time.monotonic() - started < 60
+    assert report.exit_code == 0 and report.batches == 3 and report.verdict
+    assert "the loader alone gave no answer in 3 s" in report.probes.loader_alone.error
+    assert report.probes.per_sample.getitem_ms >= 0  # items 0-63 came
+    assert not (report.trials.workers_sweep or report.trials.persistent or report.trials.packed)
+    assert "the loader alone not measured" in doctor.text(report)
+    assert _pids_gone(pids)
+
+
+def test_the_headline_says_au_exposed_time_and_how_many_steps_make_the_verdict_sure():
+    """AU is compute over wall time; exposed loading the mean wait a step. A share near the
+    data-bound line over few, uneven steps is not sure, and the steps it names are enough: the
+    same pattern repeated to that many steps is sure."""
+    from bench.doctor.headline import headline
+
+    steady = headline(0.5, 0.5, [10.0] * 20, [20.0] * 20, 0.10)
+    assert steady.sure and steady.accelerator_utilisation == 0.5 and steady.exposed_ms_per_step == 10.0
+    waits = [0.5, 0.5, 0.5, 6.0, 0.5, 0.5, 0.5, 0.5]  # one stall among fast batches: 11% waiting
+    wholes = [w + 10.0 for w in waits]
+    share = sum(waits) / sum(wholes)
+    few = headline(share, 1 - share, waits, wholes, 0.10)
+    assert not few.sure and few.steps_to_be_sure > len(waits)
+    times = -(-few.steps_to_be_sure // len(waits))
+    assert headline(share, 1 - share, waits * times, wholes * times, 0.10).sure
+    assert not headline(share, 1 - share, waits * (times // 4 or 1), wholes * (times // 4 or 1), 0.10).sure
+    r = doctor.Report(wall_s=1.0, verdict="data-bound", headline=few)
+    assert f"--steps {few.steps_to_be_sure}" in doctor.text(r)
+    assert "accelerator utilisation 89%" in doctor.text(r)

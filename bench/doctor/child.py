@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .command import interpreter, python_command
+from .deadline import DEADLINE_ENV, STALLED_EXIT, Watchdog
 from .hooks import loader_classes, patched
 from .report import Report, read_report, write_report
 from .watching import Stop, Watch
@@ -29,9 +30,10 @@ REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
 
 
-def run(command: list[str], *, steps: int | None) -> Report:
+def run(command: list[str], *, steps: int | None, deadline_s: float | None = None) -> Report:
     """`command` (`python [OPTIONS] script.py ARGS`, `python -m MODULE ARGS`) in a child process
-    with its loaders watched."""
+    with its loaders watched; `deadline_s`: the longest the loop may go without a batch or an
+    optimizer step, and any probe or trial without an answer (`deadline`)."""
     given, options, target = python_command(command)
     python, note = interpreter(given)
     if note:
@@ -39,6 +41,8 @@ def run(command: list[str], *, steps: int | None) -> Report:
     with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
         out = Path(tmp) / "report.json"
         env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or "")}
+        if deadline_s is not None:
+            env[DEADLINE_ENV] = str(deadline_s)
         started = time.perf_counter()
         proc = subprocess.Popen([python, *options, "-c", "import sys; from bench.doctor import child_main; "
                                  "child_main(sys.argv[1:])", *target], env=env, start_new_session=True)
@@ -127,6 +131,17 @@ def child_main(argv: list[str]) -> None:
     __main__, as `python` would, with its loaders watched, then write the report."""
     steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
     w = Watch(steps)
+    report = Path(os.environ[REPORT_ENV])
+
+    def stalled(limit: float) -> None:  # in the watchdog's thread, while the loop is stuck
+        if w.stopped:  # at the step limit: the loop's iterators end (a stuck worker's join has its own timeout)
+            return
+        w.error = (f"no batch and no optimizer step for {limit:g} s (a DataLoader worker stuck on one item, a "
+                   "deadlock?): the doctor stopped the script (--deadline)")
+        write_report(w.diagnose(probes=False), report)
+        os._exit(STALLED_EXIT)  # the doctor ends the rest of the script's process group
+    dog = Watchdog(stalled)
+    w.progress = dog.progress
     status = 0
     with patched(w, loader_classes()):
         try:
@@ -140,7 +155,9 @@ def child_main(argv: list[str]) -> None:
         except BaseException as exc:  # noqa: BLE001 - the script's failure is part of the report
             w.error = f"{type(exc).__name__}: {exc}"[:300]
             status = 1
-    write_report(w.diagnose(), Path(os.environ[REPORT_ENV]))
+    dog.stop.set()
+    w.progress = lambda: None
+    write_report(w.diagnose(), report)
     if status:  # the script's own status, as `python script.py` gives it (a CI step must see the failure)
         sys.exit(status)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from .deadline import Hung, bounded
+from .headline import Headline, headline
 from .probes import ceiling, per_sample
 from .report import Loop, OptimizerSteps, Probes, Rate, Report, Run, Trials
 from .trials import best, loader_alternatives, packed, persistent, workers_sweep
@@ -12,23 +14,59 @@ from .verdict import DATA_BOUND, decide, from_steps, nothing_iterated
 
 
 def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float, measure: bool = True,
-             steps: OptimizerSteps | None = None) -> Report:
+             steps: OptimizerSteps | None = None, probes: bool = True) -> Report:
     """The report on `loader`'s watched `loop` (None: no loader was iterated; the optimizer's
     `steps` then judge, where it stepped). `measure`: the loader is measured alone after the
-    loop, and, where the loop waited, with each fix."""
+    loop, and, where the loop waited, with each fix; `probes`: False runs nothing of the loader
+    (the loop hung in it). Each probe and trial has the deadline (`deadline.bounded`); after
+    one that hung, no other runs: it would reach the same item."""
     if loop is None:
-        verdict = from_steps(steps) if steps and steps.steps > 1 else nothing_iterated(run)
-        return Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=verdict)
-    probes = Probes(per_sample=per_sample(loader), loader_alone=ceiling(loader) if measure else None)
+        judged = steps is not None and steps.steps > 1
+        verdict = from_steps(steps) if judged else nothing_iterated(run)
+        return Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=verdict,
+                      headline=_from_steps(steps) if judged and steps.samples else None)
+    hung = [not probes]
+
+    def run_(fn, what: str, when: bool = True):
+        if hung[0] or not when:
+            return None
+        got = bounded(fn, loader, what=what)
+        hung[0] = isinstance(got, Hung)
+        return got
+    found = Probes(per_sample=run_(per_sample, "one sample of the dataset"),
+                   loader_alone=run_(ceiling, "the loader alone", measure))
     try_fixes = measure and loop.wait_share > DATA_BOUND
-    sweep = workers_sweep(loader) if try_fixes else None
-    trials = Trials(workers_sweep=sweep, more_workers=best(sweep), packed=packed(loader) if try_fixes else None,
-                    persistent=persistent(loader) if try_fixes else None,
-                    loader_alternatives=loader_alternatives(loader) if try_fixes else None)
-    measured = Report(batches=batches, wall_s=wall_s, run=run, loop=loop, steps=steps, probes=probes, trials=trials,
+    sweep = run_(workers_sweep, "the loader with more workers", try_fixes)
+    trials = Trials(workers_sweep=_answer(sweep), more_workers=best(_answer(sweep)),
+                    packed=run_(packed, "a sample of its files packed", try_fixes),
+                    persistent=_answer(run_(persistent, "the loader with persistent workers", try_fixes)),
+                    loader_alternatives=_answer(run_(loader_alternatives, "the Loader with other settings", try_fixes)))
+    measured = Report(batches=batches, wall_s=wall_s, run=run, loop=loop, steps=steps, probes=found, trials=trials,
                       verdict="")
     said, fixes = decide(measured)
-    return dataclasses.replace(measured, verdict=said, fixes=fixes, rates=rates(measured))
+    return dataclasses.replace(measured, verdict=said, fixes=fixes, rates=rates(measured), headline=_from_loop(loop))
+
+
+def _from_loop(loop: Loop) -> Headline | None:
+    """The headline of a watched loader's loop: the GPU's idle share decides where it was taken."""
+    if not loop.per_step:
+        return None
+    idle = loop.cuda_events.gap_share if loop.cuda_events else loop.wait_share
+    return headline(idle, 1.0 - idle, [s.wait_ms for s in loop.per_step],
+                    [s.wait_ms + s.step_ms for s in loop.per_step], DATA_BOUND)
+
+
+def _from_steps(s: OptimizerSteps) -> Headline:
+    """The headline of a loop seen from its optimizer's steps: the function that holds it most."""
+    top = s.functions[0].share if s.functions else 0.0
+    iteration_ms = (s.iteration.total_s or 0.0) * 1e3 / max(s.iteration.n, 1)
+    parts = s.top_ms or [0.0] * s.iteration.n
+    return headline(top, s.model_share or 0.0, parts, [iteration_ms] * len(parts), DATA_BOUND)
+
+
+def _answer(got):
+    """A trial's result where it has one of its own type (a hung one: none)."""
+    return None if isinstance(got, Hung) else got
 
 
 def rates(r: Report) -> list[Rate]:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from .codec import flat, from_json, omitted, to_json
+from .headline import Headline
 
 # -- figures of the loop ----------------------------------------------------------------------
 @dataclass(kw_only=True)
@@ -266,6 +267,7 @@ class OptimizerSteps:
     loop_share: float | None
     outside_share: float | None
     functions: list[GapFunction]
+    top_ms: list[float] | None = omitted()  # the first named function's time in each iteration
 
 
 @dataclass(kw_only=True)
@@ -300,6 +302,7 @@ class Report:
     probes: Probes | None = flat(optional=True)
     trials: Trials | None = flat(optional=True)
     verdict: str
+    headline: Headline | None = omitted()  # AU, exposed data-loading time a step, how sure the verdict is
     fixes: list[Fix] | None = omitted()
     rates: list[Rate] | None = omitted()
     command: list[str] | None = omitted()  # from here on, `run`'s: the command, how it ended, in which Python

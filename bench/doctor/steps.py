@@ -16,6 +16,7 @@ interpreter lets the sampler run, and what it held meanwhile still counts.
 
 from __future__ import annotations
 
+import bisect
 import os
 import sys
 import sysconfig
@@ -109,10 +110,16 @@ class Steps:
         model = by.pop(None, 0.0)
         own = by.pop(LOOP, 0.0)
         other = [GapFunction(function=label, share=w / total) for label, w in by.most_common(NAMED)] if total else []
+        top = other[0].function if other else None
+        top_ms = [0.0] * (len(self.times) - 1)
+        for t, w, label in self.samples:  # the top function's time in each iteration: how sure its share is
+            if label == top and first < t <= last:
+                top_ms[bisect.bisect_left(self.times, t) - 1] += 1e3 * w
         return OptimizerSteps(steps=len(self.times), iteration=Stats.of([b - a for a, b in zip(self.times, self.times[1:])]),
                               samples=len(inside), model_share=model / total if total else None,
                               loop_share=own / total if total else None,
-                              outside_share=(total - model - own) / total if total else None, functions=other)
+                              outside_share=(total - model - own) / total if total else None, functions=other,
+                              top_ms=top_ms if top else None)
 
 
 def _folder(package: str) -> str:

@@ -4,7 +4,8 @@ the report's figures; and the report said in a few lines, as `bench doctor` prin
 from __future__ import annotations
 
 from .codec import from_json, to_json
-from .report import Fix, LoaderAlternatives, OptimizerSteps, Probes, Report, Run, SampleCost, Trials
+from .headline import said
+from .report import Failure, Fix, LoaderAlternatives, OptimizerSteps, Probes, Report, Run, SampleCost, Trials
 
 DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
 AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
@@ -92,6 +93,8 @@ def _steps_line(s: OptimizerSteps) -> str:
 def text(r: Report) -> str:
     """The verdict, the fixes numbered, and the loop's figures in a line."""
     lines = [r.verdict]
+    if r.headline:
+        lines.append(said(r.headline))
     if r.run and r.run.error:
         lines.append(f"the script stopped early: {r.run.error} (the report covers what ran)")
     for i, f in enumerate(r.fixes or [], 1):
@@ -101,11 +104,18 @@ def text(r: Report) -> str:
                      f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
     if r.steps and r.steps.samples:
         lines.append(_steps_line(r.steps))
+    for what, got in (("one sample", (r.probes or Probes()).per_sample), ("the loader alone", _alone_run(r))):
+        if isinstance(got, Failure):
+            lines.append(f"{what} not measured: {got.error}")
     if r.loop and r.loop.remote:
         t = r.loop.remote
         lines.append(f"object storage ({', '.join(t.urls)}): {t.bytes / 1e6:,.1f} MB in {t.gets:,} GETs, "
                      f"{t.shard_downloads:,} shards downloaded, {t.shard_hits:,} found in the node's cache")
     return "\n".join(lines)
+
+
+def _alone_run(r: Report):
+    return (r.probes or Probes()).loader_alone
 
 
 def _alone(r: Report) -> float | None:

@@ -36,10 +36,14 @@ class Watch:
         self.nvml = Nvml.start() if processes else None
         self.copies = Copies()
         self.optimizer = Steps(on_step=self._stepped)
+        self.progress = _nothing  # called at each ask, batch and optimizer step (the child's watchdog)
+        self.stopped = False  # the step limit reached: the loop's end is the doctor's own
 
     def _stepped(self) -> None:
         """After an optimizer's step: a loop that iterates no loader stops at the step limit."""
+        self.progress()
         if self.steps is not None and not self.by_loader and len(self.optimizer.times) >= self.steps:
+            self.stopped = True
             raise Stop
 
     def iterate(self, loader, it):
@@ -51,17 +55,20 @@ class Watch:
         rec.setdefault("starts", []).append(len(rec["waits"]))  # this pass's first wait: an epoch's start
         while True:
             asked = time.perf_counter()
+            self.progress()
             rec["cuda"].mark("end")
             if last is not None:
                 rec["steps"].append(asked - last)
                 rec["last_asked_at"] = asked
             if self.steps is not None and self.batches() >= self.steps:
+                self.stopped = True
                 raise Stop
             try:
                 batch = next(it)
             except StopIteration:
                 return
             last = time.perf_counter()
+            self.progress()
             rec.setdefault("first_batch_at", last)  # the loop's window, for the GPU's samples
             rec["cuda"].mark("start")
             self.copies.active = True
@@ -80,8 +87,9 @@ class Watch:
         """`diagnose`'s report in its JSON form, as `bench doctor --json` writes it."""
         return to_json(self.diagnose(ceiling=ceiling))
 
-    def diagnose(self, *, ceiling: bool = True) -> Report:
-        """The report on what was watched; `ceiling`: with the loader measured alone after it."""
+    def diagnose(self, *, ceiling: bool = True, probes: bool = True) -> Report:
+        """The report on what was watched; `ceiling`: with the loader measured alone after it;
+        `probes`: with any run of the loader after the loop (none where it hung)."""
         main = self.main()
         wall = time.perf_counter() - self.started
         loop_s = sum(main["waits"]) + sum(main["steps"]) if main else wall  # before the measures that follow
@@ -89,7 +97,8 @@ class Watch:
                   cores=os.cpu_count(), processes=self.processes.report(loop_s) if self.processes else None,
                   gpu=self.nvml.report(*_window(main)) if self.nvml else None)
         return diagnose(main["loader"] if main else None, loop=self._loop(main) if main else None, run=run,
-                        batches=self.batches(), wall_s=wall, measure=ceiling, steps=self.optimizer.figures())
+                        batches=self.batches(), wall_s=wall, measure=ceiling, steps=self.optimizer.figures(),
+                        probes=probes)
 
     def _loop(self, main: dict) -> Loop:
         """The loop's figures. The first wait is the loader's start-up, left out; the first wait
@@ -109,6 +118,10 @@ class Watch:
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
                     remote=_remote(main["remote"], _node_traffic(main["loader"])))
+
+
+def _nothing() -> None:
+    pass
 
 
 def _caches(loader) -> dict:
