@@ -112,6 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     do.add_argument("--deadline", type=float, default=None, metavar="S",
                     help="the longest the loop may go without a batch or an optimizer step, and any run of the "
                          "loader alone without an answer, before the doctor reports what it has (default 300)")
+    do.add_argument("--confirm", type=int, default=1, metavar="N",
+                    help="run the script again with each of the first N fixes that are loader arguments, and report "
+                         "the loop's wait and step rate with it (default 1; 0: none)")
+    do.add_argument("--replay", type=int, nargs="?", const=8, default=None, metavar="K",
+                    help="run the script again with its loader's first K batches (default 8) served again and again: "
+                         "the step rate with data that costs nothing, and what the data costs your run")
     do.add_argument("--json", type=Path, default=None, help="write every figure here")
     do.add_argument("--plot", type=Path, default=None, help="per-step waiting and working, as a PNG")
     do.add_argument("script", nargs=argparse.REMAINDER, help="-- python train.py ARGS...")
@@ -211,7 +217,7 @@ def _doctor(args) -> int:
     if args.plot:
         report._plt()
     command = args.script[1:] if args.script[:1] == ["--"] else args.script
-    result = doctor.run(command, steps=args.steps, deadline_s=args.deadline)
+    result = doctor.run(command, steps=args.steps, deadline_s=args.deadline, confirm=args.confirm, replay=args.replay)
     print(doctor.text(result))
     if args.json:
         doctor.write_report(result, args.json, indent=1)

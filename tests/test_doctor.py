@@ -22,9 +22,11 @@ MEMMAP = ROOT / "tests" / "tools" / "doctor_memmap.py"
 SCRIPT = ROOT / "tests" / "tools" / "doctor_train.py"
 
 
-def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT, status: int = 0) -> tuple[dict, subprocess.CompletedProcess]:
+def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT, status: int = 0,
+            confirm: int = 0) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", str(steps), "--json", str(out), "--",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", str(steps), "--json", str(out),
+                           "--confirm", str(confirm), "--",
                            "python", str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == status, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc
@@ -280,7 +282,7 @@ def test_copies_to_the_gpu_are_counted_with_their_bytes_and_pinning():
 def test_the_plot_shows_each_step(tmp_path):
     pytest.importorskip("matplotlib")
     png, out = tmp_path / "r.png", tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--plot", str(png), "--json",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--confirm", "0", "--plot", str(png), "--json",
                            str(out), "--", "python", str(SCRIPT), "0.002", "0.002"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0 and png.stat().st_size > 0, proc.stderr[-2000:]
@@ -300,7 +302,7 @@ def test_busy_workers_are_counted_with_their_cpu(tmp_path):
     of it: a worker's last 0.2 s may end unsampled), and each one's busy share is that CPU over
     the loop's time, the figure the verdict gives."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "40", "--json", str(out), "--",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "40", "--confirm", "0", "--json", str(out), "--",
                            "python", str(ROOT / "tests" / "tools" / "doctor_workers.py")], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -331,6 +333,8 @@ def test_an_image_folder_decoded_on_the_fly_is_told_to_pack_and_packed_the_verdi
     first = report["fixes"][0]
     assert first["fix"].startswith("pack the data") and first["how"].startswith("measured") and first["gain"] > 3
     assert report["packed"]["files"] == 96 and report["packed"]["image_size"] == 16 and first["fix"] in proc.stdout
+    assert f"packer build {raw} {raw}-packed --image-size 16;" in first["fix"]  # the exact command for its folder
+    assert f"Loader('{raw}-packed', batch_size=16)" in first["fix"]  # and the line of the script that changes
     report, _ = _doctor(tmp_path, *args, "--out", tmp_path / "packed", script=train)
     # compute-bound; or, on 2 cores shared with the suite's other test process, a wait the
     # verdict lays on what changes beside the step, not on the Loader's rate (many times the model's)
@@ -376,7 +380,7 @@ def test_a_module_run_with_python_options_and_spawned_workers_is_watched_and_mea
     __main__, as the script's own did. (Not -O: with no optimized bytecode cached, every import
     of torch in the spawned workers would compile it anew.)"""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--json", str(out), "--",
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "6", "--confirm", "0", "--json", str(out), "--",
                            sys.executable, "-W", "ignore::UserWarning", "-m", "tests.tools.doctor_spawn"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -690,3 +694,25 @@ def test_the_headline_says_au_exposed_time_and_how_many_steps_make_the_verdict_s
     r = doctor.Report(wall_s=1.0, verdict="data-bound", headline=few)
     assert f"--steps {few.steps_to_be_sure}" in doctor.text(r)
     assert "accelerator utilisation 89%" in doctor.text(r)
+
+
+def test_the_first_fix_is_confirmed_in_the_users_run_and_the_replay_ceiling_is_the_steps_cost(tmp_path):
+    """Too few workers (80 ms of data a batch against a 50 ms step): the measured fix,
+    num_workers=2, applied in a second run of the unmodified script, takes the loop from
+    data-bound to under the line; the replay (its first 4 batches served again) steps at the
+    step's own cost, 50 ms, within 10%, and the data's cost to the run is said."""
+    report = doctor.run(["python", str(SCRIPT), "0.02", "-0.05"], steps=16, confirm=1, replay=4)
+    first = report.fixes[0]
+    assert first.fix.startswith("num_workers=2") and first.args == {"num_workers": 2}
+    c = first.confirmed
+    assert c.wait_share_before > 0.2 and c.wait_share < 0.10 and c.speedup > 1.5
+    assert 18.0 <= report.replay.steps_per_s <= 20.0  # 1 / 50 ms, less the loop's own work
+    assert report.replay.data_cost > 0.3
+    said = doctor.text(report)
+    assert "confirmed in your run:" in said and "the data costs you" in said
+    assert doctor.read_report(_written(report, tmp_path)).fixes[0].confirmed == c
+
+
+def _written(report, tmp_path: Path) -> Path:
+    doctor.write_report(report, tmp_path / "r.json")
+    return tmp_path / "r.json"

@@ -23,24 +23,43 @@ from .command import interpreter, python_command
 from .deadline import DEADLINE_ENV, STALLED_EXIT, Watchdog
 from .hooks import loader_classes, patched
 from .report import Report, read_report, write_report
+from .rerun import REPLAY_ENV, confirmed, overridden, override_env, replay_count, replayed
 from .watching import Stop, Watch
 
 LINGER_S = 10.0  # how long the script may still run after it wrote its report
 REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
+PROBES_ENV = "MMPACK_DOCTOR_PROBES"  # "0": the loop only (a rerun), no run of the loader after it
 
 
-def run(command: list[str], *, steps: int | None, deadline_s: float | None = None) -> Report:
+def run(command: list[str], *, steps: int | None, deadline_s: float | None = None, confirm: int = 0,
+        replay: int | None = None) -> Report:
     """`command` (`python [OPTIONS] script.py ARGS`, `python -m MODULE ARGS`) in a child process
     with its loaders watched; `deadline_s`: the longest the loop may go without a batch or an
-    optimizer step, and any probe or trial without an answer (`deadline`)."""
+    optimizer step, and any probe or trial without an answer (`deadline`). Then, where the loop
+    waited, the first `confirm` fixes that are loader arguments each applied in a run of its own,
+    and with `replay`, a run with the loader's first `replay` batches served again and again
+    (`rerun`)."""
+    r = _once(command, steps, deadline_s, {})
+    if r.loop is None or r.exit_code:
+        return r
+    if replay:
+        again = _once(command, steps, deadline_s, {REPLAY_ENV: str(replay), PROBES_ENV: "0"})
+        r.replay = replayed(r, again, replay)
+    for fix in [f for f in r.fixes or [] if f.args][:confirm]:
+        print(f"bench doctor: confirming {fix.fix} in a run of its own", file=sys.stderr)
+        fix.confirmed = confirmed(r, _once(command, steps, deadline_s, {**override_env(r, fix.args), PROBES_ENV: "0"}))
+    return r
+
+
+def _once(command: list[str], steps: int | None, deadline_s: float | None, extra: dict) -> Report:
     given, options, target = python_command(command)
     python, note = interpreter(given)
     if note:
         print(f"bench doctor: {note}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
         out = Path(tmp) / "report.json"
-        env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or "")}
+        env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or ""), **extra}
         if deadline_s is not None:
             env[DEADLINE_ENV] = str(deadline_s)
         started = time.perf_counter()
@@ -130,7 +149,7 @@ def child_main(argv: list[str]) -> None:
     """In the child: run the script (`SCRIPT ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) as
     __main__, as `python` would, with its loaders watched, then write the report."""
     steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
-    w = Watch(steps)
+    w = Watch(steps, replay=replay_count())
     report = Path(os.environ[REPORT_ENV])
 
     def stalled(limit: float) -> None:  # in the watchdog's thread, while the loop is stuck
@@ -143,7 +162,7 @@ def child_main(argv: list[str]) -> None:
     dog = Watchdog(stalled)
     w.progress = dog.progress
     status = 0
-    with patched(w, loader_classes()):
+    with patched(w, loader_classes()), overridden(loader_classes()):
         try:
             _run_main(argv)
         except Stop:
@@ -157,7 +176,7 @@ def child_main(argv: list[str]) -> None:
             status = 1
     dog.stop.set()
     w.progress = lambda: None
-    write_report(w.diagnose(), report)
+    write_report(w.diagnose(probes=os.environ.get(PROBES_ENV) != "0"), report)
     if status:  # the script's own status, as `python script.py` gives it (a CI step must see the failure)
         sys.exit(status)
 

@@ -129,7 +129,8 @@ class Copies:
     from pageable memory blocks until it is done; a `non_blocking` one from pinned memory does
     not). No CUDA call: a copy is known by the result's device."""
 
-    def __init__(self):
+    def __init__(self, kept=None):
+        self.kept = kept  # a replay's batches (`rerun.Kept`): their copies made once
         self.copies = self.bytes = self.pinned_bytes = 0
         self.blocked_s = 0.0
         self.active = False  # from the loop's first batch on: not the model's move to the GPU
@@ -139,6 +140,8 @@ class Copies:
 
         def method(tensor, *args, **kwargs):
             started = time.perf_counter()
+            if copies.kept is not None:
+                return copies.kept.device_copy(tensor, args, kwargs, lambda: original(tensor, *args, **kwargs))
             out = original(tensor, *args, **kwargs)
             if copies.active and out is not tensor and out.device.type == "cuda" and tensor.device.type == "cpu":
                 copies.blocked_s += time.perf_counter() - started

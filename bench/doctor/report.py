@@ -170,6 +170,7 @@ class PackedRun(_Trial):
 
     files: int
     image_size: int
+    root: str | None = omitted()  # the folder (ImageFolder's root): the build command names it
     measured: Measured = flat()
 
 
@@ -185,6 +186,29 @@ class LoaderAlternatives:
 
 # -- the report -------------------------------------------------------------------------------
 @dataclass(kw_only=True)
+class Confirmed:
+    """A fix applied in a second run of the script (`rerun`): the loop's wait and rate without and with it."""
+
+    wait_share_before: float
+    wait_share: float
+    steps_per_s_before: float | None
+    steps_per_s: float | None
+    speedup: float | None
+    error: str | None = omitted()  # the rerun's own failure, where it had one
+
+
+@dataclass(kw_only=True)
+class Replay:
+    """The script with its loader's first `kept` batches served again and again (`--replay`)."""
+
+    kept: int
+    steps: int
+    steps_per_s: float | None
+    yours_steps_per_s: float | None
+    data_cost: float | None  # the share of the run the data costs: 1 - yours / replay
+
+
+@dataclass(kw_only=True)
 class Fix:
     """Something to try: what, what it should give, and how the doctor knows (measured or estimated)."""
 
@@ -192,6 +216,8 @@ class Fix:
     expected: str
     how: str
     gain: float | None = omitted()  # the data rate it gives over the loader's now
+    args: dict | None = omitted()  # the loader's arguments that make it, where it is one (`rerun`)
+    confirmed: Confirmed | None = omitted()  # the same script run again with them
 
 
 @dataclass(kw_only=True)
@@ -241,6 +267,7 @@ class Loop:
     samples: int
     model_samples_per_s: float | None
     per_step: list[StepTime]
+    batch_size: int | None = omitted()  # the loader's, where it says (the rerun finds it by class and size)
     remote: RemoteTraffic | None = omitted()
     epoch_starts: Stats | None = omitted()  # the first wait of each epoch after the first
     epoch_start_share: float | None = omitted()  # their share of the loop (a part of wait_share)
@@ -303,6 +330,7 @@ class Report:
     trials: Trials | None = flat(optional=True)
     verdict: str
     headline: Headline | None = omitted()  # AU, exposed data-loading time a step, how sure the verdict is
+    replay: Replay | None = omitted()  # the loop's ceiling with a loader that costs nothing
     fixes: list[Fix] | None = omitted()
     rates: list[Rate] | None = omitted()
     command: list[str] | None = omitted()  # from here on, `run`'s: the command, how it ended, in which Python

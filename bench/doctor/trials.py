@@ -142,7 +142,9 @@ def packed(loader) -> PackedRun | Failure | None:
 
             ds = MMapDataset(out)
             with Loader(ds, loader.batch_size or 64, seed=0, columns=["image", "label"]) as reader:
-                return PackedRun(files=len(ds), image_size=side, measured=ceiling(reader))
+                root = getattr(loader.dataset, "root", None)
+                return PackedRun(files=len(ds), image_size=side, root=str(root) if root else None,
+                                 measured=ceiling(reader))
     except Exception as exc:  # noqa: BLE001 - a fix it could not measure is said, not raised
         return Failure.of(exc)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from .codec import from_json, to_json
 from .headline import said
-from .report import Failure, Fix, LoaderAlternatives, OptimizerSteps, Probes, Report, Run, SampleCost, Trials
+from .report import (Confirmed, Failure, Fix, LoaderAlternatives, OptimizerSteps, Probes, Replay, Report, Run, SampleCost,
+                     Trials)
 
 DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
 AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
@@ -44,7 +45,7 @@ def _epoch_starts(r: Report, seen: str, fixes: list[Fix]) -> tuple[str, list[Fix
     starts, cost = r.loop.epoch_starts, _cost(r)
     if cost and cost.num_workers and not any(f.fix == "persistent_workers=True" for f in fixes):
         fixes = fixes + [Fix(fix="persistent_workers=True", expected="its workers start once, not at every epoch",
-                             how="estimated from the waits at the epochs' starts")]
+                             how="estimated from the waits at the epochs' starts", args={"persistent_workers": True})]
     fixes.sort(key=lambda f: -(f.gain or 0.0))  # the largest measured gain first, whatever it fixes
     return (f"data-bound at epoch starts: {100 * r.loop.epoch_start_share:.0f}% of the loop waiting for the first "
             f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms), of {seen}", fixes)
@@ -84,6 +85,24 @@ def from_steps(s: OptimizerSteps) -> str:
             "(a DataLoader with workers)")
 
 
+def _confirmed(c: Confirmed) -> str:
+    """A fix applied in a run of its own, said with the loop's figures before and after."""
+    if c.error:
+        return f"in your run with it, the script stopped early: {c.error}"
+    faster = f", {c.speedup:.1f}x steps/s" if c.speedup else ""
+    word = "confirmed" if (c.speedup or 0) > NAMED_GAIN or c.wait_share < DATA_BOUND <= c.wait_share_before \
+        else "not confirmed"
+    return f"{word} in your run: {100 * c.wait_share_before:.0f}% -> {100 * c.wait_share:.0f}% of the loop waiting{faster}"
+
+
+def _replay_line(p: Replay) -> str:
+    if not p.steps_per_s:
+        return "replay: the loop had too few batches after the kept ones to time (more --steps)"
+    cost = f": the data costs you {100 * p.data_cost:.0f}% of the run" if p.data_cost is not None else ""
+    return (f"replay (its first {p.kept} batches served again, already where the script moves them): "
+            f"{p.steps_per_s:,.1f} steps/s, yours {p.yours_steps_per_s or 0:,.1f}{cost}")
+
+
 def _steps_line(s: OptimizerSteps) -> str:
     named = ", ".join(f"{f.function} {100 * f.share:.0f}%" for f in s.functions[:3]) or "none"
     return (f"optimizer: {s.steps} steps, p50 {s.iteration.p50_ms or 0:.1f} ms an iteration; the model "
@@ -98,7 +117,9 @@ def text(r: Report) -> str:
     if r.run and r.run.error:
         lines.append(f"the script stopped early: {r.run.error} (the report covers what ran)")
     for i, f in enumerate(r.fixes or [], 1):
-        lines.append(f"  {i}. {f.fix}: {f.expected} ({f.how})")
+        lines.append(f"  {i}. {f.fix}: {f.expected} ({f.how})" + (f"\n     {_confirmed(f.confirmed)}" if f.confirmed else ""))
+    if r.replay:
+        lines.append(_replay_line(r.replay))
     if r.loop:
         lines.append(f"{r.batches} batches of {r.loop.loader}: step p50 {r.loop.step.p50_ms or 0:.1f} ms, "
                      f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
@@ -183,7 +204,7 @@ def _workers_fix(r: Report, cost: SampleCost) -> Fix | None:
         return Fix(fix=f"num_workers={wider.num_workers} (now {workers})",
                    expected=f"{rate / alone:.1f}x the data rate ({rate:,.0f} samples/s alone)",
                    how="measured: the same loader with 1, 2, 4, ... workers up to the cores, alone; the best",
-                   gain=rate / alone)
+                   gain=rate / alone, args={"num_workers": wider.num_workers})
     if workers >= cores:
         return None
     # not measured for an iterable dataset: more workers may each yield all of it
@@ -191,7 +212,7 @@ def _workers_fix(r: Report, cost: SampleCost) -> Fix | None:
     return Fix(fix=f"num_workers={cores} (now {workers})", expected=f"up to {gain:.1f}x the data rate",
                how="estimated: the per-sample work spread over more processes" + (
                    "; each worker must take its own part of the stream (get_worker_info())" if cost.iterable else ""),
-               gain=gain)
+               gain=gain, args=None if cost.iterable else {"num_workers": cores})
 
 
 def _pack_fix(r: Report, cost: SampleCost) -> Fix:
@@ -200,6 +221,11 @@ def _pack_fix(r: Report, cost: SampleCost) -> Fix:
     packed = (r.trials or Trials()).packed
     if packed and packed.samples_per_s and alone:
         rate = packed.samples_per_s
+        if packed.root:  # the exact command, and the two lines of the script that change
+            out = f"{packed.root.rstrip('/')}-packed"
+            fix = (f"pack the data once: packer build {packed.root} {out} --image-size {packed.image_size}; then in "
+                   f"the script, from loaders import Loader and loader = Loader({out!r}, batch_size={cost.batch_size}) "
+                   "in place of the DataLoader")
         return Fix(fix=fix, expected=f"{rate / alone:.1f}x the data rate ({rate:,.0f} samples/s alone)",
                    how=f"measured: {packed.files} of its files packed at {packed.image_size} px, then Loader alone",
                    gain=rate / alone)
@@ -215,7 +241,8 @@ def _persistent_fix(r: Report) -> Fix | None:
         return None
     return Fix(fix="persistent_workers=True", expected=f"{rate / alone:.1f}x the data rate "
                f"({rate:,.0f} samples/s alone): its workers start once, not every epoch",
-               how="measured: the same loader so, alone, over as many epochs", gain=rate / alone)
+               how="measured: the same loader so, alone, over as many epochs", gain=rate / alone,
+               args={"persistent_workers": True})
 
 
 def _prefetch_fix(r: Report) -> Fix | None:
@@ -227,14 +254,15 @@ def _prefetch_fix(r: Report) -> Fix | None:
         return None
     return Fix(fix=f"prefetch_factor={deeper.prefetch_factor} with num_workers={deeper.num_workers}",
                expected=f"{deeper.samples_per_s / alone:.1f}x the data rate",
-               how="measured: the same loader so, alone", gain=deeper.samples_per_s / alone)
+               how="measured: the same loader so, alone", gain=deeper.samples_per_s / alone,
+               args={"prefetch_factor": deeper.prefetch_factor, "num_workers": deeper.num_workers})
 
 
 def _pin_fix(r: Report, cost: SampleCost, fixes: list[Fix]) -> Fix | None:
     """Pinned memory where there is a GPU to copy to and no fix named pins already."""
     if cost.pin_memory or not (r.run or Run()).cuda or any(f.fix.startswith("pin_memory") for f in fixes):
         return None
-    return Fix(fix="pin_memory=True", expected="faster host-to-GPU copies", how="estimated")
+    return Fix(fix="pin_memory=True", expected="faster host-to-GPU copies", how="estimated", args={"pin_memory": True})
 
 
 def _loader_fixes(alt: LoaderAlternatives, alone: float | None) -> list[Fix]:
@@ -244,12 +272,14 @@ def _loader_fixes(alt: LoaderAlternatives, alone: float | None) -> list[Fix]:
     if more and alone and more > NAMED_GAIN * alone:
         fixes.append(Fix(fix=f"num_threads={alt.more_threads.num_threads} (now {alt.num_threads})",
                          expected=f"{more / alone:.1f}x the data rate ({more:,.0f} samples/s alone)",
-                         how="measured: the same Loader so, alone", gain=more / alone))
+                         how="measured: the same Loader so, alone", gain=more / alone,
+                         args={"num_threads": alt.more_threads.num_threads}))
     grouped = alt.bucketed.samples_per_s if alt.bucketed else None
     if grouped and alone and grouped > NAMED_GAIN * alone:
         fixes.append(Fix(fix='bucket_by="aspect"', expected=f"{grouped / alone:.1f}x the data rate "
                          f"({grouped:,.0f} samples/s alone): batches of one aspect, a canvas of less padding",
-                         how="measured: a Loader so over the same dataset, alone", gain=grouped / alone))
+                         how="measured: a Loader so over the same dataset, alone", gain=grouped / alone,
+                         args={"bucket_by": "aspect"}))
     return fixes
 
 

@@ -15,6 +15,7 @@ from .gpu import Copies, CudaMarks, Nvml
 from .hooks import loader_classes, patched
 from .probes import batch_len
 from .processes import Processes
+from .rerun import Kept
 from .report import Loop, RemoteTraffic, Report, Run, Stats, StepTime, share
 from .steps import Steps
 
@@ -27,14 +28,15 @@ class Stop(BaseException):
 class Watch:
     """The waits and steps of the loaders iterated while it is active."""
 
-    def __init__(self, steps: int | None = None, *, processes: bool = True):
+    def __init__(self, steps: int | None = None, *, processes: bool = True, replay: int | None = None):
         self.steps, self.by_loader = steps, {}
+        self.kept = Kept(replay) if replay else None  # a replay's batches (`rerun`): the loop's ceiling
         self.started = time.perf_counter()
         self.cpu_started = time.process_time()
         self.error: str | None = None
         self.processes = Processes() if processes and Path("/proc/self/stat").exists() else None
         self.nvml = Nvml.start() if processes else None
-        self.copies = Copies()
+        self.copies = Copies(self.kept)
         self.optimizer = Steps(on_step=self._stepped)
         self.progress = _nothing  # called at each ask, batch and optimizer step (the child's watchdog)
         self.stopped = False  # the step limit reached: the loop's end is the doctor's own
@@ -64,7 +66,7 @@ class Watch:
                 self.stopped = True
                 raise Stop
             try:
-                batch = next(it)
+                batch = self._next(it)
             except StopIteration:
                 return
             last = time.perf_counter()
@@ -75,6 +77,23 @@ class Watch:
             rec["waits"].append(last - asked)
             rec["samples"] += batch_len(batch)
             yield batch
+
+    def _next(self, it):
+        """The loader's next batch; in a replay, its first ones kept, then served again and again."""
+        kept = self.kept
+        if kept is None:
+            return next(it)
+        if not kept.full():
+            try:
+                batch = next(it)
+            except StopIteration:
+                if not kept.batches:
+                    raise
+                kept.count = len(kept.batches)  # an epoch shorter than the batches asked for
+            else:
+                kept.keep(batch)
+                return batch
+        return kept.next()
 
     def batches(self) -> int:
         return sum(len(r["waits"]) for r in self.by_loader.values())
@@ -117,6 +136,7 @@ class Watch:
                     epoch_start_share=share(sum(again), sum(waits) - sum(again) + work) if again else None,
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
+                    batch_size=getattr(main["loader"], "batch_size", None),
                     remote=_remote(main["remote"], _node_traffic(main["loader"])))
 
 

@@ -1,6 +1,7 @@
 """A training script with known answers for `bench doctor`: a dataset that sleeps SAMPLE_S per
 sample, a step that sleeps STEP_S, batches of 4 (data-bound when 4 x SAMPLE_S outweighs STEP_S);
-it raises at step CRASH_AT when given. It imports nothing of mmpack.
+it raises at step CRASH_AT when given. A negative STEP_S spins for that long instead: a step whose
+cost a VM's coarse timer does not stretch (a sleep of 50 ms can take 60). It imports nothing of mmpack.
 
     python tests/tools/doctor_train.py SAMPLE_S STEP_S [CRASH_AT]
 """
@@ -28,7 +29,12 @@ model = torch.nn.Linear(8, 3)
 for step, (x, y) in enumerate(dl):
     loss = torch.nn.functional.cross_entropy(model(x), y)
     loss.backward()
-    time.sleep(step_s)
+    if step_s >= 0:
+        time.sleep(step_s)
+    else:
+        end = time.perf_counter() - step_s
+        while time.perf_counter() < end:
+            pass
     if crash_at is not None and step == crash_at:
         raise RuntimeError("the script's own failure")
 print("trained")
