@@ -20,13 +20,12 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
 from . import data
 from .measure import alternated
-from .stores import link
+from .stores import link, raw_get_rate
 from .loaders_bench import _prepared, machine, prepare_images
 
 ORDERS = ("sequential", "block", "random")
@@ -38,37 +37,6 @@ ZSTD_LEVEL = 3  # the compressed push's row (packer push --zstd's default)
 
 def _say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
-
-
-def raw_get_rate(url: str, manifest, threads: int, into: Path | None = None) -> float:
-    """Bytes/s of GETs of every data file of the dataset, `threads` at once, into memory, or
-    `into` new files in that folder (then removed): what the node's disk lets a cold cache take."""
-    import obstore as obs
-
-    from packer.remote.client import store as client
-    from packer.remote.url import Remote
-
-    remote = Remote(url)
-    store = client(remote)
-    files = [f for s in manifest.shards for f in s.files]
-
-    def get(entry) -> int:
-        if into is None:
-            return sum(len(chunk) for chunk in obs.get(store, remote.key(entry.path)))
-        with open(into / entry.path.replace("/", "-"), "wb") as f:
-            for chunk in obs.get(store, remote.key(entry.path)):
-                f.write(chunk)
-            return f.tell()
-    if into is not None:
-        into.mkdir(parents=True)
-    try:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            nbytes = sum(pool.map(get, files))
-        return nbytes / (time.perf_counter() - start)
-    finally:
-        if into is not None:
-            shutil.rmtree(into)
 
 
 def _epoch(loader) -> tuple[int, float, float]:
@@ -231,7 +199,7 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
     the limit, and what compression gives there."""
     from packer.remote import DOWNLOADS
 
-    from .stores import link
+    from .stores import link, raw_get_rate
 
     if not mb_per_s:
         return None

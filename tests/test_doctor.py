@@ -364,7 +364,7 @@ def test_the_command_is_read_as_python_reads_its_own(command, expected):
 
 @pytest.mark.parametrize("command, said", [
     ([], "give the training command"), (["bash", "train.sh"], "not a Python interpreter"),
-    (["torchrun", "--nproc_per_node", "8", "train.py"], "run one rank's script"),
+    (["accelerate", "launch", "train.py"], "every rank of a torchrun job only"),
     (["python", "-"], "standard input"), (["python", "-u"], "standard input"), (["python", "-W"], "needs a value"),
 ])
 def test_a_command_the_doctor_cannot_run_is_one_line_saying_what_to_give(command, said):
@@ -716,3 +716,39 @@ def test_the_first_fix_is_confirmed_in_the_users_run_and_the_replay_ceiling_is_t
 def _written(report, tmp_path: Path) -> Path:
     doctor.write_report(report, tmp_path / "r.json")
     return tmp_path / "r.json"
+
+
+RANKS = ROOT / "tests" / "tools" / "doctor_ranks.py"
+
+
+@pytest.mark.parametrize("command, expected", [
+    (["torchrun", "--nproc-per-node", "2", "--standalone", "t.py", "--lr", "1"],
+     ["--nproc-per-node", "2", "--standalone", "-m", "bench.doctor.rank", "t.py", "--lr", "1"]),
+    (["torchrun", "--nproc_per_node=8", "-m", "pkg.train", "-m"], ["--nproc_per_node=8", "-m", "bench.doctor.rank",
+                                                                    "-m", "pkg.train", "-m"]),
+    (["python", "-m", "torch.distributed.run", "--nnodes", "1", "t.py"], ["--nnodes", "1", "-m", "bench.doctor.rank",
+                                                                         "t.py"]),
+])
+def test_a_torchrun_command_keeps_its_options_and_runs_each_ranks_script_watched(command, expected):
+    from bench.doctor.ranks import torchrun_command
+
+    assert torchrun_command(command) == [sys.executable, "-m", "torch.distributed.run", *expected]
+    assert torchrun_command(["python", "t.py"]) is None
+
+
+def test_every_rank_of_a_torchrun_job_is_watched_and_the_straggler_named(tmp_path):
+    """Two gloo ranks on the CPU, rank 1's data 80 ms a batch, rank 0's free: rank 1 is the
+    straggler, data-bound; rank 0 waits for it in DDP's all-reduce, which its clock counts as
+    step: about those 80 ms a step, said as what the straggler costs the others."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", "12", "--json", str(out), "--",
+                           "torchrun", "--nproc-per-node", "2", "--standalone", str(RANKS), "1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(out.read_text())
+    ranks = report["ranks"]
+    assert ranks["straggler"] == 1 and [r["rank"] for r in ranks["ranks"]] == [0, 1]
+    assert 50 < ranks["held_ms_per_step"] < 200
+    slow, fast = ranks["ranks"][1], ranks["ranks"][0]
+    assert slow["wait_share"] > 0.5 and fast["wait_share"] < 0.2 and fast["step_ms"] > slow["step_ms"] + 50
+    assert report["verdict"].startswith("data-bound on rank 1 of 2") and "rank 1: 12 batches" in proc.stdout

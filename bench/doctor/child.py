@@ -23,13 +23,15 @@ from .command import interpreter, python_command
 from .deadline import DEADLINE_ENV, STALLED_EXIT, Watchdog
 from .hooks import loader_classes, patched
 from .report import Report, read_report, write_report
+from .ranks import job as ranks_job, read_all, torchrun_command, verdict as job_verdict
 from .rerun import REPLAY_ENV, confirmed, overridden, override_env, replay_count, replayed
 from .watching import Stop, Watch
 
 LINGER_S = 10.0  # how long the script may still run after it wrote its report
 REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
-PROBES_ENV = "MMPACK_DOCTOR_PROBES"  # "0": the loop only (a rerun), no run of the loader after it
+PROBES_ENV = "MMPACK_DOCTOR_PROBES"
+RANKS_ENV = "MMPACK_DOCTOR_RANKS"  # a torchrun job's folder: each rank writes rank-<RANK>.json there  # "0": the loop only (a rerun), no run of the loader after it
 
 
 def run(command: list[str], *, steps: int | None, deadline_s: float | None = None, confirm: int = 0,
@@ -40,6 +42,8 @@ def run(command: list[str], *, steps: int | None, deadline_s: float | None = Non
     waited, the first `confirm` fixes that are loader arguments each applied in a run of its own,
     and with `replay`, a run with the loader's first `replay` batches served again and again
     (`rerun`)."""
+    if torchrun_command(command):
+        return _job(command, steps, deadline_s)
     r = _once(command, steps, deadline_s, {})
     if r.loop is None or r.exit_code:
         return r
@@ -50,6 +54,26 @@ def run(command: list[str], *, steps: int | None, deadline_s: float | None = Non
         print(f"bench doctor: confirming {fix.fix} in a run of its own", file=sys.stderr)
         fix.confirmed = confirmed(r, _once(command, steps, deadline_s, {**override_env(r, fix.args), PROBES_ENV: "0"}))
     return r
+
+
+def _job(command: list[str], steps: int | None, deadline_s: float | None) -> Report:
+    """A torchrun job, every rank watched (`ranks`): the straggler's report with the job's figures."""
+    with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
+        env = {**os.environ, RANKS_ENV: tmp, STEPS_ENV: str(steps or "")}
+        if deadline_s is not None:
+            env[DEADLINE_ENV] = str(deadline_s)
+        started = time.perf_counter()
+        proc = subprocess.Popen(torchrun_command(command), env=env, start_new_session=True)
+        with _group_ends_with_us(proc):
+            code, _ = _wait(proc, Path(tmp) / "never")
+        straggler, ranks = ranks_job(read_all(Path(tmp)))
+    if straggler is None:
+        return Report(wall_s=time.perf_counter() - started, exit_code=code, command=command,
+                      verdict=f"the job ended (exit {code}) before any rank made a report")
+    straggler.command, straggler.exit_code, straggler.python = command, code, sys.executable
+    if ranks is not None:
+        straggler.ranks, straggler.verdict = ranks, job_verdict(ranks, straggler)
+    return straggler
 
 
 def _once(command: list[str], steps: int | None, deadline_s: float | None, extra: dict) -> Report:
@@ -150,7 +174,8 @@ def child_main(argv: list[str]) -> None:
     __main__, as `python` would, with its loaders watched, then write the report."""
     steps = int(os.environ[STEPS_ENV]) if os.environ.get(STEPS_ENV) else None
     w = Watch(steps, replay=replay_count())
-    report = Path(os.environ[REPORT_ENV])
+    rank = os.environ.get(RANKS_ENV)  # one rank of a torchrun job: its own report, its loop only
+    report = Path(rank) / f"rank-{os.environ.get('RANK', '0')}.json" if rank else Path(os.environ[REPORT_ENV])
 
     def stalled(limit: float) -> None:  # in the watchdog's thread, while the loop is stuck
         if w.stopped:  # at the step limit: the loop's iterators end (a stuck worker's join has its own timeout)
@@ -176,7 +201,7 @@ def child_main(argv: list[str]) -> None:
             status = 1
     dog.stop.set()
     w.progress = lambda: None
-    write_report(w.diagnose(probes=os.environ.get(PROBES_ENV) != "0"), report)
+    write_report(w.diagnose(ceiling=not rank, probes=os.environ.get(PROBES_ENV) != "0"), report)
     if status:  # the script's own status, as `python script.py` gives it (a CI step must see the failure)
         sys.exit(status)
 

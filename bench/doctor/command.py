@@ -25,8 +25,8 @@ def python_command(command: list[str]) -> tuple[str, list[str], list[str]]:
         return sys.executable, [], command
     name = Path(command[0]).name
     if name in LAUNCHERS:
-        raise SystemExit(f"bench doctor: {name} starts several processes and the doctor watches one: run one rank's "
-                         "script, e.g. -- python train.py ARGS")
+        raise SystemExit(f"bench doctor: {name} starts several processes, and the doctor watches every rank of a "
+                         "torchrun job only: run it with torchrun, or one rank's script, e.g. -- python train.py ARGS")
     version = name[len("python"):]
     if name != Path(sys.executable).name and not (name.startswith("python") and version.replace(".", "").isdigit()
                                                    or name == "python"):

@@ -7,7 +7,7 @@ import dataclasses
 
 from .deadline import Hung, bounded
 from .headline import Headline, headline
-from .probes import ceiling, per_sample
+from .probes import ceiling, link_rate, per_sample
 from .report import Loop, OptimizerSteps, Probes, Rate, Report, Run, Trials
 from .trials import best, loader_alternatives, packed, persistent, workers_sweep
 from .verdict import DATA_BOUND, decide, from_steps, nothing_iterated
@@ -35,6 +35,10 @@ def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float
         return got
     found = Probes(per_sample=run_(per_sample, "one sample of the dataset"),
                    loader_alone=run_(ceiling, "the loader alone", measure))
+    if loop.remote is not None:
+        link = run_(link_rate, "GETs of the dataset's files", measure)
+        loop = dataclasses.replace(loop, remote=dataclasses.replace(
+            loop.remote, link_bytes_per_s=link if isinstance(link, float) else None))
     try_fixes = measure and loop.wait_share > DATA_BOUND
     sweep = run_(workers_sweep, "the loader with more workers", try_fixes)
     trials = Trials(workers_sweep=_answer(sweep), more_workers=best(_answer(sweep)),

@@ -53,6 +53,45 @@ def ceiling(loader, batches: int = CEILING_BATCHES, limit_s: float = CEILING_S) 
         return Failure.of(exc)
 
 
+def caches(loader) -> dict:
+    """The cache entries (`packer.remote.ShardCache`) of the datasets in object storage that a
+    loader reads, by URL: found through what the loaders and views hold (a Loader's source, a
+    DataLoader's dataset, their readers)."""
+    found, todo, seen = {}, [loader], set()
+    while todo:
+        obj = todo.pop()
+        if obj is None or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if type(obj).__name__ == "ShardCache":
+            found[obj.url] = obj
+            continue
+        if isinstance(obj, (list, tuple)):
+            todo += list(obj)[:64]
+            continue
+        todo += [getattr(obj, name, None) for name in ("source", "dataset", "batches", "datasets", "readers", "reader",
+                                                   "cache")]
+    return found
+
+
+LINK_PROBE_BYTES = 256 * 2**20  # the link's rate from GETs of about this much of the dataset's data
+
+
+def link_rate(loader) -> float | None:
+    """Bytes/s of plain GETs of the first dataset in object storage that `loader` reads (its
+    largest data files, up to LINK_PROBE_BYTES, as many at once as a cache fetches): what the
+    link gives a reader here, beside what the loop took of it; None where it reads none."""
+    found = caches(loader)
+    if not found:
+        return None
+    from packer.remote import DOWNLOADS
+
+    from ..stores import raw_get_rate
+
+    cache = next(iter(found.values()))
+    return raw_get_rate(cache.url, cache.manifest, DOWNLOADS, most_bytes=LINK_PROBE_BYTES)
+
+
 def per_sample(loader) -> SampleCost | Failure | None:
     """For a DataLoader: one sample's work (a map-style dataset's __getitem__, an iterable one's
     next item, up to PER_SAMPLE_S of them) and the collate of a batch, in this process (what each

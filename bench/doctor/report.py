@@ -249,8 +249,11 @@ class RemoteTraffic:
     urls: list[str]
     bytes: int
     gets: int
-    shard_downloads: int
+    shard_downloads: int  # misses: whole shards fetched
     shard_hits: int
+    bytes_per_s: float | None = omitted()  # over the loop
+    gpus_on_node: int | None = omitted()  # the ranks on this node (LOCAL_WORLD_SIZE), who share its link
+    link_bytes_per_s: float | None = omitted()  # plain GETs of the dataset's files after the loop (`probes.link_rate`)
 
 
 @dataclass(kw_only=True)
@@ -298,6 +301,28 @@ class OptimizerSteps:
 
 
 @dataclass(kw_only=True)
+class RankFigures:
+    """One rank of a torchrun job: its loop's wait and step, each a step's mean."""
+
+    rank: int
+    batches: int
+    wait_share: float | None
+    wait_ms: float
+    step_ms: float
+    steps_per_s: float | None
+    error: str | None = omitted()
+
+
+@dataclass(kw_only=True)
+class Ranks:
+    """A torchrun job's ranks (`ranks`): the straggler, and what it costs the others a step."""
+
+    ranks: list[RankFigures]
+    straggler: int
+    held_ms_per_step: float
+
+
+@dataclass(kw_only=True)
 class Probes:
     """The loader after the loop: alone, and one sample's work."""
 
@@ -331,6 +356,7 @@ class Report:
     verdict: str
     headline: Headline | None = omitted()  # AU, exposed data-loading time a step, how sure the verdict is
     replay: Replay | None = omitted()  # the loop's ceiling with a loader that costs nothing
+    ranks: Ranks | None = omitted()  # every rank of a torchrun job; the rest of the report is the straggler's
     fixes: list[Fix] | None = omitted()
     rates: list[Rate] | None = omitted()
     command: list[str] | None = omitted()  # from here on, `run`'s: the command, how it ended, in which Python

@@ -63,7 +63,8 @@ def nothing_iterated(run: Run) -> str:
     return "no DataLoader or Loader was iterated" + (
         f" (the script failed: {run.error})" if run.error else
         f" in the script's own process; it started {children} process(es), which the doctor does not watch "
-        "(torch.multiprocessing.spawn, a launcher): watch one rank's loop in the script's process, or "
+        "(torch.multiprocessing.spawn, a launcher): run it under torchrun (bench doctor -- torchrun ...), watch one "
+        "rank's loop in the script's process, or "
         "bench.doctor.watch() inside it" if children else "")
 
 
@@ -120,6 +121,10 @@ def text(r: Report) -> str:
         lines.append(f"  {i}. {f.fix}: {f.expected} ({f.how})" + (f"\n     {_confirmed(f.confirmed)}" if f.confirmed else ""))
     if r.replay:
         lines.append(_replay_line(r.replay))
+    if r.ranks:
+        lines += [f"rank {f.rank}: {f.batches} batches, wait {f.wait_ms:.1f} ms and step {f.step_ms:.1f} ms a step "
+                  f"({100 * (f.wait_share or 0):.0f}% waiting), {f.steps_per_s or 0:,.1f} steps/s"
+                  + (f"; stopped: {f.error}" if f.error else "") for f in r.ranks.ranks]
     if r.loop:
         lines.append(f"{r.batches} batches of {r.loop.loader}: step p50 {r.loop.step.p50_ms or 0:.1f} ms, "
                      f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
@@ -130,8 +135,13 @@ def text(r: Report) -> str:
             lines.append(f"{what} not measured: {got.error}")
     if r.loop and r.loop.remote:
         t = r.loop.remote
+        gpus = t.gpus_on_node or 1
+        rate = (f"; {t.bytes_per_s / 1e9:.2f} GB/s over the loop, {t.bytes_per_s / gpus / 1e9:.2f} per GPU of the "
+                f"node's {gpus}" if t.bytes_per_s is not None else "")
+        link = f", the link {t.link_bytes_per_s / 1e9:.2f} GB/s to plain GETs" if t.link_bytes_per_s else ""
         lines.append(f"object storage ({', '.join(t.urls)}): {t.bytes / 1e6:,.1f} MB in {t.gets:,} GETs, "
-                     f"{t.shard_downloads:,} shards downloaded, {t.shard_hits:,} found in the node's cache")
+                     f"{t.shard_downloads:,} shards downloaded (misses), {t.shard_hits:,} found in the node's cache "
+                     f"(hits){rate}{link}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from .codec import to_json
 from .diagnosis import diagnose
 from .gpu import Copies, CudaMarks, Nvml
 from .hooks import loader_classes, patched
-from .probes import batch_len
+from .probes import batch_len, caches
 from .processes import Processes
 from .rerun import Kept
 from .report import Loop, RemoteTraffic, Report, Run, Stats, StepTime, share
@@ -137,46 +137,27 @@ class Watch:
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
                     batch_size=getattr(main["loader"], "batch_size", None),
-                    remote=_remote(main["remote"], _node_traffic(main["loader"])))
+                    remote=_remote(main["remote"], _node_traffic(main["loader"]), sum(waits) + work))
 
 
 def _nothing() -> None:
     pass
 
 
-def _caches(loader) -> dict:
-    """The cache entries (`packer.remote.ShardCache`) of the datasets in object storage that a
-    loader reads, by URL: found through what the loaders and views hold (a Loader's source, a
-    DataLoader's dataset, their readers)."""
-    found, todo, seen = {}, [loader], set()
-    while todo:
-        obj = todo.pop()
-        if obj is None or id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if type(obj).__name__ == "ShardCache":
-            found[obj.url] = obj
-            continue
-        if isinstance(obj, (list, tuple)):
-            todo += list(obj)[:64]
-            continue
-        todo += [getattr(obj, name, None) for name in ("source", "dataset", "batches", "datasets", "readers", "reader",
-                                                   "cache")]
-    return found
-
-
 def _node_traffic(loader) -> dict:
-    return {url: cache._here().traffic.node() for url, cache in _caches(loader).items()}
+    return {url: cache._here().traffic.node() for url, cache in caches(loader).items()}
 
 
-def _remote(before: dict, after: dict) -> RemoteTraffic | None:
-    """What came over the link between the two counts (None: no dataset in object storage)."""
+def _remote(before: dict, after: dict, loop_s: float) -> RemoteTraffic | None:
+    """What came over the link between the two counts (None: no dataset in object storage),
+    and its rate over the loop's `loop_s`, for the node and per GPU on it."""
     if not after:
         return None
     from packer.remote.traffic import FIELDS
 
     sums = {k: sum(after[u][k] - before.get(u, {}).get(k, 0) for u in after) for k in FIELDS}
-    return RemoteTraffic(urls=sorted(after), **sums)
+    return RemoteTraffic(urls=sorted(after), **sums, bytes_per_s=sums["bytes"] / loop_s if loop_s > 0 else None,
+                         gpus_on_node=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 def _cuda() -> bool:

@@ -512,6 +512,11 @@ def test_the_doctor_reports_what_a_dataloaders_workers_fetched_as_the_server_cou
         assert got["urls"] == [url] and got["gets"] == proxy.gets - opened > 12
         assert 0 < got["bytes"] <= proxy.body_bytes - body and got["shard_downloads"] == len(ds.manifest.shards)
         assert ds.node_traffic == {k: got[k] for k in ("bytes", "gets", "shard_downloads", "shard_hits")}
+        assert got["bytes_per_s"] > 0 and got["gpus_on_node"] == 1
+        from bench.doctor.probes import link_rate
+
+        before = proxy.gets
+        assert link_rate(loader) > 0 and proxy.gets > before  # the link measured by plain GETs, through the proxy
     finally:
         proxy.close()
 
