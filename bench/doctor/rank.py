@@ -7,4 +7,7 @@ import sys
 from bench.doctor.child import child_main
 
 if __name__ == "__main__":
+    # `python -m` put the working directory first on the path; `python SCRIPT` puts the script's
+    # folder there instead (its sibling modules import): "" is what child_main makes it
+    sys.path[0] = ""
     child_main(sys.argv[1:])

@@ -9,26 +9,15 @@ import time
 
 import torch
 import torch.distributed as dist
+from doctor_train import Slow  # a dataset that sleeps per sample
 
 SLOW = int(sys.argv[1])
-
-
-class Data(torch.utils.data.Dataset):
-    def __init__(self, sleep_s):
-        self.sleep_s = sleep_s
-
-    def __len__(self):
-        return 400
-
-    def __getitem__(self, i):
-        time.sleep(self.sleep_s)
-        return torch.zeros(8), i % 3
 
 
 def main():
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    data = Data(0.02 if rank == SLOW else 0.0)
+    data = Slow(0.02 if rank == SLOW else 0.0)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=torch.utils.data.DistributedSampler(data))
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -22,19 +22,21 @@ class Slow(torch.utils.data.Dataset):
         time.sleep(self.sleep_s)
         return torch.zeros(8), i % 3
 
-sample_s, step_s = float(sys.argv[1]), float(sys.argv[2])
-crash_at = int(sys.argv[3]) if len(sys.argv) > 3 else None
-dl = torch.utils.data.DataLoader(Slow(sample_s), batch_size=4, shuffle=True, num_workers=0)
-model = torch.nn.Linear(8, 3)
-for step, (x, y) in enumerate(dl):
-    loss = torch.nn.functional.cross_entropy(model(x), y)
-    loss.backward()
-    if step_s >= 0:
-        time.sleep(step_s)
-    else:
-        end = time.perf_counter() - step_s
-        while time.perf_counter() < end:
-            pass
-    if crash_at is not None and step == crash_at:
-        raise RuntimeError("the script's own failure")
-print("trained")
+
+if __name__ == "__main__":  # doctor_ranks.py imports Slow
+    sample_s, step_s = float(sys.argv[1]), float(sys.argv[2])
+    crash_at = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    dl = torch.utils.data.DataLoader(Slow(sample_s), batch_size=4, shuffle=True, num_workers=0)
+    model = torch.nn.Linear(8, 3)
+    for step, (x, y) in enumerate(dl):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        if step_s >= 0:
+            time.sleep(step_s)
+        else:
+            end = time.perf_counter() - step_s
+            while time.perf_counter() < end:
+                pass
+        if crash_at is not None and step == crash_at:
+            raise RuntimeError("the script's own failure")
+    print("trained")
