@@ -5,9 +5,11 @@ by a proxy in front of the server (`stores.link`), not by any reader's own count
 
 WebDataset reads tars as HTTP streams (presigned URLs, through curl) and keeps no cache, so its
 warm epoch fetches again. LitData reads its chunks into its cache dir, through boto3 (its obstore
-path cannot reach a plain-http endpoint). MosaicML Streaming does
-not import beside the CPU build of torch (see bench/peers-requirements.txt): its row says so.
-Each adapter imports its peer lazily; a missing one is a row saying why, never an error.
+path cannot reach a plain-http endpoint). MosaicML Streaming reads its MDS shards into its local
+dir through boto3 (`S3_ENDPOINT_URL`); it imports torchvision, whose PyPI wheels load beside a
+PyPI torch, not beside the CPU build of torch 2.13.0 (see bench/peers-requirements.txt), so its
+row comes from a venv with torch and torchvision from PyPI. Each adapter imports its peer lazily;
+a missing one is a row saying why, never an error.
 """
 
 from __future__ import annotations
@@ -145,6 +147,39 @@ def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batc
         os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
+def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int) -> dict:
+    from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    out = work / "streaming"
+    shutil.rmtree(out, ignore_errors=True)
+    shards = local.manifest.shards  # as many shards as mmpack's, of about its size
+    shard_bytes = max(1 << 20, sum(shard.size_bytes for shard in shards) // len(shards))
+    with MDSWriter(out=str(out), columns={"image": "ndarray", "label": "int"}, size_limit=shard_bytes) as sink:
+        for i in range(len(local)):
+            image, label = _decoded(local, i)
+            sink.write({"image": image, "label": label})
+    _put_dir(endpoint, out, "peers/streaming")
+    cache = work / "streaming-cache"
+    shutil.rmtree(cache, ignore_errors=True)
+    clean_stale_shared_memory()
+    os.environ["S3_ENDPOINT_URL"] = proxy
+    made = []
+
+    def make():  # one dataset for both epochs: its local dir is its cache (a second one there is refused)
+        if not made:
+            ds = StreamingDataset(remote=f"s3://{BUCKET}/peers/streaming", local=str(cache), shuffle=True,
+                                  batch_size=batch_size)
+            made.append(StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
+                                            multiprocessing_context=MP_CONTEXT if workers else None))
+        return made[0]
+    try:
+        with _stdout_to_stderr():
+            return {"epochs": _epochs(make, counts, lambda b: len(b["label"])), "cache": str(cache)}
+    finally:
+        os.environ.pop("S3_ENDPOINT_URL", None)
+
+
 def mmpack_row(url: str, work: Path, proxy: str, endpoint: str, counts: dict, batch_size: int) -> dict:
     from loaders import Loader, MMapDataset
 
@@ -159,7 +194,7 @@ def mmpack_row(url: str, work: Path, proxy: str, endpoint: str, counts: dict, ba
         os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
-ROWS = {"webdataset": webdataset_row, "litdata": litdata_row}
+ROWS = {"webdataset": webdataset_row, "litdata": litdata_row, "streaming": streaming_row}
 
 
 def peer_rows(local, url: str, work: Path, endpoint: str, batch_size: int, workers: int) -> list[dict]:
