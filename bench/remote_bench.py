@@ -375,7 +375,9 @@ def plot_remote(r: dict, path: Path) -> None:
     from .report import _plt
 
     plt = _plt()
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    peers = [x for x in r.get("peers") or [] if x.get("epochs")]
+    fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(17 if peers else 11, 4.4))
+    a, b = axes[0], axes[1]
     names = ["local disk", "cold", f"cold,\nzstd -{r['zstd_level']}", "warm"]
     rates = [r["local_samples_per_s"], statistics.median(c["samples_per_s"] for c in r["cold"]),
              statistics.median(c["samples_per_s"] for c in r["zstd_cold"]), r["warm_samples_per_s"]]
@@ -391,9 +393,26 @@ def plot_remote(r: dict, path: Path) -> None:
     a.set_ylabel("images/s (log scale)")
     a.set_title(f"Loader, batch {r['batch_size']}")
     rows = [x for x in r["limits"] if "refused" not in x]
-    b.bar([f"{x['order']}\n{100 * x['limit_share']:.0f}%" for x in rows], [x["epochs"][-1]["downloaded_share"] for x in rows])
+    labels = [f"{x['order']} {100 * x['limit_share']:.0f}%" + (f" ({x['images']:,} small)" if x["images"] != rows[0]["images"]
+                                                               else "") for x in rows]
+    shares = [x["epochs"][-1].get("link_share", x["epochs"][-1]["downloaded_share"]) for x in rows]
+    b.bar(range(len(rows)), shares, color=["#4c72b0" if x["order"] == "sequential" else "#55a868" if x["order"] == "block"
+                                           else "#c44e52" for x in rows])
+    b.set_xticks(range(len(rows)), labels, rotation=55, ha="right", fontsize=7)
     b.axhline(1.0, color="k", lw=0.8)
-    b.set_ylabel("downloaded per epoch / dataset")
-    b.set_title("cache limits (epoch 2)")
+    b.set_ylabel("over the link per epoch / dataset")
+    b.set_title("cache limits (epoch 2, counted at a proxy)")
+    if peers:
+        c = axes[2]
+        systems = [x["system"].split(" (")[0].replace("mmpack Loader over ", "mmpack ") for x in peers]
+        for k, (epoch, color) in enumerate((("cold", "#c66"), ("warm", "#4a8"))):
+            c.barh([i + 0.4 * k for i in range(len(peers))], [x["epochs"][k]["samples_per_s"] for x in peers],
+                   height=0.4, color=color, label=epoch)
+        c.set_yticks([i + 0.2 for i in range(len(peers))], systems, fontsize=8)
+        c.invert_yaxis()
+        c.set_xscale("log")
+        c.set_xlabel("images/s (log scale)")
+        c.set_title("each system's own S3 reader, same server")
+        c.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
