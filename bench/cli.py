@@ -221,7 +221,7 @@ def _doctor(args) -> int:
     print(doctor.text(result))
     if args.json:
         doctor.write_report(result, args.json, indent=1)
-    if args.plot and result.loop and result.loop.per_step:
+    if args.plot and (result.loop and result.loop.per_step or result.steps and result.steps.iteration_ms):
         doctor.plot(result, args.plot)
         print(f"plot: {args.plot}")
     code = result.exit_code or 0  # the script's status, the report made whatever it was

@@ -57,7 +57,8 @@ want cuda_tests && step cuda_tests 90 bash -c 'python3 -m pytest -q -p no:cachep
 want tests && TAIL=30 step tests 100 python3 -m pytest -q -p no:cacheprovider -rs -n 8 ${TESTS:-}
 
 # 6. bench doctor on the PyTorch ImageNet example: on the fly with 16 workers, then through Loader
-# (1,000 crops, each linked 4 times: epochs of 16 batches without a minute of making photos)
+# (1,000 crops, each linked 4 times: epochs of 16 batches without a minute of making photos), each
+# with the replay ceiling and its first fix confirmed in a run of its own (three runs a step)
 if want imagenet || want imagenet_loader; then  # imagenet_loader: the packed run alone
     step imagenet_data 45 python3 - <<'PY'
 from pathlib import Path
@@ -69,9 +70,9 @@ for f in list(Path("/tmp/inet/train").rglob("*.*")):
         (f.parent / f"{k}-{f.name}").hardlink_to(f)
 PY
     step imagenet_pack 45 python3 scripts/train_imagenet.py /tmp/inet --arch small --epochs 0
-    want imagenet && DMON=1 step doctor_otf 70 bench doctor --steps 64 --json "$L/doctor-otf.json" --plot "$L/doctor-otf.png" \
-        -- python3 scripts/train_imagenet.py /tmp/inet --on-the-fly -j 16
-    DMON=1 step doctor_loader 60 bench doctor --steps 160 --json "$L/doctor-loader.json" \
+    want imagenet && DMON=1 step doctor_otf 150 bench doctor --steps 64 --replay --json "$L/doctor-otf.json" \
+        --plot "$L/doctor-otf.png" -- python3 scripts/train_imagenet.py /tmp/inet --on-the-fly -j 16
+    DMON=1 step doctor_loader 120 bench doctor --steps 160 --replay --json "$L/doctor-loader.json" \
         --plot "$L/doctor-loader.png" -- python3 scripts/train_imagenet.py /tmp/inet
 fi
 

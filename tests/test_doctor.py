@@ -23,10 +23,10 @@ SCRIPT = ROOT / "tests" / "tools" / "doctor_train.py"
 
 
 def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT, status: int = 0,
-            confirm: int = 0) -> tuple[dict, subprocess.CompletedProcess]:
+            confirm: int = 0, options: tuple = ()) -> tuple[dict, subprocess.CompletedProcess]:
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, "-m", "bench.cli", "doctor", "--steps", str(steps), "--json", str(out),
-                           "--confirm", str(confirm), "--",
+                           "--confirm", str(confirm), *options, "--",
                            "python", str(script), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == status, proc.stderr[-2000:]
     return json.loads(out.read_text()), proc
@@ -54,8 +54,10 @@ def test_a_loop_with_no_loader_is_judged_from_its_optimizer_steps_naming_what_ho
     """nanoGPT's shape: get_batch() slices an np.memmap, no DataLoader or Loader anywhere. Its
     optimizer's steps mark the iterations and the stack between them names get_batch when it
     holds the loop, and nothing when the model does."""
-    slow, proc = _doctor(tmp_path, 60, 100, script=MEMMAP, steps=8)
+    png = tmp_path / "steps.png"
+    slow, proc = _doctor(tmp_path, 60, 100, script=MEMMAP, steps=8, options=("--plot", str(png)))
     top = slow["steps"]["functions"][0]
+    assert len(slow["steps"]["iteration_ms"]) == 7 and png.stat().st_size > 0  # each iteration drawn, get_batch in it
     assert slow["verdict"].startswith("data-bound") and "get_batch (doctor_memmap.py:22)" in slow["verdict"]
     assert top["function"] == "get_batch (doctor_memmap.py:22)" and top["share"] > 0.15  # its list comprehensions too
     assert slow["steps"]["steps"] == 8 and slow["steps"]["samples"] > 50 and "optimizer: 8 steps" in proc.stdout
@@ -202,10 +204,8 @@ def test_the_gpu_figure_is_the_loops_own_not_the_scripts_start_up():
     assert nvml.report(1.5, None).samples == 4  # a loop with no step: the whole run
 
 
-def test_the_gpus_own_clock_says_how_long_its_stream_sat_idle_between_steps(monkeypatch):
-    """CUDA events stood in for (this runs without a GPU): hand-overs at 0, 0.1, 0.2 s of the
-    GPU's clock, steps ending at 0.08 and 0.18: the stream idle 0.04 s of 0.2, 20%. Nothing is
-    recorded before the script has started CUDA."""
+def _gpu_clock(monkeypatch) -> dict:
+    """CUDA events stood in for: each records the time in the dict returned (seconds)."""
     clock = {"t": 0.0}
 
     class Event:
@@ -220,6 +220,14 @@ def test_the_gpus_own_clock_says_how_long_its_stream_sat_idle_between_steps(monk
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    return clock
+
+
+def test_the_gpus_own_clock_says_how_long_its_stream_sat_idle_between_steps(monkeypatch):
+    """CUDA events stood in for (this runs without a GPU): hand-overs at 0, 0.1, 0.2 s of the
+    GPU's clock, steps ending at 0.08 and 0.18: the stream idle 0.04 s of 0.2, 20%. Nothing is
+    recorded before the script has started CUDA."""
+    clock = _gpu_clock(monkeypatch)
     marks = doctor.CudaMarks()
     marks.mark("start")
     assert marks.marks == [] and marks.report() is None  # CUDA not started by the script: no call
@@ -752,3 +760,68 @@ def test_every_rank_of_a_torchrun_job_is_watched_and_the_straggler_named(tmp_pat
     slow, fast = ranks["ranks"][1], ranks["ranks"][0]
     assert slow["wait_share"] > 0.5 and fast["wait_share"] < 0.2 and fast["step_ms"] > slow["step_ms"] + 50
     assert report["verdict"].startswith("data-bound on rank 1 of 2") and "rank 1: 12 batches" in proc.stdout
+
+
+def test_a_loop_seen_from_its_optimizer_is_timed_on_the_gpus_clock_too(monkeypatch):
+    """CUDA events stood in for: each iteration's first module forward and its optimizer step
+    are marked. A host that queues ahead shows its wait in whatever syncs (here a function
+    holding 60% of the host's samples), but a stream idle 5% between steps is compute-bound;
+    idle 40%, the function is named."""
+    from bench.doctor.report import GapFunction, OptimizerSteps, Stats
+    from bench.doctor.steps import Steps, hooked
+    from bench.doctor.verdict import from_steps
+
+    clock = _gpu_clock(monkeypatch)
+    monkeypatch.setattr(doctor.gpu, "_cuda_started", lambda: True)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    s = Steps()
+    with hooked(s):
+        for k in range(4):  # forward at 0.1 k, step at 0.1 k + 0.095: idle 5 ms between steps
+            clock["t"] = 0.1 * k
+            model(torch.zeros(1, 2)).sum().backward()
+            clock["t"] = 0.1 * k + 0.095
+            optimizer.step()
+    events = s.figures().cuda_events
+    assert events.steps == 3 and events.gap_share == pytest.approx(0.015 / 0.395)  # 3 gaps of 5 ms, 4 steps of 95
+    held = OptimizerSteps(steps=4, iteration=Stats.of([0.1] * 3), samples=100, model_share=0.4, loop_share=0.0,
+                          outside_share=0.6, functions=[GapFunction(function="sync (t.py:3)", share=0.6)],
+                          cuda_events=events)
+    assert from_steps(held).startswith("compute-bound: the GPU is never short of work")
+    held.cuda_events.gap_share = 0.4
+    assert from_steps(held).startswith("data-bound: 60% of the loop in sync (t.py:3)")
+
+
+INTERRUPTED = """
+import sys, time
+import torch
+
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in range(100000):
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    if step == 3:
+        open(sys.argv[1], "w").write("looping")
+    time.sleep(0.02)
+"""
+
+
+def test_a_first_ctrl_c_to_the_doctor_stops_the_script_with_its_partial_report(tmp_path):
+    """The script runs in a session of its own, so a terminal's Ctrl-C reaches the doctor alone:
+    the doctor passes the first one on, the script stops where it is (KeyboardInterrupt), and
+    the report of what ran is printed, with the script's failure status."""
+    script, flag, out = tmp_path / "loops.py", tmp_path / "looping", tmp_path / "r.json"
+    script.write_text(INTERRUPTED)
+    proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "doctor", "--steps", "100000", "--json", str(out), "--",
+                             "python", str(script), str(flag)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1, stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["error"].startswith("KeyboardInterrupt") and report["steps"]["steps"] >= 4
+    assert "the script stopped early: KeyboardInterrupt" in stdout

@@ -65,7 +65,8 @@ def _from_steps(s: OptimizerSteps) -> Headline:
     top = s.functions[0].share if s.functions else 0.0
     iteration_ms = (s.iteration.total_s or 0.0) * 1e3 / max(s.iteration.n, 1)
     parts = s.top_ms or [0.0] * s.iteration.n
-    return headline(top, s.model_share or 0.0, parts, [iteration_ms] * len(parts), DATA_BOUND)
+    au = 1.0 - s.cuda_events.gap_share if s.cuda_events else s.model_share or 0.0
+    return headline(top, au, parts, [iteration_ms] * len(parts), DATA_BOUND)
 
 
 def _answer(got):

@@ -14,7 +14,13 @@ def plot(r: Report, path: Path) -> None:
 
     plt = _plt()
     fig, (ax, side) = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2, 1]})
-    _steps(ax, r.loop.per_step if r.loop else [])
+    if r.loop:
+        _steps(ax, r.loop.per_step)
+    elif r.steps and r.steps.iteration_ms:  # a loop seen from its optimizer: the top function in each iteration
+        s, top = r.steps, (r.steps.functions or [None])[0]
+        named = s.top_ms or [0.0] * len(s.iteration_ms)
+        _steps(ax, [StepTime(wait_ms=t, step_ms=max(0.0, i - t)) for i, t in zip(s.iteration_ms, named)],
+               work="the rest of the iteration", wait=f"in {top.function}" if top else "outside the model")
     rates = r.rates or []
     side.barh([x.what for x in rates][::-1], [x.samples_per_s for x in rates][::-1],
               color=["#888" if x.what.startswith("the model") else "#4c72b0" for x in rates][::-1])
@@ -27,12 +33,13 @@ def plot(r: Report, path: Path) -> None:
     plt.close(fig)
 
 
-def _steps(ax, steps: list[StepTime]) -> None:
+def _steps(ax, steps: list[StepTime], work: str = "working (the step)", wait: str = "waiting for the batch") -> None:
     """Each step's work, its wait stacked on it."""
     x = range(1, len(steps) + 1)
+    label = work
     work = [s.step_ms for s in steps]
-    ax.bar(x, work, color="#4c72b0", label="working (the step)")
-    ax.bar(x, [s.wait_ms for s in steps], bottom=work, color="#dd8452", label="waiting for the batch")
+    ax.bar(x, work, color="#4c72b0", label=label)
+    ax.bar(x, [s.wait_ms for s in steps], bottom=work, color="#dd8452", label=wait)
     ax.set_xlabel("step")
     ax.set_ylabel("ms")
     ax.set_title("each step: working and waiting", fontsize=10)

@@ -298,6 +298,8 @@ class OptimizerSteps:
     outside_share: float | None
     functions: list[GapFunction]
     top_ms: list[float] | None = omitted()  # the first named function's time in each iteration
+    iteration_ms: list[float] | None = omitted()  # each iteration's time (the plot's bars)
+    cuda_events: CudaEvents | None = omitted()  # the GPU's clock: first forward to optimizer step
 
 
 @dataclass(kw_only=True)

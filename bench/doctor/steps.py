@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from contextlib import contextmanager
 
+from .gpu import CudaMarks
 from .report import GapFunction, OptimizerSteps, Stats
 
 SAMPLE_S = 0.002
@@ -45,10 +46,22 @@ class Steps:
         self.loop_code = None  # the code object of the function that calls optimizer.step
         self.stop = threading.Event()
         self.sampler: threading.Thread | None = None
+        # the GPU's clock: an event at each iteration's first module forward ("start") and at its
+        # optimizer step ("end"), so the stream's idle time between steps is known as for a loader
+        self.cuda = CudaMarks()
+        self.armed = True
+
+    def forward(self, module, args) -> None:
+        """torch's global module forward pre-hook: the first forward after a step starts an iteration."""
+        if self.armed:
+            self.armed = False
+            self.cuda.mark("start")
 
     def hook(self, optimizer, args, kwargs) -> None:
         """torch's optimizer step post-hook: an iteration ends."""
         self.times.append(time.perf_counter())
+        self.cuda.mark("end")
+        self.armed = True
         if self.sampler is None:  # the first step: torch is imported, the stepping thread known
             self._torch = _folder("torch")
             self._torch_data = os.path.join(self._torch, "utils", "data", "")
@@ -119,7 +132,8 @@ class Steps:
                               samples=len(inside), model_share=model / total if total else None,
                               loop_share=own / total if total else None,
                               outside_share=(total - model - own) / total if total else None, functions=other,
-                              top_ms=top_ms if top else None)
+                              top_ms=top_ms if top else None, cuda_events=self.cuda.report(),
+                              iteration_ms=[1e3 * (b - a) for a, b in zip(self.times, self.times[1:])])
 
 
 def _folder(package: str) -> str:
@@ -131,13 +145,15 @@ def _folder(package: str) -> str:
 def hooked(steps: Steps):
     """`steps.hook` after every optimizer's step while active (torch 2.0 and later)."""
     try:
+        from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim.optimizer import register_optimizer_step_post_hook
     except ImportError:  # an older torch: loaders alone are watched
         yield
         return
-    handle = register_optimizer_step_post_hook(steps.hook)
+    handles = [register_optimizer_step_post_hook(steps.hook), register_module_forward_pre_hook(steps.forward)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         steps.stop.set()

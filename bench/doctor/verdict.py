@@ -75,10 +75,14 @@ def from_steps(s: OptimizerSteps) -> str:
     if not s.samples:
         return (f"too short to judge: {s.steps} optimizer step(s) and no DataLoader or Loader iterated, over less "
                 "time than the stack is sampled in; watch more steps (--steps)")
-    top = (s.functions or [None])[0]
+    top, events = (s.functions or [None])[0], s.cuda_events
     how = (f"{s.steps} optimizer steps, p50 {s.iteration.p50_ms or 0:.1f} ms an iteration, "
            f"{100 * (s.model_share or 0):.0f}% of it in the model's forward, backward and step; no DataLoader or "
-           "Loader was iterated: seen from the optimizer's steps and the training thread's stack")
+           "Loader was iterated: seen from the optimizer's steps and the training thread's stack"
+           + (f"; the GPU's stream idle {100 * events.gap_share:.0f}% of the loop between a step and the next "
+              "forward (CUDA events)" if events else ""))
+    if events and events.gap_share <= DATA_BOUND:  # the GPU's clock decides: a host queued ahead waits in a sync
+        return f"compute-bound: the GPU is never short of work between steps ({how})"
     if top is None or top.share <= DATA_BOUND:
         return f"compute-bound: no function outside the model holds the loop ({how})"
     return (f"data-bound: {100 * top.share:.0f}% of the loop in {top.function}, outside the model's work ({how}); "

@@ -1,7 +1,8 @@
 """A training script with known answers for `bench doctor`: a dataset that sleeps SAMPLE_S per
 sample, a step that sleeps STEP_S, batches of 4 (data-bound when 4 x SAMPLE_S outweighs STEP_S);
-it raises at step CRASH_AT when given. A negative STEP_S spins for that long instead: a step whose
-cost a VM's coarse timer does not stretch (a sleep of 50 ms can take 60). It imports nothing of mmpack.
+it raises at step CRASH_AT when given. A negative STEP_S spins for that long instead of the model
+and the sleep: a step whose cost neither a VM's coarse timer (a sleep of 50 ms can take 60) nor
+torch's threads on a busy machine stretch. It imports nothing of mmpack.
 
     python tests/tools/doctor_train.py SAMPLE_S STEP_S [CRASH_AT]
 """
@@ -29,9 +30,9 @@ if __name__ == "__main__":  # doctor_ranks.py imports Slow
     dl = torch.utils.data.DataLoader(Slow(sample_s), batch_size=4, shuffle=True, num_workers=0)
     model = torch.nn.Linear(8, 3)
     for step, (x, y) in enumerate(dl):
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        loss.backward()
         if step_s >= 0:
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
             time.sleep(step_s)
         else:
             end = time.perf_counter() - step_s
