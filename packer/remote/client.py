@@ -64,6 +64,11 @@ def store(remote: Remote):
 
     options = {"retry_config": retry_config(), "client_options": client_options()}
     if remote.scheme == "az://":  # account, key or token, endpoint: the client's AZURE_* environment
+        # our client_options replace the ones the client reads from the environment, its
+        # AZURE_ALLOW_HTTP among them: an emulator's http:// endpoint is refused ("BadScheme") unless said again
+        endpoint = os.environ.get("AZURE_STORAGE_ENDPOINT") or os.environ.get("AZURE_ENDPOINT") or ""
+        if endpoint.startswith("http://") or os.environ.get("AZURE_ALLOW_HTTP", "").lower() in ("1", "true", "yes"):
+            options["client_options"] = {**options["client_options"], "allow_http": True}
         return _made(AzureStore, remote.bucket, **options)
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"

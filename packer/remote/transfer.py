@@ -4,7 +4,8 @@ one, and fetch one file verified (what the node cache does per shard).
 The object layout is the dataset dir's own (FORMAT.md): every file the manifest lists under its
 generation dirs, the generation's copy of the manifest, and `manifest.json` at the prefix, put
 last, so a reader sees the old dataset or the new one. Every file is verified: after an upload
-by its size and the checksum recorded with it as the object's metadata (`mmpack-checksum`:
+by its size and the checksum recorded with it as the object's metadata (`mmpack-checksum`; on
+Azure `mmpack_checksum`, whose metadata names take no hyphen:
 what a push run again compares, so it repairs an object that differs), after a download by the
 manifest's checksum (fetched once more on a mismatch, then
 an IntegrityError naming the URL), and it lands by rename, so a kill leaves nothing partial that
@@ -44,6 +45,13 @@ RANGE_BYTES = 32 * 2**20  # a larger file comes in ranges of this size, RANGES a
 RANGES = 4  # stream's rate is often a fraction of the link's (the first batch of a large shard waits on it)
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "mmpack" / "remote"
 CHECKSUM_KEY = "mmpack-checksum"  # the object's user metadata: the checksum of what was pushed, algo:hex
+# Azure's metadata names are C# identifiers: a hyphen is refused ("InvalidMetadata"), so every
+# push to az:// failed with the S3 name
+AZURE_CHECKSUM_KEY = "mmpack_checksum"
+
+
+def checksum_key(remote: Remote) -> str:
+    return AZURE_CHECKSUM_KEY if remote.scheme == "az://" else CHECKSUM_KEY
 
 
 def _whole(path: Path) -> tuple[int, str]:
@@ -121,11 +129,12 @@ def _push_archive(root: Path, url: str) -> fmt.Manifest:
     return manifest
 
 
-def _holds(obs, store, key: str, size: int, checksum: str) -> bool:
+def _holds(obs, store, key: str, size: int, checksum: str, name: str) -> bool:
     """Whether the store holds `key` with these bytes: its size, and the checksum recorded with
-    it when it was pushed (an object pushed without one, or damaged since, is pushed again)."""
+    it (as metadata `name`) when it was pushed (an object pushed without one, or damaged since,
+    is pushed again)."""
     got = client.head(obs, store, key)
-    return got is not None and got.meta["size"] == size and got.attributes.get(CHECKSUM_KEY) == checksum
+    return got is not None and got.meta["size"] == size and got.attributes.get(name) == checksum
 
 
 def _publish(remote: Remote, root: Path, uploads: list[tuple], pointer: str, doc: str) -> None:
@@ -134,16 +143,17 @@ def _publish(remote: Remote, root: Path, uploads: list[tuple], pointer: str, doc
     pointer removed: a reader sees the old dataset or the new one."""
     obs = client.obstore(remote)
     store = client.store(remote)
+    name = checksum_key(remote)
     for path, size, checksum, *made in uploads:
         with client.errors(remote, f"upload {path}"):
-            if _holds(obs, store, remote.key(path), size, checksum):
+            if _holds(obs, store, remote.key(path), size, checksum, name):
                 continue
             if made:  # bytes made for the store (a block list), not a file of the dir
-                obs.put(store, remote.key(path), made[0](), attributes={CHECKSUM_KEY: checksum})
+                obs.put(store, remote.key(path), made[0](), attributes={name: checksum})
             else:
                 with open(root / path, "rb") as f:
-                    obs.put(store, remote.key(path), f, attributes={CHECKSUM_KEY: checksum})
-            if not _holds(obs, store, remote.key(path), size, checksum):
+                    obs.put(store, remote.key(path), f, attributes={name: checksum})
+            if not _holds(obs, store, remote.key(path), size, checksum, name):
                 raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another object; push again")
     with client.errors(remote, f"upload {pointer}"):
         obs.put(store, remote.key(pointer), doc.encode())

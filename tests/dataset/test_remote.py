@@ -1213,7 +1213,7 @@ def test_az_a_loader_through_a_limited_cache_in_ranges_gives_the_local_batches(a
 
 
 def test_az_a_wrong_key_and_a_missing_dataset_are_one_line_errors(az, built, monkeypatch, capsys):
-    with pytest.raises(IntegrityError, match="not found"):
+    with pytest.raises(ConfigError, match="no mmpack dataset there"):
         MMapDataset(f"{az}/nothing-here")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "bm90LXRoZS1rZXk=")
     with pytest.raises(ConfigError, match="AZURE_STORAGE_ACCOUNT_KEY"):
