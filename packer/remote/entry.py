@@ -18,6 +18,7 @@ from packer.remote.limits import check_limit
 from packer.remote.rows import Rows
 from packer.remote import transfer
 from packer.remote.transfer import fetch_file, files_of, pull, read_published
+from packer.remote import placement
 from packer.remote.url import Remote
 from packer.system import flock
 
@@ -25,7 +26,10 @@ from packer.system import flock
 def entry_dir(url: str, manifest: fmt.Manifest, cache_dir: str | Path | None) -> Path:
     """The cache dir of the build `manifest` at `url`: a push after this open is another one."""
     digest = hashlib.sha256(f"{url}\0{manifest.generation}\0{manifest.to_json()}".encode()).hexdigest()[:16]
-    return Path(cache_dir or transfer.DEFAULT_CACHE) / Remote(url).bucket / digest
+    if cache_dir:
+        placement.check(Path(cache_dir))
+    base = Path(cache_dir) if cache_dir else placement.node_local(transfer.DEFAULT_CACHE)
+    return base / Remote(url).bucket / digest
 
 
 def build_dir(url: str) -> Path:

@@ -1351,3 +1351,29 @@ def test_an_answer_longer_than_the_object_is_not_written_past_its_size(s3, built
         proxy.close()
     watcher.join()
     assert largest[0] <= max(s.size_bytes for s in MMapDataset(built["images"]).manifest.shards), largest
+
+
+def test_a_cache_on_a_network_file_system_is_refused_unless_said_node_private(s3, built, tmp_path, monkeypatch):
+    """flocks on NFS (or a FUSE store) may hold on this client alone: two nodes sharing the dir
+    would each think they hold what the other writes. A cache_dir there is one line with the
+    fix; MMPACK_CACHE_NODE_PRIVATE=1 says no other node uses it; the default cache, under a $HOME
+    on NFS, moves to a node-local dir. (The mount table is stood in for: no NFS server or FUSE
+    library here.)"""
+    from packer.remote import placement
+
+    shared = tmp_path / "home"
+    table = tmp_path / "mountinfo"
+    table.write_text(f"22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/vda rw\n"
+                     f"90 22 0:50 / {shared} rw,relatime shared:40 - nfs4 server:/home rw,vers=4.2\n")
+    monkeypatch.setattr(placement, "MOUNTINFO", table)
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    with pytest.raises(ConfigError, match=r"on nfs4, a network file system.*MMPACK_CACHE_NODE_PRIVATE=1") as exc:
+        MMapDataset(url, cache_dir=shared / "cache")
+    assert "\n" not in str(exc.value) and not (shared / "cache").exists()
+    monkeypatch.setenv("MMPACK_CACHE_NODE_PRIVATE", "1")
+    assert len(MMapDataset(url, cache_dir=shared / "cache")) == len(MMapDataset(built["images"]))
+    monkeypatch.delenv("MMPACK_CACHE_NODE_PRIVATE")
+    local = placement.node_local(shared / ".cache" / "mmpack" / "remote")
+    assert placement.untrusted(local) is None and str(local).startswith(("/var/tmp/mmpack-", "/tmp/mmpack-"))
+    assert placement.node_local(tmp_path / "remote") == tmp_path / "remote"  # a local default stays
