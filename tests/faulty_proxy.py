@@ -12,6 +12,8 @@ after the list, pass through untouched):
              path): a reader fetches a file again once on a mismatch, and an object whose bytes
              come wrong twice is a damaged one, which other tests damage at rest
 
+`refused = b"..."`: from then on, a request whose head holds those bytes (an access key's
+`Credential=KEY/`) is answered `403 ExpiredToken`, as S3 answers keys whose session ended.
 `outage(seconds)` stops the proxy as a restarting server does: every connection closed, new
 ones refused, then back on the same port. `used` lists the faults dealt so far; `gets` counts
 the GET requests for the target's paths that reached the proxy, faulty or not; `body_bytes`
@@ -41,6 +43,8 @@ class FaultyProxy:
         self._flipped: set[bytes] = set()
         self._open: set[socket.socket] = set()
         self.gets = 0
+        self.refused: bytes | None = None
+        self.refusals = 0
         self._bodies = [0]
         threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
 
@@ -109,6 +113,13 @@ class FaultyProxy:
                         break
                     request, buf = buf[:end + 4 + length], buf[end + 4 + length:]
                     fault = self._fault_for(head.split(b"\r\n", 1)[0])
+                    if self.refused and self.refused in head:
+                        self.refusals += 1
+                        body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ExpiredToken</Code>'
+                                b"<Message>The provided token has expired.</Message></Error>")
+                        client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
+                                       + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+                        return
                     if fault == "reset":
                         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                         return

@@ -3,7 +3,8 @@ one-line errors, and the helper process that makes requests for a process forked
 
 Credentials and endpoint are the standard environment: for s3://, AWS_ENDPOINT_URL (or
 AWS_ENDPOINT_URL_S3), AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-AWS_REGION / AWS_DEFAULT_REGION; for az://, the client's AZURE_* variables (AZURE_STORAGE_ACCOUNT_NAME
+AWS_REGION / AWS_DEFAULT_REGION, or else a profile (AWS_PROFILE, ~/.aws/credentials, read again
+as it changes: `credentials`), web identity, container or instance metadata; for az://, the client's AZURE_* variables (AZURE_STORAGE_ACCOUNT_NAME
 with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN, a managed identity or the Azure CLI;
 AZURE_STORAGE_ENDPOINT and AZURE_ALLOW_HTTP for an emulator). A client is made lazily in the
 process that uses it, never inherited by a fork.
@@ -15,6 +16,7 @@ import os
 from datetime import timedelta
 
 from packer.errors import ConfigError, IntegrityError
+from packer.remote import credentials
 from packer.remote.url import CREDENTIALS, Remote
 
 # How long a request is tried again, from its first try, before it is an error: a store that
@@ -71,9 +73,13 @@ def store(remote: Remote):
             options["client_options"] = {**options["client_options"], "allow_http": True}
         return _made(AzureStore, remote.bucket, **options)
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    profile = credentials.profile_provider()  # keys from a profile, read again as its file changes
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or \
+        (credentials.profile_region() if profile else None) or "us-east-1"
     extra = {"endpoint": endpoint, "allow_http": endpoint.startswith("http://"),
              "virtual_hosted_style_request": False} if endpoint else {}
+    if profile is not None:
+        extra["credential_provider"] = profile
     return _made(S3Store, remote.bucket, region=region, **options, **extra)
 
 

@@ -19,7 +19,8 @@ _SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]+):/|(s3|az|gs):", re.IGNORECASE)
 GCS = ("Google Cloud Storage is reached through its S3-compatible API: s3://BUCKET/PREFIX with "
        "AWS_ENDPOINT_URL=https://storage.googleapis.com and an HMAC key as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
        "(not tested against GCS itself)")
-CREDENTIALS = {"s3://": "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_ENDPOINT_URL for a non-AWS store)",
+CREDENTIALS = {"s3://": "check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the profile's keys in ~/.aws/credentials "
+                        "(AWS_PROFILE; still valid?), and AWS_ENDPOINT_URL for a non-AWS store",
                "az://": "check AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or AZURE_STORAGE_SAS_TOKEN)"}
 
 

