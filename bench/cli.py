@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
 
     do = sub.add_parser("doctor", help="whether your training script waits for data, why, and what to try",
                         description="bench doctor [--steps N] [--json R] [--plot R.png] -- python train.py ARGS...")
-    do.add_argument("--steps", type=int, default=50, help="training steps to watch (then the script is stopped)")
+    do.add_argument("--steps", type=int, default=50, help="training steps to watch, then the script is stopped "
+                    "(default 50)")
     do.add_argument("--deadline", type=float, default=None, metavar="S",
                     help="the longest the loop may go without a batch or an optimizer step, and any run of the "
                          "loader alone without an answer, before the doctor reports what it has (default 300)")
@@ -136,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--peers", action="store_true", help="also WebDataset, LitData and MosaicML Streaming with "
                      "their own S3 readers on the loopback server, where installed (bench/peers-requirements.txt)")
     re_.add_argument("--workers", type=int, default=2, help="the peers' DataLoader workers (default 2)")
+    re_.add_argument("--nodes", type=int, default=0, help="instead: a job of N nodes, each its own cache, ranks and "
+                     "link of --link-mb MB/s, in block order at caches of 100%%, 50%% and 25%% of a node's share")
+    re_.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: rank processes a node (default 2)")
 
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],

@@ -70,12 +70,14 @@ def test_a_compute_bound_script_is_told_so(tmp_path):
     assert report["verdict"].startswith("compute-bound") and report["wait_share"] < 0.1 and not report["fixes"]
 
 
-def test_a_script_that_fails_gives_a_partial_report_not_a_traceback_and_its_status(tmp_path):
-    """The report covers what ran, and `bench doctor` exits as the script did (a CI step that
-    runs its training under the doctor must still fail when the training does)."""
+def test_a_script_that_fails_gives_a_partial_report_its_own_traceback_and_its_status(tmp_path):
+    """The report covers what ran, the script's traceback is shown as python shows it (its file
+    and line; none of the doctor's frames), and `bench doctor` exits as the script did (a CI step
+    that runs its training under the doctor must still fail when the training does)."""
     report, proc = _doctor(tmp_path, 0.002, 0.005, 4, status=1)
     assert report["batches"] == 5 and "the script's own failure" in report["error"]
-    assert report["exit_code"] == 1 and "Traceback" not in proc.stderr and "stopped early" in proc.stdout
+    assert report["exit_code"] == 1 and "stopped early" in proc.stdout
+    assert 'doctor_train.py", line' in proc.stderr and "bench/doctor" not in proc.stderr
     exits = tmp_path / "exits.py"
     exits.write_text("import sys\nsys.exit(3)\n")
     report, proc = _doctor(tmp_path, script=exits, status=3)
@@ -691,6 +693,9 @@ def test_the_headline_says_au_exposed_time_and_how_many_steps_make_the_verdict_s
 
     steady = headline(0.5, 0.5, [10.0] * 20, [20.0] * 20, 0.10)
     assert steady.sure and steady.accelerator_utilisation == 0.5 and steady.exposed_ms_per_step == 10.0
+    for n in (1, 3, 7):  # a handful of steps is never sure, however far from the line
+        few_steps = headline(0.76, 0.24, [76.0] * n, [100.0] * n, 0.10)
+        assert not few_steps.sure and few_steps.steps_to_be_sure == 8
     waits = [0.5, 0.5, 0.5, 6.0, 0.5, 0.5, 0.5, 0.5]  # one stall among fast batches: 11% waiting
     wholes = [w + 10.0 for w in waits]
     share = sum(waits) / sum(wholes)
@@ -825,3 +830,21 @@ def test_a_first_ctrl_c_to_the_doctor_stops_the_script_with_its_partial_report(t
     report = json.loads(out.read_text())
     assert report["error"].startswith("KeyboardInterrupt") and report["steps"]["steps"] >= 4
     assert "the script stopped early: KeyboardInterrupt" in stdout
+
+
+def test_a_confirmation_whose_wait_and_rate_disagree_is_said_unclear_and_packing_nothing_is_not_offered():
+    """A rerun on a machine whose load moved: more waiting yet more steps a second is neither
+    confirmed nor refuted. A dataset with no work per sample is not told to pack."""
+    from bench.doctor.report import Confirmed, SampleCost
+    from bench.doctor.verdict import _confirmed, _pack_fix
+
+    said = _confirmed(Confirmed(wait_share_before=0.49, wait_share=0.88, steps_per_s_before=10, steps_per_s=42,
+                                speedup=4.2))
+    assert said.startswith("unclear")
+    assert _confirmed(Confirmed(wait_share_before=0.7, wait_share=0.04, steps_per_s_before=10, steps_per_s=28,
+                                speedup=2.8)).startswith("confirmed in your run: 70% -> 4%")
+    assert _confirmed(Confirmed(wait_share_before=0.3, wait_share=0.35, steps_per_s_before=10, steps_per_s=9.5,
+                                speedup=0.95)).startswith("not confirmed")
+    cost = SampleCost(getitem_ms=0.001, collate_ms_per_sample=0.01, iterable=False, num_workers=2, pin_memory=False,
+                      batch_size=8, dataset="Cheap")
+    assert _pack_fix(doctor.Report(wall_s=1.0, verdict=""), cost) is None

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import types
 import zipfile
 from contextlib import contextmanager
@@ -45,6 +46,9 @@ def run(command: list[str], *, steps: int | None, deadline_s: float | None = Non
     if torchrun_command(command):
         return _job(command, steps, deadline_s)
     r = _once(command, steps, deadline_s, {})
+    if r.loop is None and replay and not r.exit_code:
+        r.note = "; ".join(n for n in (r.note, "--replay needs a DataLoader or Loader in the loop: none was iterated")
+                           if n)
     if r.loop is None or r.exit_code:
         return r
     if replay:
@@ -197,13 +201,24 @@ def child_main(argv: list[str]) -> None:
                 w.error = f"exit {exc.code}"
                 status = exc.code if isinstance(exc.code, int) else 1
         except BaseException as exc:  # noqa: BLE001 - the script's failure is part of the report
-            w.error = f"{type(exc).__name__}: {exc}"[:300]
+            w.error = (f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)[:300]
             status = 1
+            if not isinstance(exc, KeyboardInterrupt):  # its file and line, as python shows them
+                _print_scripts_traceback(exc)
     dog.stop.set()
     w.progress = lambda: None
     write_report(w.diagnose(ceiling=not rank, probes=os.environ.get(PROBES_ENV) != "0"), report)
     if status:  # the script's own status, as `python script.py` gives it (a CI step must see the failure)
         sys.exit(status)
+
+
+def _print_scripts_traceback(exc: BaseException) -> None:
+    """The script's traceback as python would print it, the doctor's own frames left out."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(here):
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb, file=sys.stderr)
 
 
 def _run_main(argv: list[str]) -> None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from .codec import omitted
 
 SURE_SE = 2.0  # standard errors between the share and the line: about 95% sure of the side
+MIN_STEPS = 8  # under this many, the spread itself is not known: never sure
 MOST_STEPS = 100_000  # "about N steps" is not said past this (a share on the line is never sure)
 
 
@@ -57,9 +58,10 @@ def headline(decides: float, au: float, parts: list[float], wholes: list[float],
     se = ratio_se(parts, wholes)
     out = Headline(accelerator_utilisation=au, exposed_ms_per_step=sum(parts) / n if n else 0.0, steps=n, share_se=se)
     distance = abs(decides - line)
-    if se is None or distance >= SURE_SE * se:
+    if n >= MIN_STEPS and se is not None and distance >= SURE_SE * se:
         return out
-    need = n * (SURE_SE * se / distance) ** 2 if distance > 0 else math.inf
+    need = max(MIN_STEPS, n * (SURE_SE * se / distance) ** 2 if se is not None and distance > 0 else
+               (MIN_STEPS if se is None else math.inf))
     out.sure = False
     out.steps_to_be_sure = int(math.ceil(need)) if need <= MOST_STEPS else None
     return out
@@ -73,4 +75,6 @@ def said(h: Headline) -> str:
         return line
     more = f"watch about {h.steps_to_be_sure:,} steps (--steps {h.steps_to_be_sure})" if h.steps_to_be_sure else \
         "the share sits on the line: more steps will not settle it"
-    return f"{line}; not sure yet (the share is +-{100 * SURE_SE * h.share_se:.0f} points): {more}"
+    spread = f"the share is +-{100 * SURE_SE * h.share_se:.0f} points" if h.share_se is not None else \
+        f"under {MIN_STEPS} steps, its spread is not known"
+    return f"{line}; not sure yet ({spread}): {more}"

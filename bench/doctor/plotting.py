@@ -13,7 +13,11 @@ def plot(r: Report, path: Path) -> None:
     from ..report import _plt
 
     plt = _plt()
-    fig, (ax, side) = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2, 1]})
+    rates = r.rates or []
+    if rates:  # the model against the loader's ceiling beside the steps; a loop with no loader has none
+        fig, (ax, side) = plt.subplots(1, 2, figsize=(14, 4), gridspec_kw={"width_ratios": [2, 1]})
+    else:
+        fig, ax = plt.subplots(figsize=(10, 4))
     if r.loop:
         _steps(ax, r.loop.per_step)
     elif r.steps and r.steps.iteration_ms:  # a loop seen from its optimizer: the top function in each iteration
@@ -21,16 +25,20 @@ def plot(r: Report, path: Path) -> None:
         named = s.top_ms or [0.0] * len(s.iteration_ms)
         _steps(ax, [StepTime(wait_ms=t, step_ms=max(0.0, i - t)) for i, t in zip(s.iteration_ms, named)],
                work="the rest of the iteration", wait=f"in {top.function}" if top else "outside the model")
-    rates = r.rates or []
+    if rates:
+        _rates(side, rates)
+    fig.suptitle(textwrap.fill(r.verdict.split(";")[0], 150, max_lines=2), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _rates(side, rates) -> None:
     side.barh([x.what for x in rates][::-1], [x.samples_per_s for x in rates][::-1],
               color=["#888" if x.what.startswith("the model") else "#4c72b0" for x in rates][::-1])
     side.set_xlabel("samples/s")
     side.xaxis.set_major_formatter(lambda v, _: f"{v / 1e3:g}k" if v else "0")
     side.set_title("the model against the loader's ceiling", fontsize=10)
-    fig.suptitle(textwrap.fill(r.verdict.split(";")[0], 150, max_lines=2), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def _steps(ax, steps: list[StepTime], work: str = "working (the step)", wait: str = "waiting for the batch") -> None:

@@ -206,6 +206,8 @@ class Replay:
     steps_per_s: float | None
     yours_steps_per_s: float | None
     data_cost: float | None  # the share of the run the data costs: 1 - yours / replay
+    step_p50_ms: float | None = omitted()  # the step alone in each run: where they differ, the load moved
+    yours_step_p50_ms: float | None = omitted()
 
 
 @dataclass(kw_only=True)
@@ -271,6 +273,7 @@ class Loop:
     model_samples_per_s: float | None
     per_step: list[StepTime]
     batch_size: int | None = omitted()  # the loader's, where it says (the rerun finds it by class and size)
+    kept: int | None = omitted()  # a replay's batches kept (fewer where an epoch was shorter)
     remote: RemoteTraffic | None = omitted()
     epoch_starts: Stats | None = omitted()  # the first wait of each epoch after the first
     epoch_start_share: float | None = omitted()  # their share of the loop (a part of wait_share)

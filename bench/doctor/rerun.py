@@ -53,15 +53,26 @@ def confirmed(before: Report, after: Report) -> Confirmed | None:
                      speedup=rate / rate_before if rate and rate_before else None, error=after.run.error if after.run else None)
 
 
-def replayed(before: Report, again: Report, kept: int) -> Replay | None:
-    """The replay run's step rate over its served batches against the first run's."""
-    if not (again.loop and len(again.loop.per_step) > kept):
+def replayed(before: Report, again: Report, asked: int) -> Replay | None:
+    """The replay run's step rate over its served batches against the first run's over the same
+    steps (both past the first `kept`: warm-up left out of both), with each run's step p50."""
+    kept = (again.loop.kept if again.loop else None) or asked
+    if not (again.loop and len(again.loop.per_step) > kept and before.loop and len(before.loop.per_step) > kept):
         return None
-    served = again.loop.per_step[kept:]  # per_step starts at the second batch: the first kept ones are real
-    total_ms = sum(s.wait_ms + s.step_ms for s in served)
-    rate, yours = 1e3 * len(served) / total_ms if total_ms > 0 else None, steps_per_s(before)
-    return Replay(kept=kept, steps=len(served), steps_per_s=rate, yours_steps_per_s=yours,
-                  data_cost=max(0.0, 1 - yours / rate) if rate and yours else None)
+    served, yours = again.loop.per_step[kept:], before.loop.per_step[kept:]  # per_step starts at the second batch
+    rate, mine = _rate(served), _rate(yours)
+    return Replay(kept=kept, steps=len(served), steps_per_s=rate, yours_steps_per_s=mine,
+                  data_cost=max(0.0, 1 - mine / rate) if rate and mine else None,
+                  step_p50_ms=_p50([s.step_ms for s in served]), yours_step_p50_ms=_p50([s.step_ms for s in yours]))
+
+
+def _rate(steps) -> float | None:
+    total_ms = sum(s.wait_ms + s.step_ms for s in steps)
+    return 1e3 * len(steps) / total_ms if total_ms > 0 else None
+
+
+def _p50(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
 
 
 # -- in the child: the changes, applied while the script runs ---------------------------------

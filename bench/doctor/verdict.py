@@ -12,6 +12,7 @@ DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what 
 AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
 EPOCH_STARTS = 0.5  # of the waiting at epochs' first batches: said to wait there, not in the steps
 NAMED_GAIN = 1.1  # a measured fix is named where it makes the data at least this much faster: below, runs spread
+PACK_WORTH_MS = 0.05  # a sample's work under this: packing has nothing to do once
 
 
 def decide(r: Report) -> tuple[str, list[Fix]]:
@@ -48,7 +49,7 @@ def _epoch_starts(r: Report, seen: str, fixes: list[Fix]) -> tuple[str, list[Fix
                              how="estimated from the waits at the epochs' starts", args={"persistent_workers": True})]
     fixes.sort(key=lambda f: -(f.gain or 0.0))  # the largest measured gain first, whatever it fixes
     return (f"data-bound at epoch starts: {100 * r.loop.epoch_start_share:.0f}% of the loop waiting for the first "
-            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms), of {seen}", fixes)
+            f"batch of each epoch ({starts.n} epoch start(s), p50 {starts.p50_ms:.0f} ms); in all, {seen}", fixes)
 
 
 def decide_json(r: dict) -> tuple[str, list[dict]]:
@@ -95,8 +96,14 @@ def _confirmed(c: Confirmed) -> str:
     if c.error:
         return f"in your run with it, the script stopped early: {c.error}"
     faster = f", {c.speedup:.1f}x steps/s" if c.speedup else ""
-    word = "confirmed" if (c.speedup or 0) > NAMED_GAIN or c.wait_share < DATA_BOUND <= c.wait_share_before \
-        else "not confirmed"
+    waits_less = c.wait_share < c.wait_share_before
+    steps_faster = (c.speedup or 0) > NAMED_GAIN
+    if waits_less and (steps_faster or c.wait_share < DATA_BOUND <= c.wait_share_before):
+        word = "confirmed"
+    elif not waits_less and not steps_faster:
+        word = "not confirmed"
+    else:  # the wait and the rate disagree: the step itself changed between the runs
+        word = "unclear (the wait and the step rate moved apart: other load on the machine between the runs?)"
     return f"{word} in your run: {100 * c.wait_share_before:.0f}% -> {100 * c.wait_share:.0f}% of the loop waiting{faster}"
 
 
@@ -104,14 +111,18 @@ def _replay_line(p: Replay) -> str:
     if not p.steps_per_s:
         return "replay: the loop had too few batches after the kept ones to time (more --steps)"
     cost = f": the data costs you {100 * p.data_cost:.0f}% of the run" if p.data_cost is not None else ""
+    moved = p.step_p50_ms and p.yours_step_p50_ms and p.yours_step_p50_ms > 1.25 * p.step_p50_ms
+    caveat = (f" (the step itself took {p.yours_step_p50_ms:.1f} ms in your run against {p.step_p50_ms:.1f} in the "
+              "replay: other load on the machine, or work the step does on its batch, is part of that)" if moved else "")
     return (f"replay (its first {p.kept} batches served again, already where the script moves them): "
-            f"{p.steps_per_s:,.1f} steps/s, yours {p.yours_steps_per_s or 0:,.1f}{cost}")
+            f"{p.steps_per_s:,.1f} steps/s, yours {p.yours_steps_per_s or 0:,.1f} over the same steps{cost}{caveat}")
 
 
 def _steps_line(s: OptimizerSteps) -> str:
     named = ", ".join(f"{f.function} {100 * f.share:.0f}%" for f in s.functions[:3]) or "none"
     return (f"optimizer: {s.steps} steps, p50 {s.iteration.p50_ms or 0:.1f} ms an iteration; the model "
-            f"{100 * (s.model_share or 0):.0f}% of the loop, outside it: {named}")
+            f"{100 * (s.model_share or 0):.0f}% of the loop, the loop's own lines {100 * (s.loop_share or 0):.0f}% "
+            f"(waiting for a loader's next batch among them), outside both: {named}")
 
 
 def text(r: Report) -> str:
@@ -125,6 +136,8 @@ def text(r: Report) -> str:
         lines.append(f"  {i}. {f.fix}: {f.expected} ({f.how})" + (f"\n     {_confirmed(f.confirmed)}" if f.confirmed else ""))
     if r.replay:
         lines.append(_replay_line(r.replay))
+    if r.note:
+        lines.append(f"note: {r.note}")
     if r.ranks:
         lines += [f"rank {f.rank}: {f.batches} batches, wait {f.wait_ms:.1f} ms and step {f.step_ms:.1f} ms a step "
                   f"({100 * (f.wait_share or 0):.0f}% waiting), {f.steps_per_s or 0:,.1f} steps/s"
@@ -229,7 +242,7 @@ def _workers_fix(r: Report, cost: SampleCost) -> Fix | None:
                gain=gain, args=None if cost.iterable else {"num_workers": cores})
 
 
-def _pack_fix(r: Report, cost: SampleCost) -> Fix:
+def _pack_fix(r: Report, cost: SampleCost) -> Fix | None:
     """Packing the data: measured on a sample of its files where that ran, else estimated."""
     fix, alone = "pack the data once (packer build RAW OUT) and read it with loaders.Loader", _alone(r)
     packed = (r.trials or Trials()).packed
@@ -244,8 +257,16 @@ def _pack_fix(r: Report, cost: SampleCost) -> Fix:
                    how=f"measured: {packed.files} of its files packed at {packed.image_size} px, then Loader alone",
                    gain=rate / alone)
     work = _work(cost)
-    return Fix(fix=fix, expected=f"no decode per sample: the {cost.getitem_ms:.2f} ms a sample {work} takes, gone",
-               how=f"estimated from {work} timed here; bench loaders measures it on sample data")
+    if cost.getitem_ms < PACK_WORTH_MS:  # nothing per sample to do once: packing gives nothing here
+        return None
+    return Fix(fix=fix, expected=f"no work per {_item(cost)}: the {cost.getitem_ms:.2f} ms {_item(cost, 'a')} {work} "
+               "takes, done once", how=f"estimated from {work} timed here; bench loaders measures it on sample data")
+
+
+def _item(cost: SampleCost, article: str = "") -> str:
+    """What one call of the dataset gives: a sample, or with batch_size=None a whole batch."""
+    word = "sample" if cost.batch_size is not None else "item (a batch: batch_size=None)"
+    return f"{article} {word}".strip() if article else word
 
 
 def _persistent_fix(r: Report) -> Fix | None:
@@ -300,7 +321,7 @@ def _loader_fixes(alt: LoaderAlternatives, alone: float | None) -> list[Fix]:
 def _why(r: Report, cost: SampleCost | None, alt: LoaderAlternatives | None) -> str:
     """Why the data is late: the sample's cost (a DataLoader) or the Loader's set-up, its workers'
     CPU, and whether the loader's rate alone is even the cause."""
-    why = (f"; {_work(cost)} takes {cost.getitem_ms:.2f} ms a sample and the collate "
+    why = (f"; {_work(cost)} takes {cost.getitem_ms:.2f} ms {_item(cost, 'a')} and the collate "
            f"{cost.collate_ms_per_sample:.2f} ms, on {cost.num_workers} worker(s)") if cost else ""
     if alt:
         why = f"; a Loader with {alt.num_threads} gather thread(s)" + (

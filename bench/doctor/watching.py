@@ -137,6 +137,7 @@ class Watch:
                     samples=main["samples"], model_samples_per_s=per_batch * len(steps) / work if work > 0 else None,
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
                     batch_size=getattr(main["loader"], "batch_size", None),
+                    kept=len(self.kept.batches) if self.kept is not None else None,
                     remote=_remote(main["remote"], _node_traffic(main["loader"]), sum(waits) + work))
 
 
