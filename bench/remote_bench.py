@@ -83,6 +83,16 @@ def bench_remote(args) -> dict:
         def opened(limit=None, where=url):  # a fresh cache each: what a node that never read it downloads
             return MMapDataset(where, cache_dir=caches / str(next(fresh)), cache_limit=limit)
 
+        if getattr(args, "nodes", 0) and args.url is None:  # the multi-node job alone, on the small images
+            from .nodes_bench import bench_nodes
+
+            small, where = _small(work, args, url) if args.block_samples else (local, url)
+            return {"command": "bench remote --nodes", "machine": machine(), "url": "a SeaweedFS server on loopback",
+                    "images": len(small), "shards": len(small.manifest.shards), "dataset_bytes": small.manifest.size_bytes,
+                    "batch_size": args.batch_size, "nodes": bench_nodes(where, endpoint, small, caches, args.nodes,
+                                                                         args.ranks_per_node, args.link_mb,
+                                                                         args.batch_size)}
+
         raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
         to_disk = max(raw_get_rate(url, local.manifest, DOWNLOADS, into=caches / "raw") for _ in range(2))
         _say(f"raw GET rate {raw_rate / 1e6:,.0f} MB/s into memory, {to_disk / 1e6:,.0f} MB/s into files")
@@ -135,10 +145,7 @@ def bench_remote(args) -> dict:
         # shards well under a block (1,024 samples), since a shard at a block's edge is read in two
         # windows and a small cache downloads it twice
         if args.block_samples:
-            _, small_out, _ = _prepared(work, "small", args.block_samples, lambda r: data.make_image_folders(
-                r, args.block_samples, seed=1, min_side=16, max_side=48), {"image_size": 16, "shard_size": "64KB"})
-            small = MMapDataset(small_out)
-            packer.push(small_out, url + "-small")
+            small, _ = _small(work, args, url)
             opened_small = functools.partial(opened, where=url + "-small")
             limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw, {}))
             ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
@@ -151,6 +158,17 @@ def bench_remote(args) -> dict:
             "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm_shares),
             "warm_of_local_range": [min(warm_shares), max(warm_shares)],
             "limits": limits, "ranks": ranks, "peers": peers}
+
+
+def _small(work: Path, args, url: str):
+    """The dataset of small images (block order needs one many times its window), pushed to URL-small."""
+    from loaders import MMapDataset
+    import packer
+
+    _, small_out, _ = _prepared(work, "small", args.block_samples, lambda r: data.make_image_folders(
+        r, args.block_samples, seed=1, min_side=16, max_side=48), {"image_size": 16, "shard_size": "64KB"})
+    packer.push(small_out, url + "-small")
+    return MMapDataset(small_out), url + "-small"
 
 
 def _cold(ds, total: int, loader_kw: dict, drop: bool) -> dict:
@@ -287,6 +305,11 @@ def _rows_first_row(first: dict | None) -> list[str]:
 
 
 def remote_table(r: dict) -> str:
+    if "cold" not in r:  # --nodes
+        from .nodes_bench import nodes_table
+
+        return "\n".join([f"{r['images']:,} images in {r['shards']} shards, {r['dataset_bytes'] / 1e6:,.0f} MB, batch "
+                          f"{r['batch_size']}, from {r['url']}", *nodes_table(r["nodes"])])
     cold, zc = r["cold"], r["zstd_cold"]
     lines = [f"{r['images']:,} images in {r['shards']} shards, {r['dataset_bytes'] / 1e6:,.0f} MB, batch {r['batch_size']}, "
              f"from {r['url']} ({r['downloads_at_once']} downloads at once)",
@@ -375,6 +398,10 @@ def plot_remote(r: dict, path: Path) -> None:
     from .report import _plt
 
     plt = _plt()
+    if "cold" not in r:  # --nodes
+        from .nodes_bench import plot_nodes
+
+        return plot_nodes(plt, r["nodes"], path)
     peers = [x for x in r.get("peers") or [] if x.get("epochs")]
     fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(17 if peers else 11, 4.4))
     a, b = axes[0], axes[1]

@@ -147,7 +147,8 @@ def link(upstream: str, bytes_per_s: float | None, counts: dict | None = None):
     `bytes_per_s` (the bytes a node's network gives its store's answers, all connections
     together; None: no limit); requests pass as they are (a signature names the proxy's host,
     which it is). `counts`, where given, counts what crossed: "bytes" of the answers, "gets" of
-    the requests (whatever reader made them: the peers' as ours)."""
+    the requests (whatever reader made them: the peers' as ours); with a "paths" dict in it,
+    the GETs of each object's path too."""
     host, port = upstream.removeprefix("http://").split(":")
     server = socket.create_server(("127.0.0.1", 0))
     clock, lock = [time.monotonic()], threading.Lock()
@@ -168,6 +169,10 @@ def link(upstream: str, bytes_per_s: float | None, counts: dict | None = None):
         if counts is not None:
             with lock:
                 counts["gets"] += chunk.startswith(b"GET ") + chunk.count(b"\r\n\r\nGET ")
+                if "paths" in counts:
+                    for part in ([chunk] if chunk.startswith(b"GET ") else []) + chunk.split(b"\r\n\r\nGET ")[1:]:
+                        path = part.removeprefix(b"GET ").split(b" ", 1)[0].split(b"?", 1)[0].decode(errors="replace")
+                        counts["paths"][path] = counts["paths"].get(path, 0) + 1
 
     def relay(src: socket.socket, dst: socket.socket, pace, look=None) -> None:
         try:

