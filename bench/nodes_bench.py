@@ -34,11 +34,12 @@ def _say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
 
 
-def _rank(rank: int, world: int, url: str, endpoint: str, cache: str, limit: int | None, batch: int, epochs: int,
-          barrier, out) -> None:
+def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str, limit: int | None, batch: int,
+          epochs: int, barrier, out) -> None:
     """One rank, in its own process: EPOCHS epochs of its part, in step with every rank; a rank
     that fails (a cache limit refused) says why and breaks the barrier, so no rank waits for it."""
-    os.environ.update(AWS_ENDPOINT_URL=endpoint, RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local),
+                      LOCAL_WORLD_SIZE=str(local))  # as torchrun sets them: a node's ranks share its cache limit
     try:
         from loaders import Loader, MMapDataset
 
@@ -56,7 +57,9 @@ def _rank(rank: int, world: int, url: str, endpoint: str, cache: str, limit: int
         out.put((rank, got))
     except BaseException as exc:  # noqa: BLE001 - said to the parent, which reports the run as refused
         barrier.abort()
-        out.put((rank, {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}))
+        said = (str(exc).splitlines() or [""])[0][:300]
+        out.put((rank, {"error": f"{type(exc).__name__}: {said}" if said else type(exc).__name__,
+                        "broken": isinstance(exc, threading.BrokenBarrierError)}))
 
 
 def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: int, link_mb: float,
@@ -88,8 +91,8 @@ def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batc
     counts = [{"paths": {}} for _ in range(nodes)]
     with ExitStack() as stack:
         proxies = [stack.enter_context(link(endpoint, link_mb * 1e6, counts[k])) for k in range(nodes)]
-        procs = [ctx.Process(target=_rank, args=(k * ranks + r, world, url, proxies[k], str(work / f"node{k}"), limit,
-                                                 batch, EPOCHS, barrier, out))
+        procs = [ctx.Process(target=_rank, args=(k * ranks + r, world, ranks, url, proxies[k], str(work / f"node{k}"),
+                                                 limit, batch, EPOCHS, barrier, out))
                  for k in range(nodes) for r in range(ranks)]
         for p in procs:
             p.start()
@@ -109,7 +112,9 @@ def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batc
             p.join(timeout=60)
             if p.is_alive():
                 p.kill()
-    failed = [r["error"] for r in results.values() if isinstance(r, dict)]
+    # the rank whose failure broke the barrier first: the others only saw it broken
+    failed = sorted((r["broken"], r["error"]) for r in results.values() if isinstance(r, dict))
+    failed = [error for _, error in failed]
     if failed:
         return {"cache_share": share, "limit_bytes": limit, "refused": failed[0]}
     part = total / nodes
