@@ -27,6 +27,13 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
 
 
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     cores = os.cpu_count() or 1
     ap = argparse.ArgumentParser(prog="bench", description="mmpack benchmarks (tables, JSON, PNG)")
@@ -140,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--nodes", type=int, default=0, help="instead: a job of N nodes, each its own cache, ranks and "
                      "link of --link-mb MB/s, in block order at caches of 100%%, 50%% and 25%% of a node's share")
     re_.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: rank processes a node (default 2)")
+    re_.add_argument("--node-caches", type=_floats, default=[1.0, 0.5, 0.25],
+                     help="with --nodes: cache limits, as shares of a node's part of the dataset (default 1,0.5,0.25)")
 
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],

