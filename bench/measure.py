@@ -16,6 +16,16 @@ from pathlib import Path
 import numpy as np
 
 
+def timed_pass(loader) -> tuple[int, float, float]:
+    """(samples, seconds, seconds to the first batch) of one pass of a loader of labelled batches."""
+    start = time.perf_counter()
+    first, n = None, 0
+    for batch in loader:
+        n += len(batch["label"])
+        first = first or time.perf_counter() - start
+    return n, time.perf_counter() - start, first or 0.0
+
+
 def memcpy_rate(nbytes: int, reps: int = 10, threads: int = 1) -> float:
     """Bytes/s of numpy copies between two pre-touched buffers of `nbytes`, split over `threads`
     threads (numpy's copy releases the GIL), the best of `reps`: a limit that noise can only

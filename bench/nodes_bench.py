@@ -43,16 +43,15 @@ def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str
     try:
         from loaders import Loader, MMapDataset
 
+        from .measure import timed_pass
+
         ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
         loader = Loader(ds, batch, seed=0, order="block", rank=rank, world_size=world)
         got = []
         for _ in range(epochs):
             barrier.wait(timeout=WAIT_S)
-            start, first, n = time.perf_counter(), None, 0
-            for b in loader:
-                first = first if first is not None else time.perf_counter() - start
-                n += len(b["label"])
-            got.append({"samples": n, "seconds": time.perf_counter() - start, "first_batch_s": first or 0.0})
+            n, seconds, first = timed_pass(loader)
+            got.append({"samples": n, "seconds": seconds, "first_batch_s": first})
             barrier.wait(timeout=WAIT_S)  # the epoch over on every rank: the parent reads the counts
         out.put((rank, got))
     except BaseException as exc:  # noqa: BLE001 - said to the parent, which reports the run as refused
@@ -67,15 +66,12 @@ def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: i
     """The multi-node rows (see the module), one run per cache share."""
     from packer.remote import ShardCache
 
-    from .stores import link
-
     total = local.manifest.size_bytes
     index = ShardCache(url, work, local.manifest).index_bytes
     runs = []
     for share in shares:
         limit = None if share >= 1.0 else int(share * total / nodes) + index
-        runs.append(_run(url, endpoint, work / f"nodes-{share:g}", nodes, ranks, link_mb, batch, limit, share, total,
-                         link))
+        runs.append(_run(url, endpoint, work / f"nodes-{share:g}", nodes, ranks, link_mb, batch, limit, share, total))
         last = runs[-1]
         _say(f"{nodes} nodes x {ranks} ranks, cache {share:.0%} of a node's share: " + (last.get("refused") or "; ".join(
             f"node {k}: " + ", ".join(f"{e['share_of_part']:.2f}x" for e in node["epochs"])
@@ -84,7 +80,9 @@ def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: i
 
 
 def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batch: int, limit, share: float,
-         total: int, link) -> dict:
+         total: int) -> dict:
+    from .stores import link
+
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter a rank, as torchrun starts them
     world = nodes * ranks
     barrier, out = ctx.Barrier(world + 1), ctx.Queue()

@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from . import data
-from .measure import alternated
+from .measure import alternated, timed_pass
 from .stores import link, raw_get_rate
 from .loaders_bench import _prepared, machine, prepare_images
 
@@ -37,16 +37,6 @@ ZSTD_LEVEL = 3  # the compressed push's row (packer push --zstd's default)
 
 def _say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
-
-
-def _epoch(loader) -> tuple[int, float, float]:
-    """(samples, seconds, seconds to the first batch) of one pass."""
-    start = time.perf_counter()
-    first, n = None, 0
-    for batch in loader:
-        n += len(batch["label"])
-        first = first or time.perf_counter() - start
-    return n, time.perf_counter() - start, first or 0.0
 
 
 def bench_remote(args) -> dict:
@@ -100,7 +90,7 @@ def bench_remote(args) -> dict:
         Loader(local, **loader_kw)  # imports, first maps
         local_rates = []
         for _ in range(args.passes + 1):
-            n, s, _ = _epoch(Loader(local, **loader_kw))
+            n, s, _ = timed_pass(Loader(local, **loader_kw))
             local_rates.append(n / s)
         local_rate = statistics.median(local_rates[1:])
         _say(f"local disk {local_rate:,.0f} images/s")
@@ -109,7 +99,7 @@ def bench_remote(args) -> dict:
             ds = opened()
             cold.append(_cold(ds, total, loader_kw, drop=p < args.passes - 1))
         for _ in range(args.passes):
-            n, s, _ = _epoch(Loader(ds, **loader_kw))
+            n, s, _ = timed_pass(Loader(ds, **loader_kw))
             warm.append(n / s)
         cold_rate = statistics.median(c["bytes_per_s"] for c in cold)
         # the warm share from rounds alternating the two Loaders: rows timed apart differ by more
@@ -177,7 +167,7 @@ def _cold(ds, total: int, loader_kw: dict, drop: bool) -> dict:
     behind another's writes."""
     from loaders import Loader
 
-    n, s, first = _epoch(Loader(ds, **loader_kw))
+    n, s, first = timed_pass(Loader(ds, **loader_kw))
     if drop:
         shutil.rmtree(ds.root)
     return {"samples_per_s": n / s, "bytes_per_s": total / s, "link_bytes_per_s": ds.bytes_downloaded / s,
@@ -217,8 +207,6 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
     the limit, and what compression gives there."""
     from packer.remote import DOWNLOADS
 
-    from .stores import link, raw_get_rate
-
     if not mb_per_s:
         return None
     total = manifest.size_bytes
@@ -252,7 +240,7 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
         per_epoch = []
         for _ in range(2):
             before, crossed = ds.traffic, dict(counts)
-            n, s, _ = _epoch(loader)
+            n, s, _ = timed_pass(loader)
             after = ds.traffic
             if counts:
                 per_epoch.append({"link_share": (counts["bytes"] - crossed["bytes"]) / total,
@@ -285,7 +273,7 @@ def _rank(opened, local, rank: int, order: str, loader_kw: dict) -> dict:
     p = epochs.upcoming()
     ends = np.cumsum([s.num_samples for s in shards])
     touched = np.unique(np.searchsorted(ends, epochs.ids(p, 0, epochs.per_rank()), side="right"))
-    n, _, _ = _epoch(loader)
+    n, _, _ = timed_pass(loader)
     return {"rank": rank, "order": order, "images": len(local), "downloaded_share": ds.bytes_downloaded / total,
             "touched_share": sum(shards[k].size_bytes for k in touched.tolist()) / total, "samples": n}
 

@@ -31,8 +31,8 @@ from .watching import Stop, Watch
 LINGER_S = 10.0  # how long the script may still run after it wrote its report
 REPORT_ENV = "MMPACK_DOCTOR_REPORT"
 STEPS_ENV = "MMPACK_DOCTOR_STEPS"
-PROBES_ENV = "MMPACK_DOCTOR_PROBES"
-RANKS_ENV = "MMPACK_DOCTOR_RANKS"  # a torchrun job's folder: each rank writes rank-<RANK>.json there  # "0": the loop only (a rerun), no run of the loader after it
+PROBES_ENV = "MMPACK_DOCTOR_PROBES"  # "0": the loop only (a rerun), no run of the loader after it
+RANKS_ENV = "MMPACK_DOCTOR_RANKS"  # a torchrun job's folder: each rank writes rank-<RANK>.json there
 
 
 def run(command: list[str], *, steps: int | None, deadline_s: float | None = None, confirm: int = 0,
@@ -63,11 +63,9 @@ def run(command: list[str], *, steps: int | None, deadline_s: float | None = Non
 def _job(command: list[str], steps: int | None, deadline_s: float | None) -> Report:
     """A torchrun job, every rank watched (`ranks`): the straggler's report with the job's figures."""
     with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
-        env = {**os.environ, RANKS_ENV: tmp, STEPS_ENV: str(steps or "")}
-        if deadline_s is not None:
-            env[DEADLINE_ENV] = str(deadline_s)
         started = time.perf_counter()
-        proc = subprocess.Popen(torchrun_command(command), env=env, start_new_session=True)
+        proc = subprocess.Popen(torchrun_command(command), env=_env(steps, deadline_s, {RANKS_ENV: tmp}),
+                                start_new_session=True)
         with _group_ends_with_us(proc):
             code, _ = _wait(proc, Path(tmp) / "never")
         straggler, ranks = ranks_job(read_all(Path(tmp)))
@@ -87,12 +85,10 @@ def _once(command: list[str], steps: int | None, deadline_s: float | None, extra
         print(f"bench doctor: {note}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="mmpack-doctor-") as tmp:
         out = Path(tmp) / "report.json"
-        env = {**os.environ, REPORT_ENV: str(out), STEPS_ENV: str(steps or ""), **extra}
-        if deadline_s is not None:
-            env[DEADLINE_ENV] = str(deadline_s)
         started = time.perf_counter()
         proc = subprocess.Popen([python, *options, "-c", "import sys; from bench.doctor import child_main; "
-                                 "child_main(sys.argv[1:])", *target], env=env, start_new_session=True)
+                                 "child_main(sys.argv[1:])", *target], env=_env(steps, deadline_s, {REPORT_ENV: str(out), **extra}),
+                                start_new_session=True)
         with _group_ends_with_us(proc):
             code, lingered = _wait(proc, out)
         if not out.exists():
@@ -102,6 +98,14 @@ def _once(command: list[str], steps: int | None, deadline_s: float | None, extra
     r.command, r.exit_code, r.python = command, code, python
     r.note = "; ".join(n for n in (note, lingered) if n) or None
     return r
+
+
+def _env(steps: int | None, deadline_s: float | None, extra: dict) -> dict:
+    """The child's environment: this one, with the step limit, the deadline and `extra`."""
+    env = {**os.environ, STEPS_ENV: str(steps or ""), **extra}
+    if deadline_s is not None:
+        env[DEADLINE_ENV] = str(deadline_s)
+    return env
 
 
 def _wait(proc: subprocess.Popen, report: Path) -> tuple[int, str | None]:

@@ -63,10 +63,9 @@ def _from_loop(loop: Loop) -> Headline | None:
 def _from_steps(s: OptimizerSteps) -> Headline:
     """The headline of a loop seen from its optimizer's steps: the function that holds it most."""
     top = s.functions[0].share if s.functions else 0.0
-    iteration_ms = (s.iteration.total_s or 0.0) * 1e3 / max(s.iteration.n, 1)
-    parts = s.top_ms or [0.0] * s.iteration.n
+    wholes = s.iteration_ms or []
     au = 1.0 - s.cuda_events.gap_share if s.cuda_events else s.model_share or 0.0
-    return headline(top, au, parts, [iteration_ms] * len(parts), DATA_BOUND)
+    return headline(top, au, s.top_ms or [0.0] * len(wholes), wholes, DATA_BOUND)
 
 
 def _answer(got):

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from .report import RankFigures, Ranks, Report, read_report
+from .rerun import rate
 from .verdict import DATA_BOUND
 
 RANK_MODULE = "bench.doctor.rank"
@@ -54,17 +55,12 @@ def torchrun_command(command: list[str]) -> list[str] | None:
             *args.training_script_args]
 
 
-def per_second(r: Report) -> float | None:
-    total = sum(s.wait_ms + s.step_ms for s in r.loop.per_step) if r.loop else 0
-    return 1e3 * len(r.loop.per_step) / total if total else None
-
-
 def figures(rank: int, r: Report) -> RankFigures:
     steps = r.loop.per_step if r.loop else []
     n = max(len(steps), 1)
     return RankFigures(rank=rank, batches=r.batches or 0, wait_share=r.loop.wait_share if r.loop else None,
                        wait_ms=sum(s.wait_ms for s in steps) / n, step_ms=sum(s.step_ms for s in steps) / n,
-                       steps_per_s=per_second(r), error=r.run.error if r.run else None)
+                       steps_per_s=rate(steps), error=r.run.error if r.run else None)
 
 
 def job(reports: dict[int, Report]) -> tuple[Report | None, Ranks | None]:

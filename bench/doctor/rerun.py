@@ -31,8 +31,7 @@ def steps_per_s(r: Report) -> float | None:
     """Iterations a second of a run's loop (its first batch aside): from the loader's waits and
     steps, else the optimizer's iterations."""
     if r.loop and r.loop.per_step:
-        total_ms = sum(s.wait_ms + s.step_ms for s in r.loop.per_step)
-        return 1e3 * len(r.loop.per_step) / total_ms if total_ms > 0 else None
+        return rate(r.loop.per_step)
     if r.steps and r.steps.iteration.n and r.steps.iteration.total_s:
         return r.steps.iteration.n / r.steps.iteration.total_s
     return None
@@ -60,13 +59,14 @@ def replayed(before: Report, again: Report, asked: int) -> Replay | None:
     if not (again.loop and len(again.loop.per_step) > kept and before.loop and len(before.loop.per_step) > kept):
         return None
     served, yours = again.loop.per_step[kept:], before.loop.per_step[kept:]  # per_step starts at the second batch
-    rate, mine = _rate(served), _rate(yours)
-    return Replay(kept=kept, steps=len(served), steps_per_s=rate, yours_steps_per_s=mine,
-                  data_cost=max(0.0, 1 - mine / rate) if rate and mine else None,
+    ceiling, mine = rate(served), rate(yours)
+    return Replay(kept=kept, steps=len(served), steps_per_s=ceiling, yours_steps_per_s=mine,
+                  data_cost=max(0.0, 1 - mine / ceiling) if ceiling and mine else None,
                   step_p50_ms=_p50([s.step_ms for s in served]), yours_step_p50_ms=_p50([s.step_ms for s in yours]))
 
 
-def _rate(steps) -> float | None:
+def rate(steps) -> float | None:
+    """Steps a second over `steps` (each a wait and a step, in ms)."""
     total_ms = sum(s.wait_ms + s.step_ms for s in steps)
     return 1e3 * len(steps) / total_ms if total_ms > 0 else None
 

@@ -128,12 +128,13 @@ class Steps:
         for t, w, label in self.samples:  # the top function's time in each iteration: how sure its share is
             if label == top and first < t <= last:
                 top_ms[bisect.bisect_left(self.times, t) - 1] += 1e3 * w
-        return OptimizerSteps(steps=len(self.times), iteration=Stats.of([b - a for a, b in zip(self.times, self.times[1:])]),
+        gaps = [b - a for a, b in zip(self.times, self.times[1:])]
+        return OptimizerSteps(steps=len(self.times), iteration=Stats.of(gaps),
                               samples=len(inside), model_share=model / total if total else None,
                               loop_share=own / total if total else None,
                               outside_share=(total - model - own) / total if total else None, functions=other,
                               top_ms=top_ms if top else None, cuda_events=self.cuda.report(),
-                              iteration_ms=[1e3 * (b - a) for a, b in zip(self.times, self.times[1:])])
+                              iteration_ms=[1e3 * g for g in gaps])
 
 
 def _folder(package: str) -> str:

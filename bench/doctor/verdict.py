@@ -168,7 +168,7 @@ def _alone_run(r: Report):
 
 def _alone(r: Report) -> float | None:
     """The loader's rate alone, after the loop."""
-    measured = (r.probes or Probes()).loader_alone
+    measured = _alone_run(r)
     return measured.samples_per_s if measured else None
 
 

@@ -34,6 +34,10 @@ def files() -> tuple[Path, Path]:
             Path(env.get("AWS_CONFIG_FILE") or "~/.aws/config").expanduser())
 
 
+def profile_name() -> str:
+    return os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+
+
 def profile_provider():
     """A credential provider for the S3 client where the keys come from a profile, else None
     (the client's own chain: keys in the environment, or a source it refreshes itself)."""
@@ -42,12 +46,12 @@ def profile_provider():
         return None
     if not (env.get("AWS_PROFILE") or any(f.is_file() for f in files())):
         return None  # instance metadata, or nothing: the client's chain says which
-    return Profile(env.get("AWS_PROFILE") or env.get("AWS_DEFAULT_PROFILE") or "default")
+    return Profile(profile_name())
 
 
 def profile_region() -> str | None:
     """The profile's region (its config file), where the environment names none."""
-    name = os.environ.get("AWS_PROFILE") or os.environ.get("AWS_DEFAULT_PROFILE") or "default"
+    name = profile_name()
     config = _read(files()[1])
     section = name if name == "default" else f"profile {name}"
     return config.get(section, "region", fallback=None) if config.has_section(section) else None
@@ -68,7 +72,8 @@ class Profile:
         with self.lock:
             path = files()[0]
             try:
-                stamp = (path.stat().st_mtime_ns, path.stat().st_size)
+                st = path.stat()
+                stamp = (st.st_mtime_ns, st.st_size)
             except OSError:
                 stamp = None
             if stamp != self.seen or self.keys is None:

@@ -27,8 +27,10 @@ def entry_dir(url: str, manifest: fmt.Manifest, cache_dir: str | Path | None) ->
     """The cache dir of the build `manifest` at `url`: a push after this open is another one."""
     digest = hashlib.sha256(f"{url}\0{manifest.generation}\0{manifest.to_json()}".encode()).hexdigest()[:16]
     if cache_dir:
-        placement.check(Path(cache_dir))
-    base = Path(cache_dir) if cache_dir else placement.node_local(transfer.DEFAULT_CACHE)
+        base = Path(cache_dir)
+        placement.check(base)
+    else:
+        base = placement.node_local(transfer.DEFAULT_CACHE)
     return base / Remote(url).bucket / digest
 
 
