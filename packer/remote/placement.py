@@ -43,9 +43,9 @@ def mounts() -> list[tuple[str, str]]:
 
 
 def fs_type(path: Path) -> str | None:
-    """The type of the file system `path` is on (its longest mount point), read without touching
-    `path` itself (a dead network mount would hang a stat)."""
-    where = os.path.abspath(path)
+    """The type of the file system `path` is on: that of the longest mount point holding it once
+    its symlinks are resolved (a local `~/.cache` linked to an NFS dir is on NFS)."""
+    where = os.path.realpath(path)
     best, kind = "", None
     for point, fstype in mounts():
         if (where == point or where.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):

@@ -1374,6 +1374,10 @@ def test_a_cache_on_a_network_file_system_is_refused_unless_said_node_private(s3
     with pytest.raises(ConfigError, match=r"on nfs4, a network file system.*MMPACK_CACHE_NODE_PRIVATE=1") as exc:
         MMapDataset(url, cache_dir=shared / "cache")
     assert "\n" not in str(exc.value) and not (shared / "cache").exists()
+    shared.mkdir()
+    (tmp_path / "linked").symlink_to(shared)  # a local-looking path into the NFS mount is on NFS too
+    with pytest.raises(ConfigError, match="on nfs4, a network file system"):
+        MMapDataset(url, cache_dir=tmp_path / "linked" / "cache")
     monkeypatch.setenv("MMPACK_CACHE_NODE_PRIVATE", "1")
     assert len(MMapDataset(url, cache_dir=shared / "cache")) == len(MMapDataset(built["images"]))
     monkeypatch.delenv("MMPACK_CACHE_NODE_PRIVATE")
