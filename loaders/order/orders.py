@@ -6,7 +6,8 @@ whose image is >= N is mapped again until it lands inside [0, N)): a permutation
 chosen by (seed, epoch). `block`: for data larger than RAM, blocks of `block_size`
 consecutive ids in a random order, then the ids inside consecutive windows of `window` positions
 shuffled (each window by its own Feistel key): every read stays within a few blocks, so disk
-access is near-sequential. `sequential`: the identity. Pure functions of integers (`Permutation`
+access is near-sequential; cut in `parts` (one per rank), each part's blocks are the same every
+epoch, as Streaming assigns shards to nodes (`_pinned`). `sequential`: the identity. Pure functions of integers (`Permutation`
 only holds the keys); `loaders.order.sampler` deals the positions to ranks and counts the cursor.
 """
 
@@ -20,6 +21,7 @@ import numpy as np
 Order = Literal["random", "sequential", "block"]
 ORDERS = ("random", "sequential", "block")
 ROUNDS = 8  # Feistel rounds: 4 make a strong pseudo-random permutation of a random round function
+PIN = 0x50494E  # the purpose that keys block order's assignment of blocks to parts
 _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
@@ -111,14 +113,15 @@ class Permutation:
     is ever made."""
 
     def __init__(self, num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,
-                 window: int = 8192):
+                 window: int = 8192, parts: int = 1):
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
-        if block_size <= 0 or window <= 0:
-            raise ValueError("block_size and window must be positive")
+        if block_size <= 0 or window <= 0 or parts <= 0:
+            raise ValueError("block_size, window and parts must be positive")
         self.num_samples, self.order, self.block_size, self.window = num_samples, order, block_size, window
-        self.epoch = epoch
+        self.epoch, self.parts = epoch, parts
         self.key = derive_key(seed, epoch, ORDERS.index(order))
+        self.pin_key = derive_key(seed, ORDERS.index(order), PIN)  # no epoch: which blocks a part holds
 
     def __call__(self, positions) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
@@ -129,6 +132,8 @@ class Permutation:
             return positions.copy()
         if self.order == "random":
             return permute(positions, n, self.key)
+        if self.parts > 1:
+            return self._pinned(positions)
         return self._block(positions)
 
     def _block(self, positions: np.ndarray) -> np.ndarray:
@@ -154,6 +159,53 @@ class Permutation:
         return out
 
 
+    def _pinned(self, positions: np.ndarray) -> np.ndarray:
+        """Block order cut in `parts` contiguous parts (`sampler.sliced`'s), each holding the same
+        blocks every epoch: a rank (and so a node) whose part is cached reads nothing again.
+        1. A position moves inside its part's window of `w` positions (windows counted from the
+           part's start, so no position leaves its part).
+        2. The block slots wholly inside each part are shuffled among themselves by the epoch's
+           key (a slot two parts share stays), then all slots are mapped to blocks by a
+           permutation without the epoch (`pin_key`): which blocks a part holds is chosen at
+           random once, the order it reads them in every epoch. The short tail block stays last."""
+        n, w, bs, parts = self.num_samples, self.window, self.block_size, self.parts
+        part = _part_of(positions, n, parts)
+        first = _part_start(part, n, parts)
+        local = positions - first
+        size = _part_start(part + 1, n, parts) - first
+        start = local // w * w
+        windows = part.astype(np.uint64) * np.uint64(1 << 32) + (local // w).astype(np.uint64)
+        seq = first + start + permute(local - start, np.minimum(size - start, w), _window_keys(self.key, windows))
+        full_blocks = n // bs
+        out = seq.copy()
+        inside = seq < full_blocks * bs
+        if inside.any():
+            slot, group = seq[inside] // bs, part[inside]
+            low = -(-_part_start(group, n, parts) // bs)  # the slots wholly inside the part
+            high = _part_start(group + 1, n, parts) // bs
+            own = (slot >= low) & (slot < high)  # a slot two parts share is read by both, unshuffled
+            slot[own] = low[own] + permute(slot[own] - low[own], (high - low)[own],
+                                           _window_keys(self.key, group[own] + np.int64(1 << 40)))
+            out[inside] = permute(slot, full_blocks, self.pin_key) * bs + seq[inside] % bs
+        return out
+
+
+def _part_start(part: np.ndarray, n: int, parts: int) -> np.ndarray:
+    """The first position of each part of [0, n) cut in `parts` (`sampler.sliced`'s cut: part s
+    holds n // parts positions, one more for s < n % parts); part `parts` starts at n."""
+    base, extra = divmod(n, parts)
+    return part * base + np.minimum(part, extra)
+
+
+def _part_of(positions: np.ndarray, n: int, parts: int) -> np.ndarray:
+    """The part of [0, n) cut in `parts` that holds each position (the inverse of `_part_start`)."""
+    base, extra = divmod(n, parts)
+    long = extra * (base + 1)  # the positions of the parts one longer
+    if base == 0:
+        return positions.copy()
+    return np.where(positions < long, positions // (base + 1), extra + (positions - long) // base)
+
+
 def _window_keys(key: int, windows: np.ndarray) -> np.ndarray:
     keys = _mix(windows.astype(np.uint64) + np.uint64(1))
     keys ^= np.uint64(key)
@@ -161,8 +213,9 @@ def _window_keys(key: int, windows: np.ndarray) -> np.ndarray:
 
 
 def epoch_order(num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,
-                window: int = 8192) -> np.ndarray:
+                window: int = 8192, parts: int = 1) -> np.ndarray:
     """The whole epoch's order, int64 [num_samples]: for tests and small datasets; readers ask
     `Permutation` for the positions they need."""
-    perm = Permutation(num_samples, order=order, seed=seed, epoch=epoch, block_size=block_size, window=window)
+    perm = Permutation(num_samples, order=order, seed=seed, epoch=epoch, block_size=block_size, window=window,
+                       parts=parts)
     return perm(np.arange(num_samples, dtype=np.int64))

@@ -27,8 +27,9 @@ from packer.errors import ConfigError
 from loaders.order.orders import ORDERS, Order, Permutation
 
 CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
-STATE_VERSION = 4  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
-READS = (2, 3, 4)  # 2: no slices (the global order was the epoch's order: one slice); 2, 3: no drop_last, buckets
+STATE_VERSION = 5  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
+READS = (2, 3, 4, 5)  # 2: no slices (the global order was the epoch's order: one slice); 2, 3: no drop_last,
+# buckets; 2-4: block order's parts not pinned (each epoch dealt all blocks anew: `Pass.pinned`)
 REBUILD = "load it into a loader built like the one that saved it"
 KEY_LIMIT = 1 << 64  # seeds and epochs key the orders as 64-bit integers: larger ones would wrap
 
@@ -124,6 +125,7 @@ class Pass:
     cursor: int
     num_batches: int
     slices: int = 1  # the parts of the epoch's order walked side by side (`sliced`)
+    pinned: bool = True  # block order: each part holds the same blocks every epoch (False: a state before)
 
 
 class Epochs:
@@ -158,6 +160,7 @@ class Epochs:
         self.epoch = 0
         self.cursor = 0
         self.slices = self.fresh_slices()  # of the epoch in progress
+        self.pinned = True  # of the epoch in progress: False for a resumed state of version 4 or earlier
         self.resuming = False  # a loaded state's cursor is where the next pass starts
         self.partial = False  # a pass started and not taken to its end: the next one takes a new epoch
         self._perm: tuple | None = None  # (epoch, its positions -> ids)
@@ -178,8 +181,9 @@ class Epochs:
         """The pass the next iteration makes, without starting it: from a loaded state's cursor,
         else an epoch from its beginning (the next one after a pass left early)."""
         epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
-        slices = self.slices if self.next_cursor else self.fresh_slices()  # a resumed epoch keeps its parts
-        return Pass(epoch, self.next_cursor, self.num_batches(), slices)
+        if self.next_cursor:  # a resumed epoch keeps its parts, cut as they were
+            return Pass(epoch, self.next_cursor, self.num_batches(), self.slices, self.pinned)
+        return Pass(epoch, 0, self.num_batches(), self.fresh_slices())
 
     def fresh_slices(self) -> int:
         """The parts of an epoch started now: one per rank. A mixture's stream or batches
@@ -191,7 +195,7 @@ class Epochs:
         cursor is used once."""
         p = self.upcoming()
         self.epoch, self.cursor, self.resuming, self.partial = p.epoch, p.cursor, False, True
-        self.slices = p.slices
+        self.slices, self.pinned = p.slices, p.pinned
         return p
 
     def per_rank(self, cursor: int | None = None) -> int:
@@ -213,12 +217,13 @@ class Epochs:
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     def _ids_of_chunk(self, p: Pass, c: int) -> np.ndarray:
-        key = (p.epoch, p.cursor, p.slices, c)
+        key = (p.epoch, p.cursor, p.slices, p.pinned, c)
         if self._chunk is None or self._chunk[0] != key:
             stop = min((c + 1) * CHUNK, self.per_rank(p.cursor))
             pos = rank_positions(p.cursor, c * CHUNK, stop, num_samples=self.num_samples, rank=self.rank,
                                  world_size=self.world_size, block=self.block)
-            self._chunk = (key, self.permutation(p.epoch)(sliced(pos, self.num_samples, p.slices)))
+            perm = self.permutation(p.epoch, p.slices if p.pinned else 1)
+            self._chunk = (key, perm(sliced(pos, self.num_samples, p.slices)))
         return self._chunk[1]
 
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
@@ -242,14 +247,15 @@ class Epochs:
         twin._perm = twin._chunk = None
         return twin
 
-    def permutation(self, epoch: int):
-        """Positions of `epoch` -> sample ids: the epoch's permutation, or a mixture's stream."""
-        if self._perm is None or self._perm[0] != epoch:
+    def permutation(self, epoch: int, parts: int = 1):
+        """Positions of `epoch` -> sample ids: the epoch's permutation (block order's cut in
+        `parts`, each holding its blocks every epoch), or a mixture's stream."""
+        if self._perm is None or self._perm[0] != (epoch, parts):
             if self.stream is not None:
                 ids = self.stream.order_for(order=self.order, seed=self.seed, epoch=epoch, num_samples=self.num_samples)
             else:
-                ids = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch)
-            self._perm = (epoch, ids)
+                ids = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch, parts=parts)
+            self._perm = ((epoch, parts), ids)
         return self._perm[1]
 
     def taken(self, p: Pass, batches: int) -> None:
@@ -266,7 +272,7 @@ class Epochs:
         state = {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
                  "order": self.order, "seed": self.seed, "drop_last": bool(self.drop_last),
                  "buckets": dict(self.buckets) if self.buckets is not None else None, "epoch": self.epoch,
-                 "cursor": self.cursor, "slices": self.slices}
+                 "cursor": self.cursor, "slices": self.slices, "pinned": self.pinned}
         if hasattr(self.stream, "source_state"):  # a mixture's sources' own epochs and cursors, for the record
             state["sources"] = self.stream.source_state(self.epoch, self.cursor)
         return state
@@ -297,7 +303,11 @@ class Epochs:
         slices = state.get("slices", 1) if state["version"] == 2 else state.get("slices")
         if type(slices) is not int or not 1 <= slices < 1 << 31 or (slices > 1 and self.stream is not None):
             raise ConfigError(f"the state's slices {slices!r} are not valid for this loader")
+        pinned = state.get("pinned") if state["version"] >= 5 else False
+        if type(pinned) is not bool:
+            raise ConfigError(f"the state's pinned {pinned!r} is not valid (a bool)")
         self.epoch, self.cursor, self.slices, self.resuming, self.partial = epoch, cursor, slices, True, False
+        self.pinned = pinned
 
     def check_grouping(self, state: dict) -> None:
         """A ConfigError, naming what differs, when the state's batches were made otherwise than

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders.order.orders import Permutation, epoch_order
-from loaders.order.sampler import Epochs, resolve_topology, sliced, worker_batches
+from loaders.order.sampler import Epochs, Pass, resolve_topology, sliced, worker_batches
 from packer.errors import ConfigError
 
 orders = st.sampled_from(["random", "sequential", "block"])
@@ -67,6 +67,66 @@ def test_block_order_stays_local():
     where[ids] = np.arange(100_000)
     spread = [np.ptp(where[b * 1000:(b + 1) * 1000]) for b in range(100)]
     assert max(spread) < 2 * 4000
+
+
+@settings(max_examples=150, deadline=None)
+@given(n=st.integers(0, 4000), parts=st.integers(2, 12), block=st.integers(1, 300), window=st.integers(1, 900),
+       seed=st.integers(0, 2**63))
+def test_block_order_in_parts_keeps_each_parts_blocks_every_epoch(n, parts, block, window, seed):
+    """Cut in parts (one per rank), block order is still a permutation each epoch, and each part
+    reads the same blocks every epoch, in another order: a node whose share is cached fetches
+    nothing in the next epoch (a part reads past its own blocks only in the block two parts share)."""
+    from loaders.order.orders import _part_start
+
+    starts = _part_start(np.arange(parts + 1), n, parts)
+    epochs = [epoch_order(n, order="block", seed=seed, epoch=e, block_size=block, window=window, parts=parts)
+              for e in range(3)]
+    held = []
+    for ids in epochs:
+        assert np.array_equal(np.sort(ids), np.arange(n))
+        held.append([set((ids[starts[k]:starts[k + 1]] // block).tolist()) for k in range(parts)])
+        for k in range(parts):  # about its share of blocks: the ones wholly its own, and at most two shared
+            own = starts[k + 1] // block - -(-starts[k] // block)
+            assert len(held[-1][k]) <= max(own, 0) + 2
+    assert held[0] == held[1] == held[2]
+    if n >= 4 * block * parts and n >= 2 * window:  # the order within a part changes by epoch
+        assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_ranks_in_block_order_read_the_same_blocks_every_epoch_and_an_older_state_resumes_as_dealt():
+    """Through the sampler: each of 4 ranks reads the same blocks in epochs 0, 1 and 2; together they
+    read each id once an epoch. A state of version 4 (block order dealt anew each epoch) resumes
+    its epoch in the order that wrote it, and the next epoch is pinned."""
+    n, world, batch = 20_000, 4, 16
+
+    def blocks(plan, p):
+        return set((plan.ids(p, 0, plan.per_rank(p.cursor)) // 1024).tolist())
+
+    seen = {}
+    for r in range(world):
+        plan = Epochs(n, batch, shuffle=True, order="block", seed=5, drop_last=False, rank=r, world_size=world)
+        for epoch in range(3):
+            plan.set_epoch(epoch)
+            p = plan.start()
+            ids = plan.ids(p, 0, plan.per_rank())
+            seen.setdefault(epoch, []).append(ids)
+            assert blocks(plan, p) == blocks(plan, Pass(0, 0, p.num_batches, world))
+            plan.taken(p, p.num_batches)
+    for epoch, parts in seen.items():
+        assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(n))
+    old = {"version": 4, "source": "", "num_samples": n, "order": "block", "seed": 5, "drop_last": False,
+           "buckets": None, "epoch": 1, "cursor": 64, "slices": world}
+    plan = Epochs(n, batch, shuffle=True, order="block", seed=5, drop_last=False, rank=2, world_size=world)
+    plan.load_state_dict(old)
+    p = plan.start()
+    assert not p.pinned
+    dealt = Permutation(n, order="block", seed=5, epoch=1)(sliced(64 + 2 + world * np.arange(8), n, world))
+    assert plan.ids(p, 0, 8).tolist() == dealt.tolist()
+    assert plan.state_dict()["pinned"] is False
+    plan.taken(p, p.num_batches)
+    assert plan.start().pinned and plan.state_dict()["version"] == 5
+    with pytest.raises(ConfigError, match="pinned"):
+        plan.load_state_dict({**plan.state_dict(), "pinned": 1})
 
 
 def _chi2_z(counts: np.ndarray) -> float:
@@ -257,7 +317,7 @@ def test_ranks_read_their_own_part_of_the_epoch_and_a_state_without_slices_resum
     p = plan.start()
     assert p.slices == 1 and plan.ids(p, 0, 4).tolist() == [97, 99, 101, 103]
     plan.taken(p, p.num_batches)
-    assert plan.start().slices == 2 and plan.state_dict()["version"] == 4
+    assert plan.start().slices == 2 and plan.state_dict()["version"] == 5
     with pytest.raises(ConfigError, match="slices"):
         plan.load_state_dict({**plan.state_dict(), "slices": 0})
 
