@@ -213,11 +213,11 @@ def raw_get_rate(url: str, manifest, threads: int, into: Path | None = None, mos
     removed): what the node's disk lets a cold cache take."""
     import obstore as obs
 
-    from packer.remote.client import store as client
+    from packer.remote import client
     from packer.remote.url import Remote
 
     remote = Remote(url)
-    store = client(remote)
+    store = client.store(remote)
     files = [f for s in manifest.shards for f in s.files]
     if most_bytes is not None:
         files.sort(key=lambda f: -f.size_bytes)
@@ -226,9 +226,9 @@ def raw_get_rate(url: str, manifest, threads: int, into: Path | None = None, mos
 
     def get(entry) -> int:
         if into is None:
-            return sum(len(chunk) for chunk in obs.get(store, remote.key(entry.path)))
+            return sum(len(chunk) for chunk in client.get(obs, store, remote.key(entry.path)))
         with open(into / entry.path.replace("/", "-"), "wb") as f:
-            for chunk in obs.get(store, remote.key(entry.path)):
+            for chunk in client.get(obs, store, remote.key(entry.path)):
                 f.write(chunk)
             return f.tell()
     if into is not None:

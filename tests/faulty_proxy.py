@@ -4,6 +4,7 @@ after the list, pass through untouched):
 
     "reset"  the connection closed at once with a TCP reset, before any answer
     "503"    answered `503 Service Unavailable`, the connection closed
+    "slowdown" answered `503 Slow Down` with S3's SlowDown error, as S3 throttles a prefix
     "slow"   passed on after a 0.5 s pause
     "silent" never answered: the connection stays open and says nothing
     "long"   passed on, LONG_BYTES more bytes after its answer's body (its length says so): an
@@ -122,6 +123,12 @@ class FaultyProxy:
                         return
                     if fault == "reset":
                         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        return
+                    if fault == "slowdown":
+                        body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+                                b"<Message>Please reduce your request rate.</Message></Error>")
+                        client.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                                       + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
                         return
                     if fault == "503":
                         client.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")

@@ -16,7 +16,7 @@ import os
 from datetime import timedelta
 
 from packer.errors import ConfigError, IntegrityError
-from packer.remote import credentials
+from packer.remote import credentials, pace
 from packer.remote.url import CREDENTIALS, Remote
 
 # How long a request is tried again, from its first try, before it is an error: a store that
@@ -85,24 +85,36 @@ def store(remote: Remote):
 
 def deadline_s() -> float:
     """MMPACK_REMOTE_DEADLINE, else DEADLINE_S; a value that is no positive number is one line."""
-    text = os.environ.get("MMPACK_REMOTE_DEADLINE", "").strip()
-    if not text:
-        return DEADLINE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ConfigError(f"MMPACK_REMOTE_DEADLINE={text!r}: give the seconds a request may be tried again, e.g. 120")
-    return value
+    return pace.setting("MMPACK_REMOTE_DEADLINE", DEADLINE_S, "the seconds a request may be tried again, e.g. 120")
 
 
 def retry_config() -> dict:
-    """Refused connections, resets, timeouts and 5xx tried again until the deadline (not a count:
-    ten quick refusals were over in 5 s, inside any restart), backoff doubling from 0.1 s to 5 s
-    with full jitter (the client's own), so a store back after a minute is found within seconds."""
-    return {"max_retries": 1000, "retry_timeout": timedelta(seconds=deadline_s()),
+    """One try a call: every request is tried again by `request` (`pace`), which sees the
+    answers the client's own retries hid (a 503 SlowDown) and paces the requests by them."""
+    return {"max_retries": 0, "retry_timeout": timedelta(seconds=deadline_s()),
             "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2}}
+
+
+def request(make):
+    """`make()`, one request to a store, paced with this process's others and tried again after
+    refused or reset connections, timeouts, 5xx and throttling until the deadline (not a count:
+    ten quick refusals were over in 5 s, inside any restart), so a store back after a minute is
+    found within seconds: `pace`."""
+    return pace.pace().call(make, deadline_s=deadline_s())
+
+
+def get(obs, store, key: str, **options):
+    """obstore's GET of `key` (a stream of its bytes once the answer's head is in), as `request` makes it."""
+    return request(lambda: obs.get(store, key, **options))
+
+
+def put(obs, store, key: str, data, **options):
+    """obstore's PUT of `data` (bytes, or a file sent from its start each try), as `request` makes it."""
+    def once():
+        if hasattr(data, "seek"):
+            data.seek(0)
+        return obs.put(store, key, data, **options)
+    return request(once)
 
 
 def client_options() -> dict:
@@ -154,7 +166,7 @@ def errors(remote: Remote, what: str):
 def head(obs, client, key: str):
     """The object's head (`.meta`: its size; `.attributes`: its metadata), None where there is none."""
     try:
-        return obs.get(client, key, options={"head": True})
+        return get(obs, client, key, options={"head": True})
     except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
         if not_found(exc):
             return None

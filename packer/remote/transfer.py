@@ -149,18 +149,18 @@ def _publish(remote: Remote, root: Path, uploads: list[tuple], pointer: str, doc
             if _holds(obs, store, remote.key(path), size, checksum, name):
                 continue
             if made:  # bytes made for the store (a block list), not a file of the dir
-                obs.put(store, remote.key(path), made[0](), attributes={name: checksum})
+                client.put(obs, store, remote.key(path), made[0](), attributes={name: checksum})
             else:
                 with open(root / path, "rb") as f:
-                    obs.put(store, remote.key(path), f, attributes={name: checksum})
+                    client.put(obs, store, remote.key(path), f, attributes={name: checksum})
             if not _holds(obs, store, remote.key(path), size, checksum, name):
                 raise IntegrityError(f"{remote.where(path)}: uploaded, but the store holds another object; push again")
     with client.errors(remote, f"upload {pointer}"):
-        obs.put(store, remote.key(pointer), doc.encode())
+        client.put(obs, store, remote.key(pointer), doc.encode())
     other = fmt.ARCHIVE_NAME if pointer == fmt.MANIFEST_NAME else fmt.MANIFEST_NAME
     with client.errors(remote, f"remove the earlier {other}"):
         if client.size(obs, store, remote.key(other)) is not None:
-            obs.delete(store, remote.key(other))
+            client.request(lambda: obs.delete(store, remote.key(other)))
 
 
 def read_manifest(url: str) -> fmt.Manifest:
@@ -188,7 +188,7 @@ def read_pointer(remote: Remote) -> tuple[str, str]:
     store = client.store(remote)
 
     def text(name: str) -> str:
-        got = obs.get(store, remote.key(name))
+        got = client.get(obs, store, remote.key(name))
         if got.meta["size"] > archive.ARCHIVE_JSON_BYTES:  # not one of ours: not read into memory
             raise IntegrityError(f"{remote.where(name)}: over {archive.ARCHIVE_JSON_BYTES:,} bytes; not an mmpack {name}")
         return bytes(got.bytes()).decode("utf-8")
@@ -261,7 +261,8 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
                     whole = _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
                 else:
                     gets += 1
-                    whole = read_stream(obs.get(store, remote.key(entry.path)), f, entry.size_bytes, digest) is not None
+                    whole = read_stream(client.get(obs, store, remote.key(entry.path)), f, entry.size_bytes,
+                                        digest) is not None
             f.truncate()
             f.flush()
             if whole and f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
@@ -288,7 +289,7 @@ def read_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, si
     restored = archive._Hashing(f, lambda: digest, limit=size, where=remote.where(packed.path))
     try:
         with zstandard.ZstdDecompressor().stream_writer(restored, closefd=False) as sink:
-            for chunk in obs.get(store, remote.key(packed.path)):
+            for chunk in client.get(obs, store, remote.key(packed.path)):
                 got += len(chunk)
                 if got > packed.size_bytes:
                     return False
@@ -334,7 +335,7 @@ def _read_range(obs, store, key: str, fd: int, start: int, end: int) -> bool:
     """Bytes [start, end) of the object written at the same offsets of `fd`, read as a stream
     and stopped at the range's end: False when the answer was longer (never buffered whole)."""
     at = start
-    for chunk in obs.get(store, key, options={"range": (start, end)}):
+    for chunk in client.get(obs, store, key, options={"range": (start, end)}):
         if at + len(chunk) > end:
             return False
         os.pwrite(fd, memoryview(chunk), at)
@@ -365,7 +366,8 @@ def get_small(store_of, url: str, path: str, size: int) -> bytes | None:
     out = io.BytesIO()
     with client.errors(remote, f"download {path}"):
         try:
-            got = read_stream(client.obstore(remote).get(store_of(), remote.key(path)), out, size, fmt.new_checksum())
+            got = read_stream(client.get(client.obstore(remote), store_of(), remote.key(path)), out, size,
+                              fmt.new_checksum())
         except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
             if client.not_found(exc):
                 return None

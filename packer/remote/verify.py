@@ -35,7 +35,7 @@ def verify(url: str, *, on_progress=None) -> dict:
             if compressed is not None:
                 whole = read_zstd(obs, store, remote, compressed, None, digest, entry.size_bytes)
             else:
-                whole = read_stream(obs.get(store, remote.key(entry.path)), None, entry.size_bytes, digest) == \
+                whole = read_stream(client.get(obs, store, remote.key(entry.path)), None, entry.size_bytes, digest) == \
                     entry.size_bytes
         if not whole or digest.hexdigest() != entry.checksum:
             raise IntegrityError(f"{remote.where((compressed or entry).path)}: its bytes do not match the checksum "

@@ -1035,6 +1035,34 @@ def test_resets_503s_pauses_and_flipped_bytes_on_the_wire_are_retried_to_the_loc
         proxy.close()
 
 
+def test_a_burst_of_slowdowns_is_ridden_out_with_fewer_requests_in_flight(s3, built, tmp_path, monkeypatch):
+    """S3's 503 SlowDown to 40 requests in a row, while ranged GETs are in flight at once: the
+    epoch is whole and every byte verified; the requests in flight were halved at the burst (and
+    only then: once per HOLD_S however many met it), and grew back after it."""
+    from packer.remote import pace as pacing
+    from packer.remote import transfer
+
+    from ..faulty_proxy import FaultyProxy
+
+    monkeypatch.setattr(transfer, "RANGE_BYTES", 16384)
+    monkeypatch.setattr(pacing, "_pace", None)  # this process's, made anew for the count
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    proxy = FaultyProxy(s3, ["slowdown"] * 40, target="/image.npy")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        ds, local = MMapDataset(url, cache_dir=tmp_path / "throttled"), MMapDataset(built["images"])
+        for a, b in zip(Loader(ds, 8, seed=4), Loader(local, 8, seed=4), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert proxy.used == ["slowdown"] * 40
+        seen = pacing.pace().report()
+        assert seen["throttled"] == 40 and seen["retries"] >= 40
+        assert seen["lowest"] <= transfer.RANGES / 2 and seen["window"] > seen["lowest"]
+        assert main(["verify", url]) == 0  # every byte of the store's objects against the manifest
+    finally:
+        proxy.close()
+
+
 def test_a_store_that_restarts_is_ridden_out_and_one_that_never_answers_is_an_error_in_seconds(s3, built, tmp_path,
                                                                                              monkeypatch, capsys):
     """Refused connections are tried again until the deadline, not ten times (over in about 2 s,
@@ -1098,7 +1126,7 @@ def test_refused_connections_are_tried_again_until_the_deadline_not_a_count(monk
     store = client.store(Remote("s3://mmpack/nothing"))
     start = time.monotonic()
     with pytest.raises(Exception):  # noqa: B017 - obstore's own error class, whichever version
-        obstore.get(store, "nothing/manifest.json")
+        client.get(obstore, store, "nothing/manifest.json")
     assert time.monotonic() - start >= 3.5
 
 
