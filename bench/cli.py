@@ -137,6 +137,8 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--shard-size", default="8MB", help="shard size of the dataset pushed (default 8MB)")
     re_.add_argument("--block-samples", type=int, default=65536, help="samples of the dataset of 16 px images "
                      "in 64 KB shards built for the block order's rows (many times its window; 0: none)")
+    re_.add_argument("--block-side", type=int, default=16, help="the side of those images in pixels (default 16; "
+                     "larger ones make the dataset's index a smaller share of it, for small cache limits)")
     re_.add_argument("--link-mb", type=float, default=100, help="also cold epochs, plain and zstd-compressed, through "
                      "a link of this many MB/s to the loopback server (default 100; 0: none)")
     re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
@@ -146,6 +148,10 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--workers", type=int, default=2, help="the peers' DataLoader workers (default 2)")
     re_.add_argument("--nodes", type=int, default=0, help="instead: a job of N nodes, each its own cache, ranks and "
                      "link of --link-mb MB/s, in block order at caches of 100%%, 50%% and 25%% of a node's share")
+    re_.add_argument("--block-window", type=int, default=8192, help="with --nodes: block order's window (Loader's "
+                     "block_window; default 8192)")
+    re_.add_argument("--throttle", action="store_true", help="instead: GETs through a store that throttles for 2 s "
+                     "(503 SlowDown), paced by mmpack and by the client's own retries")
     re_.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: rank processes a node (default 2)")
     re_.add_argument("--node-caches", type=_floats, default=[1.0, 0.5, 0.25],
                      help="with --nodes: cache limits, as shares of a node's part of the dataset (default 1,0.5,0.25)")

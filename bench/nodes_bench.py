@@ -35,7 +35,7 @@ def _say(text: str) -> None:
 
 
 def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str, limit: int | None, batch: int,
-          epochs: int, barrier, out) -> None:
+          epochs: int, barrier, out, window: int) -> None:
     """One rank, in its own process: EPOCHS epochs of its part, in step with every rank; a rank
     that fails (a cache limit refused) says why and breaks the barrier, so no rank waits for it."""
     os.environ.update(AWS_ENDPOINT_URL=endpoint, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank % local),
@@ -45,15 +45,19 @@ def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str
 
         from .measure import timed_pass
 
+        import warnings
+
         ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
-        loader = Loader(ds, batch, seed=0, order="block", rank=rank, world_size=world)
-        got = []
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            loader = Loader(ds, batch, seed=0, order="block", rank=rank, world_size=world, block_window=window)
+        warned, got = [str(w.message) for w in said], []
         for _ in range(epochs):
             barrier.wait(timeout=WAIT_S)
             n, seconds, first = timed_pass(loader)
             got.append({"samples": n, "seconds": seconds, "first_batch_s": first})
             barrier.wait(timeout=WAIT_S)  # the epoch over on every rank: the parent reads the counts
-        out.put((rank, got))
+        out.put((rank, {"epochs": got, "warned": warned}))
     except BaseException as exc:  # noqa: BLE001 - said to the parent, which reports the run as refused
         barrier.abort()
         said = (str(exc).splitlines() or [""])[0][:300]
@@ -62,7 +66,7 @@ def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str
 
 
 def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: int, link_mb: float,
-                batch: int, shares=SHARES) -> dict:
+                batch: int, shares=SHARES, window: int = 8192) -> dict:
     """The multi-node rows (see the module), one run per cache share."""
     from packer.remote import ShardCache
 
@@ -71,16 +75,18 @@ def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: i
     runs = []
     for share in shares:
         limit = None if share >= 1.0 else int(share * total / nodes) + index
-        runs.append(_run(url, endpoint, work / f"nodes-{share:g}", nodes, ranks, link_mb, batch, limit, share, total))
+        runs.append(_run(url, endpoint, work / f"nodes-{share:g}", nodes, ranks, link_mb, batch, limit, share, total,
+                         window))
         last = runs[-1]
         _say(f"{nodes} nodes x {ranks} ranks, cache {share:.0%} of a node's share: " + (last.get("refused") or "; ".join(
             f"node {k}: " + ", ".join(f"{e['share_of_part']:.2f}x" for e in node["epochs"])
             for k, node in enumerate(last["nodes"]))))
-    return {"nodes": nodes, "ranks_per_node": ranks, "link_mb_per_s": link_mb, "order": "block", "runs": runs}
+    return {"nodes": nodes, "ranks_per_node": ranks, "link_mb_per_s": link_mb, "order": "block", "block_window": window,
+            "runs": runs}
 
 
 def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batch: int, limit, share: float,
-         total: int) -> dict:
+         total: int, window: int) -> dict:
     from .stores import link
 
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter a rank, as torchrun starts them
@@ -90,7 +96,7 @@ def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batc
     with ExitStack() as stack:
         proxies = [stack.enter_context(link(endpoint, link_mb * 1e6, counts[k])) for k in range(nodes)]
         procs = [ctx.Process(target=_rank, args=(k * ranks + r, world, ranks, url, proxies[k], str(work / f"node{k}"),
-                                                 limit, batch, EPOCHS, barrier, out))
+                                                 limit, batch, EPOCHS, barrier, out, window))
                  for k in range(nodes) for r in range(ranks)]
         for p in procs:
             p.start()
@@ -111,7 +117,7 @@ def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batc
             if p.is_alive():
                 p.kill()
     # the rank whose failure broke the barrier first: the others only saw it broken
-    failed = sorted((r["broken"], r["error"]) for r in results.values() if isinstance(r, dict))
+    failed = sorted((r["broken"], r["error"]) for r in results.values() if "error" in r)
     failed = [error for _, error in failed]
     if failed:
         return {"cache_share": share, "limit_bytes": limit, "refused": failed[0]}
@@ -121,22 +127,24 @@ def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batc
         epochs = []
         for e in range(EPOCHS):
             nbytes, gets, seconds = per_epoch[e][k]
-            firsts = [results[k * ranks + r][e]["first_batch_s"] for r in range(ranks)]
+            firsts = [results[k * ranks + r]["epochs"][e]["first_batch_s"] for r in range(ranks)]
             epochs.append({"bytes": nbytes, "gets": gets, "share_of_part": nbytes / part, "seconds": seconds,
                            "link_share": nbytes / seconds / (link_mb * 1e6) if seconds else None,
                            "first_batch_s": statistics.median(firsts),
-                           "samples": sum(results[k * ranks + r][e]["samples"] for r in range(ranks))})
+                           "samples": sum(results[k * ranks + r]["epochs"][e]["samples"] for r in range(ranks))})
         shard_files = [n for path, n in counts[k]["paths"].items() if "/shard-" in path]  # (each process reads the manifest)
         rows.append({"node": k, "epochs": epochs, "most_gets_per_object": max(shard_files, default=0),
                      "objects": len(shard_files)})
-    return {"cache_share": share, "limit_bytes": limit, "nodes": rows}
+    warned = sorted({w for r in results.values() for w in r["warned"]})  # (one a rank: its own numbers)
+    return {"cache_share": share, "limit_bytes": limit, "nodes": rows, "warned": warned[0] if warned else None}
 
 
 def nodes_table(r: dict) -> list[str]:
     if not r:
         return []
     lines = ["", f"{r['nodes']} nodes x {r['ranks_per_node']} ranks, each node its own cache and a {r['link_mb_per_s']:g} "
-                 "MB/s link (counted at its proxy), block order: bytes over the node's link per epoch / its share of "
+                 f"MB/s link (counted at its proxy), block order (window {r.get('block_window', 8192):,}): bytes over the "
+                 "node's link per epoch / its share of "
                  "the dataset; its cold epoch's rate / the link's; median first batch; most GETs of one object",
              f"{'cache':>6} {'node':>4}  {'epoch 1':>8} {'epoch 2':>8} {'cold/link':>9} {'first s':>8} {'GETs/obj':>8}"]
     for run in r["runs"]:
@@ -148,6 +156,8 @@ def nodes_table(r: dict) -> list[str]:
             lines.append(f"{run['cache_share']:>6.0%} {node['node']:>4}  {e[0]['share_of_part']:>7.2f}x "
                          f"{e[-1]['share_of_part']:>7.2f}x {e[0]['link_share'] or 0:>8.0%} {e[0]['first_batch_s']:>8.2f} "
                          f"{node['most_gets_per_object']:>8}")
+        if run.get("warned"):
+            lines.append(f"{'':>6}    -  warned: {run['warned']}")
     return lines
 
 

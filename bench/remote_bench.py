@@ -73,6 +73,12 @@ def bench_remote(args) -> dict:
         def opened(limit=None, where=url):  # a fresh cache each: what a node that never read it downloads
             return MMapDataset(where, cache_dir=caches / str(next(fresh)), cache_limit=limit)
 
+        if getattr(args, "throttle", False) and args.url is None:  # a store that throttles, alone
+            from .throttle_bench import bench_throttle
+
+            keys = [f.path for s in local.manifest.shards for f in s.files if f.size_bytes <= 1 << 16]
+            return {"command": "bench remote --throttle", "machine": machine(), "url": "a SeaweedFS server on loopback",
+                    "throttle": bench_throttle(endpoint, url, keys)}
         if getattr(args, "nodes", 0) and args.url is None:  # the multi-node job alone, on the small images
             from .nodes_bench import bench_nodes
 
@@ -81,7 +87,8 @@ def bench_remote(args) -> dict:
                     "images": len(small), "shards": len(small.manifest.shards), "dataset_bytes": small.manifest.size_bytes,
                     "batch_size": args.batch_size, "nodes": bench_nodes(where, endpoint, small, caches, args.nodes,
                                                                          args.ranks_per_node, args.link_mb,
-                                                                         args.batch_size, args.node_caches)}
+                                                                         args.batch_size, args.node_caches,
+                                                                         getattr(args, "block_window", 8192))}
 
         raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
         to_disk = max(raw_get_rate(url, local.manifest, DOWNLOADS, into=caches / "raw") for _ in range(2))
@@ -155,8 +162,9 @@ def _small(work: Path, args, url: str):
     from loaders import MMapDataset
     import packer
 
+    side = getattr(args, "block_side", 16)
     _, small_out, _ = _prepared(work, "small", args.block_samples, lambda r: data.make_image_folders(
-        r, args.block_samples, seed=1, min_side=16, max_side=48), {"image_size": 16, "shard_size": "64KB"})
+        r, args.block_samples, seed=1, min_side=side, max_side=3 * side), {"image_size": side, "shard_size": "64KB"})
     packer.push(small_out, url + "-small")
     return MMapDataset(small_out), url + "-small"
 
@@ -293,6 +301,10 @@ def _rows_first_row(first: dict | None) -> list[str]:
 
 
 def remote_table(r: dict) -> str:
+    if "throttle" in r:
+        from .throttle_bench import throttle_table
+
+        return "\n".join(throttle_table(r["throttle"]))
     if "cold" not in r:  # --nodes
         from .nodes_bench import nodes_table
 
@@ -386,6 +398,10 @@ def plot_remote(r: dict, path: Path) -> None:
     from .report import _plt
 
     plt = _plt()
+    if "throttle" in r:
+        from .throttle_bench import plot_throttle
+
+        return plot_throttle(plt, r["throttle"], path)
     if "cold" not in r:  # --nodes
         from .nodes_bench import plot_nodes
 

@@ -11,6 +11,7 @@ import torch
 from packer.remote import Lookahead, check_first_batches
 
 from loaders.source import as_source, epochs_of, gather
+from loaders.order.orders import WINDOW
 from loaders.order.sampler import Epochs, Order, Pass, worker_batches
 
 
@@ -83,10 +84,11 @@ class BatchedDataset(EpochDataset):
 
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, bucket_by: str | None = None):
+                 columns: list[str] | None = None, bucket_by: str | None = None, block_window: int = WINDOW):
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
-                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by)
+                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
+                                 block_window=block_window)
         check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
 
     def __len__(self) -> int:

@@ -25,6 +25,7 @@ from loaders.batch import native
 from loaders.batch.ring import Ring
 from loaders.source import as_source, epochs_of, gather
 from loaders.cuda import to_device
+from loaders.order.orders import WINDOW
 from loaders.order.sampler import Order, Pass, Resumable, check_int
 from loaders.producer import made_ahead, stop_all
 from loaders.views.dataset import MMapDataset
@@ -98,7 +99,12 @@ class Loader(Resumable):
             doubling gains under 10%).
         pin_memory: None = pinned when CUDA is available.
         device: hand batches over already on this device (see `loaders.to_device`).
-        order: "random", "sequential" or "block" (near-sequential, for data larger than RAM).
+        order: "random", "sequential" or "block" (near-sequential, for data larger than RAM or
+            in object storage: blocks of 1,024 ids in a random order, the ids shuffled within
+            each window of `block_window` positions; each rank keeps its blocks every epoch).
+        block_window: block order's window (default 8,192): the samples a rank reads at once.
+            Its shards must fit the rank's cache limit, or each epoch fetches them many times
+            (a warning says so when the Loader is made); a smaller window shuffles less.
         rank, world_size: default from torch.distributed, else RANK / WORLD_SIZE.
         columns: the columns to gather (default all).
         bucket_by: "aspect": every batch's images share an aspect-ratio bucket, so a keep-aspect
@@ -116,13 +122,15 @@ class Loader(Resumable):
     def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
                  num_threads: int | str | None = None, pin_memory: bool | None = None, device=None,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, num_buffers: int = 3, bucket_by: str | None = None):
+                 columns: list[str] | None = None, num_buffers: int = 3, bucket_by: str | None = None,
+                 block_window: int = WINDOW):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
         self._dataset = dataset
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
-                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by)
+                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
+                                 block_window=block_window)
         self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
         if num_threads is None or self._timed:
             self.num_threads = default_threads()

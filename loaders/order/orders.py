@@ -21,6 +21,7 @@ import numpy as np
 Order = Literal["random", "sequential", "block"]
 ORDERS = ("random", "sequential", "block")
 ROUNDS = 8  # Feistel rounds: 4 make a strong pseudo-random permutation of a random round function
+WINDOW = 8192  # block order's window: the positions whose ids are shuffled among themselves
 PIN = 0x50494E  # the purpose that keys block order's assignment of blocks to parts
 _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
@@ -113,7 +114,7 @@ class Permutation:
     is ever made."""
 
     def __init__(self, num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,
-                 window: int = 8192, parts: int = 1):
+                 window: int = WINDOW, parts: int = 1):
         if order not in ORDERS:
             raise ValueError(f"order must be one of {ORDERS}, not {order!r}")
         if block_size <= 0 or window <= 0 or parts <= 0:
@@ -213,7 +214,7 @@ def _window_keys(key: int, windows: np.ndarray) -> np.ndarray:
 
 
 def epoch_order(num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,
-                window: int = 8192, parts: int = 1) -> np.ndarray:
+                window: int = WINDOW, parts: int = 1) -> np.ndarray:
     """The whole epoch's order, int64 [num_samples]: for tests and small datasets; readers ask
     `Permutation` for the positions they need."""
     perm = Permutation(num_samples, order=order, seed=seed, epoch=epoch, block_size=block_size, window=window,

@@ -24,7 +24,7 @@ import numpy as np
 
 from packer.errors import ConfigError
 
-from loaders.order.orders import ORDERS, Order, Permutation
+from loaders.order.orders import ORDERS, WINDOW, Order, Permutation
 
 CHUNK = 16384  # positions whose ids are computed at once: numpy's per-call cost spread over many batches
 STATE_VERSION = 5  # 1: the full-permutation orders of mmpack 0.3 (another order for the same seed)
@@ -144,11 +144,16 @@ class Epochs:
     epoch, does not replay a resumed epoch)."""
 
     def __init__(self, num_samples: int, batch_size: int, *, shuffle: bool, order: Order | None, seed: int,
-                 drop_last: bool, rank: int | None, world_size: int | None, source: str = "", stream=None):
+                 drop_last: bool, rank: int | None, world_size: int | None, source: str = "", stream=None,
+                 block_window: int = WINDOW):
         check_int("batch_size", batch_size, 1)
         order = order or ("random" if shuffle else "sequential")
         if order not in ORDERS:
             raise ConfigError(f"order must be one of {ORDERS}, not {order!r}")
+        self.block_window = check_int("block_window", block_window, 1, 1 << 40)
+        if block_window != WINDOW and (order != "block" or stream is not None):
+            raise ConfigError(f"block_window={block_window} is block order's window (order='block'), over one dataset "
+                              "without bucket_by (a Mixture's sources and buckets keep their own)")
         topo = resolve_topology(rank, world_size)
         self.num_samples, self.batch_size, self.seed, self.order = num_samples, int(batch_size), check_int("seed", seed), order
         self.drop_last, self.rank, self.world_size = drop_last, topo.rank, topo.world_size
@@ -254,7 +259,8 @@ class Epochs:
             if self.stream is not None:
                 ids = self.stream.order_for(order=self.order, seed=self.seed, epoch=epoch, num_samples=self.num_samples)
             else:
-                ids = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch, parts=parts)
+                ids = Permutation(self.num_samples, order=self.order, seed=self.seed, epoch=epoch, parts=parts,
+                                  window=self.block_window)
             self._perm = ((epoch, parts), ids)
         return self._perm[1]
 
@@ -272,7 +278,7 @@ class Epochs:
         state = {"version": STATE_VERSION, "source": self.source, "num_samples": self.num_samples,
                  "order": self.order, "seed": self.seed, "drop_last": bool(self.drop_last),
                  "buckets": dict(self.buckets) if self.buckets is not None else None, "epoch": self.epoch,
-                 "cursor": self.cursor, "slices": self.slices, "pinned": self.pinned}
+                 "cursor": self.cursor, "slices": self.slices, "pinned": self.pinned, "block_window": self.block_window}
         if hasattr(self.stream, "source_state"):  # a mixture's sources' own epochs and cursors, for the record
             state["sources"] = self.stream.source_state(self.epoch, self.cursor)
         return state
@@ -296,6 +302,10 @@ class Epochs:
                 raise ConfigError(f"the state is for {name} {state.get(name)!r}, this loader has {mine[name]!r}: "
                                   f"it was saved over another dataset, view or order; {REBUILD}")
         self.check_grouping(state)
+        window = state.get("block_window", WINDOW)  # (states before version 5, and this version's first: 8192)
+        if window != self.block_window:
+            raise ConfigError(f"the state was saved with block_window={window!r}, this loader has "
+                              f"block_window={self.block_window}: its order is another; {REBUILD}")
         epoch, cursor = state.get("epoch"), state.get("cursor")
         if type(epoch) is not int or type(cursor) is not int or not 0 <= epoch < KEY_LIMIT or not 0 <= cursor <= self.num_samples:
             raise ConfigError(f"the state's epoch {epoch!r} / cursor {cursor!r} are not valid for "

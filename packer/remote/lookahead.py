@@ -59,6 +59,49 @@ def check_first_batches(source, epochs) -> None:
         twin = epochs.twin()
         p = twin.upcoming()
         check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, getattr(epochs, "order", None))
+        if getattr(epochs, "order", None) == "block" and not source.rows_pass:
+            check_window(source, epochs)
+
+
+def check_window(gather, epochs) -> None:
+    """A warning where the shards of block order's first window (the samples a rank reads
+    shuffled among themselves) hold more bytes than the cache limit leaves this process: every
+    batch draws from all of them, so evicting any is fetching it again within the window, many
+    times an epoch. Said with the limit that would hold them and the largest window (halving it)
+    whose shards fit."""
+    room = budgets(gather)
+
+    def need(window: int) -> dict:
+        twin = epochs.twin()
+        twin.block_window = window
+        p = twin.upcoming()
+        shards = set()
+        for b in range(min(p.num_batches, -(-window // twin.batch_size))):
+            shards.update(gather.shards_of(twin.batch_ids(p, b)).tolist())
+        out: dict = {}
+        for g in shards:
+            cache = gather.cache_of(g)
+            if cache is not None and id(cache) in room:
+                out[id(cache)] = out.get(id(cache), 0) + gather.shard_bytes(g)
+        return out
+
+    def over(needs: dict) -> list:
+        return [key for key, nbytes in needs.items() if nbytes > room[key]]
+    needs = need(epochs.block_window)
+    if not over(needs):
+        return
+    fits = epochs.block_window // 2
+    while fits > 1 and over(need(fits)):
+        fits //= 2
+    import warnings
+
+    key = over(needs)[0]
+    cache = next(r.cache for r in gather.readers if id(r.cache) == key)
+    warnings.warn(f"{cache.url}: block order's window of {epochs.block_window:,} samples reads shards of "
+                  f"{needs[key] / 1e6:,.1f} MB over and over, more than the {max(room[key], 0) / 1e6:,.1f} MB of "
+                  f"cache_limit this process has: each epoch would fetch them many times; raise cache_limit by "
+                  f"{(needs[key] - room[key]) * local_ranks() / 1e6:,.1f} MB or more (the node's ranks share it), "
+                  f"or pass block_window={max(fits, 1)}", stacklevel=4)
 
 
 def check_room(gather, batch_ids, num_batches: int, order: str | None = None) -> None:

@@ -823,6 +823,35 @@ def test_too_small_a_cache_limit_is_refused_saying_what_it_needs(s3, built, tmp_
         MMapDataset(url, cache_limit="lots")
 
 
+def test_a_block_window_over_the_cache_limit_is_a_warning_naming_the_window_that_fits(s3, built, tmp_path):
+    """Block order's batches draw from every shard of their window: a window whose shards the
+    limit cannot hold would be fetched many times an epoch. Said once when the Loader is made,
+    with the limit and the block_window that would do; with that window, nothing is said, and the
+    epoch fetches each shard once."""
+    import warnings
+
+    from packer.remote.cache import ShardCache
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    local = MMapDataset(built["images"])
+    biggest = max(s.size_bytes for s in local.manifest.shards)
+    ds = MMapDataset(url, cache_dir=tmp_path / "window", cache_limit=ShardCache(url, tmp_path / "x", local.manifest)
+                     .index_bytes + 3 * biggest)
+    with pytest.warns(UserWarning, match=r"block order's window of 8,192 samples reads shards of .* MB over and over"
+                      r".* raise cache_limit by .* pass block_window=\d+$") as said:
+        Loader(ds, 2, seed=1, order="block")
+    window = int(str(said[0].message).rsplit("=", 1)[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loader = Loader(ds, 2, seed=1, order="block", block_window=window)
+        keys = [k for batch in loader for k in batch["key"]]
+    assert sorted(keys) == sorted(local[i]["key"] for i in range(len(local)))
+    assert ds.bytes_downloaded <= 1.2 * sum(s.size_bytes for s in local.manifest.shards)
+    with pytest.raises(ConfigError, match="block_window"):
+        Loader(ds, 2, seed=1, block_window=2)  # random order has no window
+
+
 def test_forked_dataloader_workers_read_a_url_the_parent_read_first(s3, built, tmp_path):
     """obstore's client hangs in a forked child after the parent used it: each process makes its own."""
     from loaders import StatefulDataLoader

@@ -129,6 +129,22 @@ def test_ranks_in_block_order_read_the_same_blocks_every_epoch_and_an_older_stat
         plan.load_state_dict({**plan.state_dict(), "pinned": 1})
 
 
+def test_block_window_is_block_orders_window_and_part_of_its_state():
+    n, batch = 20_000, 16
+    plans = [Epochs(n, batch, shuffle=True, order="block", seed=5, drop_last=False, rank=0, world_size=1,
+                    block_window=w) for w in (8192, 1024)]
+    ids = [plan.ids(plan.start(), 0, 4096) for plan in plans]
+    assert not np.array_equal(ids[0], ids[1])
+    assert np.unique(ids[1][:1024] // 1024).size == 1  # a window of 1,024: one block at a time
+    assert plans[1].state_dict()["block_window"] == 1024
+    with pytest.raises(ConfigError, match="block_window=1024, this loader has block_window=8192"):
+        plans[0].load_state_dict(plans[1].state_dict())
+    older = {k: v for k, v in plans[0].state_dict().items() if k != "block_window"}
+    plans[0].load_state_dict(older)  # a state without it: the window every earlier version had
+    with pytest.raises(ConfigError, match="block_window"):
+        Epochs(n, batch, shuffle=True, order="random", seed=5, drop_last=False, rank=0, world_size=1, block_window=64)
+
+
 def _chi2_z(counts: np.ndarray) -> float:
     """How far a table of counts is from uniform, in standard deviations of the chi-square
     statistic (normal approximation, fine for thousands of degrees of freedom)."""
