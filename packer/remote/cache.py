@@ -28,7 +28,9 @@ files come and go per shard. The rules, each for a failure users of peers have m
   reserves its bytes first (its part files are made at their full size), evicting unpinned
   shards, then the process's own soft pins, those whose next use is farthest first
   (`next_use`, which a reader that knows its order sets; unknown is farthest, and among those
-  the one used last goes first: an order that goes round uses it last again).
+  another process's least recently used go first, then this process's most recently used: an
+  order that goes round uses it last again, while another process in block order reads its
+  last shards again within its window).
   A fetch ahead evicts only shards used later than its own, and gives up when that frees too
   little. The bytes held and the shards present are kept in a ledger (`Ledger`), so neither
   a download nor an eviction counts every shard's files, which on a dataset of many shards
@@ -119,6 +121,7 @@ class ShardCache:
             for f in getattr(self, "_pins", {}).values():
                 f.close()
             self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
+            self._used: set[int] = set()  # the shards this process pinned: eviction tells them from others'
             self._store, self.traffic = None, Traffic(self.root)
             self._held, self._others = None, None
             if self.root.parent.is_dir():
@@ -191,6 +194,7 @@ class ShardCache:
                     pin.close()
             else:
                 self._pins[k] = pin
+                self._used.add(k)
                 if rank is not None:
                     self._soft.add(k)
             if rank is None:

@@ -15,7 +15,7 @@ def evict(cache, over: int, rank: float | None, ledger: Ledger) -> bool:
     (for a fetch ahead at `rank`, only those used after it), until `over` bytes are freed."""
     next_use = cache.next_use or (lambda j: float("inf"))
     with cache._guard:
-        mine, soft = set(cache._pins), set(cache._soft)
+        mine, soft, used = set(cache._pins), set(cache._soft), set(cache._used)
     present = [j for j in ledger.present() if j not in mine]
 
     def last_use(j):
@@ -24,10 +24,19 @@ def evict(cache, over: int, rank: float | None, ledger: Ledger) -> bool:
         except FileNotFoundError:
             return 0
     later = (lambda j: True) if rank is None else (lambda j: next_use(j) > rank)
-    # used farthest ahead first; beyond what the order ahead shows, the shard used last
-    # first: an order that goes round (sequential, blocks, an epoch's end) uses it last again
-    candidates = sorted((j for j in present if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
-    candidates += sorted((j for j in soft if later(j)), key=lambda j: (-next_use(j), -last_use(j)))
+
+    def order(j):
+        """Used farthest ahead first. Beyond what this process's order ahead shows: another
+        process's shards least recently used first (its order is not known here, and in block
+        order it reads a shard again within its window: the one it used last is the one it
+        needs), then this process's most recently used first (an order that goes round, as
+        sequential, blocks or an epoch's end do, uses it last again)."""
+        ahead = next_use(j)
+        if ahead != float("inf"):
+            return (1, -ahead)
+        return (0, 1, -last_use(j)) if j in used else (0, 0, last_use(j))
+    candidates = sorted((j for j in present if later(j)), key=order)
+    candidates += sorted((j for j in soft if later(j)), key=order)
     for j in candidates:
         if j in soft:
             cache.release(j)

@@ -852,6 +852,40 @@ def test_a_block_window_over_the_cache_limit_is_a_warning_naming_the_window_that
         Loader(ds, 2, seed=1, block_window=2)  # random order has no window
 
 
+def test_eviction_takes_another_processs_least_recently_used_shard_and_its_own_most_recent(s3, built, tmp_path):
+    """Two readers of one node's cache (two ShardCaches: their pins are separate open files, as
+    two processes' are). Beyond what a reader's order shows, another reader's shards go least
+    recently used first (in block order it reads its last ones again within its window: taking
+    its most recent made each node fetch 1.3-1.5x its share an epoch at a quarter of it), and
+    the reader's own most recently used first (an order that goes round uses it last again)."""
+    from packer.remote.cache import ShardCache
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    manifest = MMapDataset(built["images"]).manifest
+    root = tmp_path / "node"
+    probe = ShardCache(url, root, manifest)
+    sizes = probe.sizes  # each shard's data files (its index files are held apart)
+    shard = sorted(range(len(sizes)), key=lambda k: sizes[k])[-5:]  # the largest last: any one evicted makes room
+    least = min(sizes[k] for k in shard[:4])
+    limit = probe.index_bytes + sum(sizes[k] for k in shard) - least + 1  # room for four, one short of five
+    other, me = ShardCache(url, root, manifest, limit), ShardCache(url, root, manifest, limit)
+    for k in range(4):
+        other.acquire(shard[k])
+        stamp = 1_000_000_000 * (k + 1)  # used in the order 0, 1, 2, 3
+        os.utime(other.shard_dir(shard[k]) / ".pin", ns=(stamp, stamp))
+    other.release_all()
+    me.acquire(shard[4])  # room for one: another reader's least recently used goes
+    assert [other.present(shard[k]) for k in range(5)] == [False, True, True, True, True]
+    for k in (4, 1):  # now two of its own, used 4 then 1
+        me.acquire(shard[k])
+        stamp = 10_000_000_000 + 1_000_000_000 * k * (k == 1)
+        os.utime(me.shard_dir(shard[k]) / ".pin", ns=(stamp, stamp))
+    me.release_all()
+    other.acquire(shard[0])  # to the other reader, 4 is another's (1, 2, 3 its own): 4 goes before its own
+    assert [me.present(shard[k]) for k in range(5)] == [True, True, True, True, False]
+
+
 def test_forked_dataloader_workers_read_a_url_the_parent_read_first(s3, built, tmp_path):
     """obstore's client hangs in a forked child after the parent used it: each process makes its own."""
     from loaders import StatefulDataLoader
