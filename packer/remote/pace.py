@@ -1,21 +1,24 @@
 """Requests at a rate the store accepts: every request of this process goes through `call`,
 which tries it again (jittered, until the deadline) and paces them all.
 
-S3 answers 503 SlowDown while it scales a prefix (about 5,500 GETs/s each); a job of many ranks
-that only backs off each request keeps the store busy with retries, and its throughput stays
-down after the burst. So this process keeps a window of requests it lets in flight, as TCP keeps
-its congestion window: half the requests in flight on a throttling answer (once per HOLD_S,
-however many of them meet the same burst), grown by one for each window of answers that came back well,
-up to the cap (MMPACK_REMOTE_REQUESTS, default CAP). MMPACK_REMOTE_RATE caps the requests a
-second it starts, for a job that shares a prefix's rate among its processes. A throttled or
-failed request waits a random time up to a doubling backoff (full jitter, so the ranks that met
-one burst do not come back together) and is made again by the same thread: a download in
-progress is never duplicated (the cache's lock holds other processes off the file meanwhile).
-The store client makes one try per call (`client.retry_config`): only here are tries counted.
+S3 answers 503 SlowDown while it scales a prefix (about 5,500 GETs/s each): it serves a rate,
+whatever the requests in flight, and answers the rest 503. A job of many ranks whose requests
+only back off each on its own keeps the store busy with retries. So this process keeps a rate of
+request starts: none at first; at a throttling answer, half the rate it was starting requests at
+(once per HOLD_S, however many of its requests meet the same burst); after each STEP_S without
+one, GROWTH times more, and none again once it no longer binds. A rate cut sixteenfold is back
+within about 3 s of the burst's end (GROWTH ** 12 > 16). MMPACK_REMOTE_RATE caps the rate (a job
+that shares a prefix among N processes: its rate over N each), MMPACK_REMOTE_REQUESTS the
+requests in flight (CAP). A throttled or failed request waits a random time up to a doubling
+backoff (full jitter, so the ranks that met one burst do not come back together) and is made
+again by the same thread: a download in progress is never duplicated (the cache's lock holds
+other processes off the file meanwhile). The store client makes one try a call
+(`client.retry_config`): only here are tries counted.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import re
@@ -26,6 +29,8 @@ from packer.errors import ConfigError, IntegrityError
 
 CAP = 64  # requests in flight at most, per process
 HOLD_S = 0.5  # one halving per burst: the answers of requests already in flight come within it
+STEP_S = 0.25  # the rate grows by GROWTH after each such time without a throttling answer
+GROWTH = 1.25
 BACKOFF_S = (0.1, 5.0)  # the first retry's most wait, and the longest
 # what a store says when it throttles: S3 503 SlowDown, Azure 503 ServerBusy, GCS and others 429
 THROTTLED_STATUS = (429, 503)
@@ -50,18 +55,19 @@ def setting(name: str, default, what: str):
 
 
 class Pace:
-    """The window of requests in flight (see the module), and what it met, for a report."""
+    """The rate of request starts (see the module), and what it met, for a report."""
 
     def __init__(self, cap: int = CAP, rate: float | None = None, clock=time.monotonic):
-        self.cap, self.rate, self._clock = cap, rate, clock
-        self.window = float(cap)
+        self.cap, self.ceiling, self._clock = cap, rate, clock
+        self.rate = rate  # starts a second allowed now; None: as many as come
         self.in_flight = 0
         self._cond = threading.Condition()
-        self._halved_at = -HOLD_S
-        self._next_start = 0.0  # the rate cap's: when the next request may start
+        self._starts: collections.deque = collections.deque()  # the last second's start times
+        self._halved_at = self._grown_at = -HOLD_S
+        self._next_start = 0.0  # when the next request may start, at `rate`
         self.throttled = 0  # answers that said to slow down
         self.retries = 0  # tries made again, for any reason
-        self.lowest = self.window  # the smallest window since made
+        self.lowest = rate  # the lowest rate allowed since made (None: never limited)
 
     def call(self, request, *, deadline_s: float, sleep=time.sleep):
         """`request()` once it may start, made again after a throttling or passing failure until
@@ -69,7 +75,7 @@ class Pace:
         until = self._clock() + deadline_s
         backoff = BACKOFF_S[0]
         while True:
-            self._enter()
+            self._enter(sleep)
             try:
                 result = request()
             except BaseException as exc:
@@ -86,35 +92,50 @@ class Pace:
             self._leave(throttled=False)
             return result
 
-    def _enter(self) -> None:
+    def _enter(self, sleep) -> None:
         with self._cond:
-            while self.in_flight >= max(int(self.window), 1):
+            while self.in_flight >= self.cap:
                 self._cond.wait(0.05)
             self.in_flight += 1
-            start = self._next_start
+            now = self._clock()
+            self._grow(now)
+            start = max(self._next_start, now)
             if self.rate:
-                self._next_start = max(start, self._clock()) + 1.0 / self.rate
-        if self.rate and start > self._clock():
-            time.sleep(start - self._clock())
+                self._next_start = start + 1.0 / self.rate
+            self._starts.append(start)
+            while self._starts and self._starts[0] < now - 1.0:
+                self._starts.popleft()
+        if start > now:
+            sleep(start - now)
+
+    def _grow(self, now: float) -> None:
+        """GROWTH more for each STEP_S without a throttling answer; none (or the ceiling) once
+        it is twice what this process starts a second: it no longer binds. Under the lock."""
+        if self.rate is None or self.rate == self.ceiling or now - max(self._halved_at, self._grown_at) < STEP_S:
+            return
+        self._grown_at = now
+        self.rate *= GROWTH
+        if self.rate >= 2 * max(len(self._starts), 1) or (self.ceiling and self.rate >= self.ceiling):
+            self.rate = self.ceiling
 
     def _leave(self, *, throttled: bool) -> None:
         with self._cond:
+            self.in_flight -= 1
             now = self._clock()
             if throttled:
                 self.throttled += 1
-                if now - self._halved_at >= HOLD_S:  # half of what was in flight: a window above it would bind nothing
+                if now - self._halved_at >= HOLD_S:  # half the rate it was starting requests at
                     self._halved_at = now
-                    self.window = max(min(self.window, self.in_flight) / 2, 1.0)
-                    self.lowest = min(self.lowest, self.window)
-            elif self.window < self.cap:
-                self.window = min(self.window + 1.0 / self.window, float(self.cap))  # one more a window's worth
-            self.in_flight -= 1
+                    started = len([t for t in self._starts if t >= now - 1.0])
+                    self.rate = max(min(self.rate or float("inf"), started) / 2, 1.0)
+                    self._next_start = max(self._next_start, now)
+                    self.lowest = self.rate if self.lowest is None else min(self.lowest, self.rate)
             self._cond.notify_all()
 
     def report(self) -> dict:
         with self._cond:
-            return {"window": self.window, "lowest": self.lowest, "cap": self.cap, "throttled": self.throttled,
-                    "retries": self.retries}
+            return {"rate": self.rate, "lowest": self.lowest, "cap": self.cap, "ceiling": self.ceiling,
+                    "throttled": self.throttled, "retries": self.retries}
 
 
 def kind_of(exc: BaseException) -> str:

@@ -1,5 +1,5 @@
 """Requests paced by what the store answers (`packer.remote.pace`): a throttling answer halves
-the requests in flight, answers that come back well grow them back to the cap, every failure
+the rate of request starts, quiet grows it back until it no longer binds, every failure
 that a try again can mend is tried again with a jittered wait until the deadline, and a burst
 of S3's 503 SlowDown through a real server leaves an epoch whole."""
 
@@ -46,25 +46,50 @@ class Clock:
         self.now += seconds
 
 
-def test_a_burst_halves_the_requests_in_flight_once_and_answers_grow_them_back_to_the_cap():
+def test_a_burst_halves_the_rate_once_and_quiet_grows_it_back_within_three_seconds():
     clock = Clock()
-    pace = Pace(cap=16, clock=clock)
-    pace.in_flight = 12  # twelve requests in flight meet one burst: one halving, of the twelve
-    for _ in range(12):
+    pace = Pace(cap=64, clock=clock)
+    for _ in range(400):  # 400 starts a second, as many as come (no rate yet)
+        pace._enter(clock.sleep)
+        pace._leave(throttled=False)
+        clock.now += 0.0025
+    assert pace.rate is None
+    for _ in range(12):  # twelve answers of one burst: one halving, of the rate it was starting at
         pace.in_flight += 1
         pace._leave(throttled=True)
-    assert pace.window == 6.5 and pace.throttled == 12
+    assert pace.rate == 200 and pace.throttled == 12
     clock.now += pacing.HOLD_S  # the burst goes on: halved again, once
+    pace.in_flight += 1
     pace._leave(throttled=True)
-    pace.in_flight = 0
-    assert pace.window == 3.25 and pace.lowest == 3.25
-    answers = 0
-    while pace.window < pace.cap:  # one more for each window's worth of answers that came back well
-        pace.in_flight += 1
+    assert pace.rate == 100 and pace.lowest == 100
+    started = []
+    for _ in range(20):  # requests keep coming: the rate spaces their starts, 1/100 s apart
+        pace._enter(clock.sleep)
+        started.append(clock.now)
         pace._leave(throttled=False)
-        answers += 1
-    assert answers == pytest.approx(sum(range(4, 16)), abs=16)  # back at the cap within ~120 answers
-    assert pace.window == 16
+    assert started[-1] - started[0] == pytest.approx(19 / 100)
+    end = clock.now  # the burst is over: quiet grows the rate until it no longer binds
+    while pace.rate is not None:
+        pace._enter(clock.sleep)
+        pace._leave(throttled=False)
+    assert clock.now - end < 3.0
+
+
+def test_a_cap_on_the_rate_is_kept_and_grown_back_to():
+    clock = Clock()
+    pace = Pace(rate=50.0, clock=clock)
+    waits = []
+    for _ in range(51):
+        pace._enter(lambda s: waits.append(s) or clock.sleep(s))
+        pace._leave(throttled=False)
+    assert clock.now == pytest.approx(1.0, abs=1e-6)  # 51 starts, 1/50 s apart
+    pace.in_flight += 1
+    pace._leave(throttled=True)
+    assert pace.rate == 25.0
+    while pace.rate != 50.0:
+        pace._enter(clock.sleep)
+        pace._leave(throttled=False)
+    assert pace.rate == pace.ceiling == 50.0
 
 
 def test_tries_wait_a_jittered_doubling_backoff_until_the_deadline_and_final_answers_are_not_tried_again():
@@ -75,8 +100,8 @@ def test_tries_wait_a_jittered_doubling_backoff_until_the_deadline_and_final_ans
         waits.append(s)
         clock.sleep(s)
     pace = Pace(cap=4, clock=clock)
-    with pytest.raises(Answer):
-        pace.call(lambda: (_ for _ in ()).throw(Answer("503 Slow Down")), deadline_s=60, sleep=sleep)
+    with pytest.raises(Answer):  # (a 500: the rate stays as it is, every wait is the backoff's)
+        pace.call(lambda: (_ for _ in ()).throw(Answer("500 Internal Server Error")), deadline_s=60, sleep=sleep)
     assert clock.now >= 60 and max(waits) <= pacing.BACKOFF_S[1]
     firsts = waits[:5]
     assert all(w <= pacing.BACKOFF_S[0] * 2 ** k for k, w in enumerate(firsts))
@@ -119,7 +144,7 @@ def test_the_cap_and_the_rate_are_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("MMPACK_REMOTE_REQUESTS", "8")
     monkeypatch.setenv("MMPACK_REMOTE_RATE", "500")
     got = pacing.pace()
-    assert (got.cap, got.window, got.rate) == (8, 8.0, 500.0)
+    assert (got.cap, got.ceiling, got.rate) == (8, 500.0, 500.0)
     monkeypatch.setattr(pacing, "_pace", None)
     monkeypatch.setenv("MMPACK_REMOTE_RATE", "fast")
     with pytest.raises(ConfigError, match="MMPACK_REMOTE_RATE"):
