@@ -302,7 +302,7 @@ class Epochs:
                 raise ConfigError(f"the state is for {name} {state.get(name)!r}, this loader has {mine[name]!r}: "
                                   f"it was saved over another dataset, view or order; {REBUILD}")
         self.check_grouping(state)
-        window = state.get("block_window", WINDOW)  # (states before version 5, and this version's first: 8192)
+        window = state.get("block_window", WINDOW)  # (a state before version 5: the window all had)
         if window != self.block_window:
             raise ConfigError(f"the state was saved with block_window={window!r}, this loader has "
                               f"block_window={self.block_window}: its order is another; {REBUILD}")
