@@ -1451,8 +1451,8 @@ def test_a_cache_on_a_network_file_system_is_refused_unless_said_node_private(s3
     """flocks on NFS (or a FUSE store) may hold on this client alone: two nodes sharing the dir
     would each think they hold what the other writes. A cache_dir there is one line with the
     fix; MMPACK_CACHE_NODE_PRIVATE=1 says no other node uses it; the default cache, under a $HOME
-    on NFS, moves to a node-local dir. (The mount table is stood in for: no NFS server or FUSE
-    library here.)"""
+    on NFS, moves to a node-local dir. (The mount table is stood in for: no NFS server here. A
+    real FUSE mount is the next test's.)"""
     from packer.remote import placement
 
     shared = tmp_path / "home"
@@ -1475,6 +1475,27 @@ def test_a_cache_on_a_network_file_system_is_refused_unless_said_node_private(s3
     local = placement.node_local(shared / ".cache" / "mmpack" / "remote")
     assert placement.untrusted(local) is None and str(local).startswith(("/var/tmp/mmpack-", "/tmp/mmpack-"))
     assert placement.node_local(tmp_path / "remote") == tmp_path / "remote"  # a local default stays
+
+
+def test_a_cache_dir_on_a_real_fuse_mount_is_refused(s3, built, tmp_path):
+    """A real FUSE mount of s3fs's type (`tests.fuse_mount`: /dev/fuse and mount(2), no
+    libfuse; it needs root): a cache_dir on it, or in it, is refused in one line, before anything
+    is written there; a cache_dir beside it is not."""
+    from .. import fuse_mount
+
+    why = fuse_mount.available()
+    if why:
+        pytest.skip(f"no FUSE mount here: {why}")
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    point = tmp_path / "s3fs"
+    point.mkdir()
+    with fuse_mount.fuse_mount(point, "fuse.s3fs"):
+        for where in (point, point / "cache"):
+            with pytest.raises(ConfigError, match=r"on fuse.s3fs, a network file system.*NODE_PRIVATE=1") as exc:
+                MMapDataset(url, cache_dir=where)
+            assert "\n" not in str(exc.value)
+        assert len(MMapDataset(url, cache_dir=tmp_path / "local")) == len(MMapDataset(built["images"]))
 
 
 def test_keys_from_a_profile_are_read_again_as_its_file_changes_so_a_rotation_mid_run_goes_on(s3, built, tmp_path,
