@@ -25,11 +25,20 @@ MS_NOSUID, MS_NODEV, MNT_DETACH = 2, 4, 2
 
 
 def available() -> str | None:
-    """Why a FUSE mount cannot be made here (None: it can): root and /dev/fuse are needed."""
+    """Why a FUSE mount cannot be made here (None: it can): root, /dev/fuse, and a mount(2) that
+    the sandbox allows (tried once, in a temporary dir)."""
     if os.geteuid() != 0:
         return "mounting needs root"
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse"
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as where:
+        try:
+            with fuse_mount(where):
+                os.stat(where)
+        except OSError as exc:
+            return f"mount(2) refused: {exc}"
     return None
 
 
