@@ -69,7 +69,7 @@ def test_block_order_stays_local():
     assert max(spread) < 2 * 4000
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(n=st.integers(0, 4000), parts=st.integers(2, 12), block=st.integers(1, 300), window=st.integers(1, 900),
        seed=st.integers(0, 2**63))
 def test_block_order_in_parts_keeps_each_parts_blocks_every_epoch(n, parts, block, window, seed):
