@@ -344,10 +344,10 @@ def test_bench_remote_throttle_counts_each_ways_503s_and_its_rate_after_the_burs
         keys = [f"k{i}.bin" for i in range(8)]
         for key in keys:
             client.put(obs, client.store(remote), remote.key(key), bytes(2048))
-        r = bench_throttle(endpoint, url, keys, threads=4, seconds=2.0, burst_at=1.25, burst_s=0.5)
+        r = bench_throttle(endpoint, url, keys, threads=4, seconds=1.75, burst_at=1.25, burst_s=0.25)
     assert set(r["ways"]) == {"paced", "client retries"}
     for way in r["ways"].values():
-        assert way["rate_before"] > 0 and way["refused_503"] > 0 and len(way["bins_per_s"]) == 8
+        assert way["rate_before"] > 0 and way["refused_503"] > 0 and len(way["bins_per_s"]) == 7
     assert r["ways"]["paced"]["pace"]["throttled"] > 0
     table = throttle_table(r)
     assert len(table) == 4 and "503" in table[1]
