@@ -91,8 +91,7 @@ def deadline_s() -> float:
 def retry_config() -> dict:
     """One try a call: every request is tried again by `request` (`pace`), which sees the
     answers the client's own retries hid (a 503 SlowDown) and paces the requests by them."""
-    return {"max_retries": 0, "retry_timeout": timedelta(seconds=deadline_s()),
-            "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=5), "base": 2}}
+    return {"max_retries": 0}
 
 
 def request(make):

@@ -70,6 +70,8 @@ def check_window(gather, epochs) -> None:
     times an epoch. Said with the limit that would hold them and the largest window (halving it)
     whose shards fit."""
     room = budgets(gather)
+    if not room:  # no limited cache: nothing to say, and no window's ids to compute at start-up
+        return
 
     def need(window: int) -> dict:
         twin = epochs.twin()
@@ -78,12 +80,7 @@ def check_window(gather, epochs) -> None:
         shards = set()
         for b in range(min(p.num_batches, -(-window // twin.batch_size))):
             shards.update(gather.shards_of(twin.batch_ids(p, b)).tolist())
-        out: dict = {}
-        for g in shards:
-            cache = gather.cache_of(g)
-            if cache is not None and id(cache) in room:
-                out[id(cache)] = out.get(id(cache), 0) + gather.shard_bytes(g)
-        return out
+        return _bytes_by_cache(gather, shards, room)
 
     def over(needs: dict) -> list:
         return [key for key, nbytes in needs.items() if nbytes > room[key]]
@@ -96,7 +93,7 @@ def check_window(gather, epochs) -> None:
     import warnings
 
     key = over(needs)[0]
-    cache = next(r.cache for r in gather.readers if id(r.cache) == key)
+    cache = _cache(gather, key)
     warnings.warn(f"{cache.url}: block order's window of {epochs.block_window:,} samples reads shards of "
                   f"{needs[key] / 1e6:,.1f} MB over and over, more than the {max(room[key], 0) / 1e6:,.1f} MB of "
                   f"cache_limit this process has: each epoch would fetch them many times; raise cache_limit by "
@@ -111,18 +108,14 @@ def check_room(gather, batch_ids, num_batches: int, order: str | None = None) ->
     gather.rows_pass = False
     room = budgets(gather)
     for b in range(min(num_batches, FIRST_BATCHES)):
-        need: dict = {}
         shards = gather.shards_of(batch_ids(b))
-        for g in shards.tolist():
-            cache = gather.cache_of(g)
-            if cache is not None and id(cache) in room:
-                need[id(cache)] = need.get(id(cache), 0) + gather.shard_bytes(g)
+        need = _bytes_by_cache(gather, shards.tolist(), room)
         over = [key for key, nbytes in need.items() if nbytes > room[key]]
         if over and all(gather.rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
             gather.rows_pass = True
             return
         for key, nbytes in need.items():
-            cache = next(r.cache for r in gather.readers if id(r.cache) == key)
+            cache = _cache(gather, key)
             check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
                         limit=cache.limit,
                         advice=", or use a smaller batch" + (
@@ -130,6 +123,21 @@ def check_room(gather, batch_ids, num_batches: int, order: str | None = None) ->
                             "window of 8,192 samples)" if order != "block" else
                             " (block order's batches read a few shards only on a dataset many times its window of "
                             "8,192 samples a rank)"))
+
+
+def _bytes_by_cache(gather, shards, room: dict) -> dict:
+    """The bytes of `shards` (each once) per limited cache of `room`, keyed as `budgets` keys it."""
+    out: dict = {}
+    for g in shards:
+        cache = gather.cache_of(g)
+        if cache is not None and id(cache) in room:
+            out[id(cache)] = out.get(id(cache), 0) + gather.shard_bytes(g)
+    return out
+
+
+def _cache(gather, key: int):
+    """The cache `budgets` keyed as `key`."""
+    return next(r.cache for r in gather.readers if id(r.cache) == key)
 
 
 class Lookahead:
