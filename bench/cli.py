@@ -148,8 +148,8 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--workers", type=int, default=2, help="the peers' DataLoader workers (default 2)")
     re_.add_argument("--nodes", type=int, default=0, help="instead: a job of N nodes, each its own cache, ranks and "
                      "link of --link-mb MB/s, in block order at caches of 100%%, 50%% and 25%% of a node's share")
-    re_.add_argument("--block-window", type=int, default=8192, help="with --nodes: block order's window (Loader's "
-                     "block_window; default 8192)")
+    re_.add_argument("--block-window", type=int, default=None, help="with --nodes: block order's window (Loader's "
+                     "block_window; default Loader's, 8192)")
     re_.add_argument("--throttle", action="store_true", help="instead: GETs through a store that throttles for 2 s "
                      "(503 SlowDown), paced by mmpack and by the client's own retries")
     re_.add_argument("--ranks-per-node", type=int, default=2, help="with --nodes: rank processes a node (default 2)")

@@ -25,6 +25,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+from loaders.order.orders import WINDOW
+
 SHARES = (1.0, 0.5, 0.25)  # cache limits, of the node's share of the dataset
 EPOCHS = 2
 WAIT_S = 600.0  # the longest a rank waits for the others at an epoch's edge
@@ -66,7 +68,7 @@ def _rank(rank: int, world: int, local: int, url: str, endpoint: str, cache: str
 
 
 def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: int, link_mb: float,
-                batch: int, shares=SHARES, window: int = 8192) -> dict:
+                batch: int, shares=SHARES, window: int | None = None) -> dict:
     """The multi-node rows (see the module), one run per cache share."""
     from packer.remote import ShardCache
 
@@ -76,13 +78,13 @@ def bench_nodes(url: str, endpoint: str, local, work: Path, nodes: int, ranks: i
     for share in shares:
         limit = None if share >= 1.0 else int(share * total / nodes) + index
         runs.append(_run(url, endpoint, work / f"nodes-{share:g}", nodes, ranks, link_mb, batch, limit, share, total,
-                         window))
+                         window or WINDOW))
         last = runs[-1]
         _say(f"{nodes} nodes x {ranks} ranks, cache {share:.0%} of a node's share: " + (last.get("refused") or "; ".join(
             f"node {k}: " + ", ".join(f"{e['share_of_part']:.2f}x" for e in node["epochs"])
             for k, node in enumerate(last["nodes"]))))
-    return {"nodes": nodes, "ranks_per_node": ranks, "link_mb_per_s": link_mb, "order": "block", "block_window": window,
-            "runs": runs}
+    return {"nodes": nodes, "ranks_per_node": ranks, "link_mb_per_s": link_mb, "order": "block",
+            "block_window": window or WINDOW, "runs": runs}
 
 
 def _run(url, endpoint, work: Path, nodes: int, ranks: int, link_mb: float, batch: int, limit, share: float,
@@ -143,7 +145,7 @@ def nodes_table(r: dict) -> list[str]:
     if not r:
         return []
     lines = ["", f"{r['nodes']} nodes x {r['ranks_per_node']} ranks, each node its own cache and a {r['link_mb_per_s']:g} "
-                 f"MB/s link (counted at its proxy), block order (window {r.get('block_window', 8192):,}): bytes over the "
+                 f"MB/s link (counted at its proxy), block order (window {r.get('block_window', WINDOW):,}): bytes over the "
                  "node's link per epoch / its share of "
                  "the dataset; its cold epoch's rate / the link's; median first batch; most GETs of one object",
              f"{'cache':>6} {'node':>4}  {'epoch 1':>8} {'epoch 2':>8} {'cold/link':>9} {'first s':>8} {'GETs/obj':>8}"]

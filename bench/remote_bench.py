@@ -88,7 +88,7 @@ def bench_remote(args) -> dict:
                     "batch_size": args.batch_size, "nodes": bench_nodes(where, endpoint, small, caches, args.nodes,
                                                                          args.ranks_per_node, args.link_mb,
                                                                          args.batch_size, args.node_caches,
-                                                                         getattr(args, "block_window", 8192))}
+                                                                         args.block_window)}
 
         raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
         to_disk = max(raw_get_rate(url, local.manifest, DOWNLOADS, into=caches / "raw") for _ in range(2))

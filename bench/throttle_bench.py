@@ -13,6 +13,7 @@ back at 90% of the rate before it.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import statistics
 import threading
@@ -121,15 +122,13 @@ def _way(paced: bool, endpoint: str, url: str, keys: list[str], threads: int, se
 
     remote = Remote(url)
     throttle = Throttle(endpoint)
-    saved = client.retry_config
+    saved, endpoint_was = client.retry_config, os.environ.get("AWS_ENDPOINT_URL")
     try:
         if not paced:  # the client's own retries, as before: every 5xx tried again inside obstore
             client.retry_config = lambda: {"max_retries": 1000, "retry_timeout": timedelta(seconds=120),
                                            "backoff": {"init_backoff": timedelta(milliseconds=100),
                                                        "max_backoff": timedelta(seconds=5), "base": 2}}
         pace._pace = pace.Pace()
-        import os
-
         os.environ["AWS_ENDPOINT_URL"] = throttle.url
         store = client.store(remote)
         start = time.monotonic()
@@ -153,6 +152,10 @@ def _way(paced: bool, endpoint: str, url: str, keys: list[str], threads: int, se
         return _summary(throttle, start, seconds, burst_at, burst_s, before, pace._pace.report() if paced else None)
     finally:
         client.retry_config = saved
+        if endpoint_was is None:
+            os.environ.pop("AWS_ENDPOINT_URL", None)
+        else:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint_was
         throttle.close()
 
 

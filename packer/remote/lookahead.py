@@ -58,7 +58,8 @@ def check_first_batches(source, epochs) -> None:
     if getattr(source, "remote", False):
         twin = epochs.twin()
         p = twin.upcoming()
-        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, getattr(epochs, "order", None))
+        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, getattr(epochs, "order", None),
+                   getattr(epochs, "block_window", None))
         if getattr(epochs, "order", None) == "block" and not source.rows_pass:
             check_window(source, epochs)
 
@@ -101,7 +102,7 @@ def check_window(gather, epochs) -> None:
                   f"or pass block_window={max(fits, 1)}", stacklevel=4)
 
 
-def check_room(gather, batch_ids, num_batches: int, order: str | None = None) -> None:
+def check_room(gather, batch_ids, num_batches: int, order: str | None = None, window: int | None = None) -> None:
     """Where one of the first batches reads more shard bytes than the cache limit leaves this
     process, the pass reads by rows (`gather.rows_pass`, `packer.remote.rows`) where every
     limited cache can; else a ConfigError: its batches could never be gathered."""
@@ -122,7 +123,7 @@ def check_room(gather, batch_ids, num_batches: int, order: str | None = None) ->
                             ", or order='block' (its batches read a few shards once the dataset is many times its "
                             "window of 8,192 samples)" if order != "block" else
                             " (block order's batches read a few shards only on a dataset many times its window of "
-                            "8,192 samples a rank)"))
+                            f"{window or 8192:,} samples a rank)"))
 
 
 def _bytes_by_cache(gather, shards, room: dict) -> dict:
