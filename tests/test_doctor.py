@@ -710,16 +710,18 @@ def test_the_headline_says_au_exposed_time_and_how_many_steps_make_the_verdict_s
 
 
 def test_the_first_fix_is_confirmed_in_the_users_run_and_the_replay_ceiling_is_the_steps_cost(tmp_path):
-    """Too few workers (80 ms of data a batch against a 50 ms step): the measured fix,
+    """Too few workers (80 ms of data a batch against a 70 ms step): the measured fix,
     num_workers=2, applied in a second run of the unmodified script, takes the loop from
     data-bound to under the line; the replay (its first 4 batches served again) steps at the
-    step's own cost, 50 ms, within 10%, and the data's cost to the run is said."""
-    report = doctor.run(["python", str(SCRIPT), "0.02", "-0.05"], steps=16, confirm=1, replay=4)
+    step's own cost, 70 ms, within 10%, and the data's cost to the run is said. Two workers make
+    a batch each 40 ms, well inside the step: a busy machine (the suite's other process, a CI
+    runner) stretches their sleeps without taking the loop back over the line."""
+    report = doctor.run(["python", str(SCRIPT), "0.02", "-0.07"], steps=16, confirm=1, replay=4)
     first = report.fixes[0]
     assert first.fix.startswith("num_workers=2") and first.args == {"num_workers": 2}
     c = first.confirmed
     assert c.wait_share_before > 0.2 and c.wait_share < 0.10 and c.speedup > 1.5
-    assert 18.0 <= report.replay.steps_per_s <= 20.0  # 1 / 50 ms, less the loop's own work
+    assert 0.9 / 0.07 <= report.replay.steps_per_s <= 1 / 0.07  # 1 / 70 ms, less the loop's own work
     assert report.replay.data_cost > 0.3
     said = doctor.text(report)
     assert "confirmed in your run:" in said and "the data costs you" in said
