@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.5.0"
+__version__ = "0.6.0"
 
 _EXPORTS = {
     **{name: "api" for name in ("build", "commit", "push", "pull", "verify", "info", "merge", "pack", "unpack",

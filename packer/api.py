@@ -211,11 +211,13 @@ def _image_policy(m: fmt.Manifest) -> str | None:
     if not any(c.name == "image" for c in m.columns) or "image_size" not in m.build:
         return None  # no images, or a build that did not record how (a merge)
     size, cap = m.build.get("image_size"), m.build.get("max_side")
+    store = m.build.get("store", "pixels")
+    stored = f"; stored as JPEG, quality {store.partition(':')[2]} (--store {store})" if store != "pixels" else ""
     if size is None:
-        return "--image-size keep: each image at its own size"
+        return f"--image-size keep: each image at its own size{stored}"
     if cap:
-        return f"--image-size {size} --keep-aspect: whole images, shorter side {size}, longer <= {cap}"
-    return f"--image-size {size}: {size} x {size} centre crops"
+        return f"--image-size {size} --keep-aspect: whole images, shorter side {size}, longer <= {cap}{stored}"
+    return f"--image-size {size}: {size} x {size} centre crops{stored}"
 
 
 def merge(inputs: list[str | Path], out: str | Path, *, overwrite: bool = False,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from packer import api
 from packer.remote import is_url as remote_url
-from packer.builder.plan import SIZES_SAMPLE
+from packer.builder.plan import JPEG_SAMPLE, SIZES_SAMPLE
 from packer.builder.config import BuildConfig
 from packer.dataset import format as fmt
 from packer.dataset.reader import DatasetReader
@@ -197,9 +197,13 @@ def _cmd_sizes(args) -> int:
         return 0
     n, read, size, cap = report["records"], report["headers_read"], report["size"], report["max_side"]
     print(f"{args.raw}: {n:,} images; sizes from the headers of {read:,}"
-          + (" (all)" if read == n else " spread over RAW, scaled up") + "; no pixel decoded")
+          + (" (all)" if read == n else " spread over RAW, scaled up")
+          + f"; JPEG's share from {min(read, JPEG_SAMPLE):,} of them encoded")
+    q = report["jpeg_quality"]
     rows = [(f"--image-size {size}", f"{size} x {size} centre crops", "fixed"),
+            (f"--image-size {size} --store jpeg", f"... as JPEG, quality {q}", "jpeg_fixed"),
             (f"--image-size {size} --keep-aspect", f"shorter side {size}, longer <= {cap}", "keep_aspect"),
+            ("  ... --store jpeg", f"... as JPEG, quality {q}", "jpeg_keep_aspect"),
             ("--image-size keep", "each image at its own size", "keep"),
             ("(the source files)", "JPEG, PNG ... as they are", "source")]
     for flag, what, key in rows:

@@ -157,12 +157,12 @@ def audio_raw(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def built(tmp_path_factory, image_raw, text_raw, pairs_raw, audio_raw, minilm):
     """The layouts built once through the real CLI: {"images", "text", "pairs", "audio"} -> OUT
-    (audio at 16 kHz mono int16, in shards of 64 KB), and the images again whole
-    (--keep-aspect), "aspect"."""
+    (audio at 16 kHz mono int16, in shards of 64 KB), the images again whole (--keep-aspect),
+    "aspect", and both again in the JPEG lane (--store jpeg), "jpeg" and "jpeg_aspect"."""
     from packer.cli import main
 
     root = tmp_path_factory.mktemp("built")
-    outs = {k: root / k for k in ("images", "text", "pairs", "aspect", "audio")}
+    outs = {k: root / k for k in ("images", "text", "pairs", "aspect", "audio", "jpeg", "jpeg_aspect")}
     assert main(["build", str(audio_raw), str(outs["audio"]), "--sample-rate", "16000", "--shard-size", "64KB",
                  "-q"]) == 0
     assert main(["build", str(image_raw), str(outs["images"]), "--image-size", "64", "--shard-size", "16", "-q"]) == 0
@@ -172,6 +172,9 @@ def built(tmp_path_factory, image_raw, text_raw, pairs_raw, audio_raw, minilm):
                  "--shard-size", "10", "-q"]) == 0
     assert main(["build", str(image_raw), str(outs["aspect"]), "--image-size", "32", "--keep-aspect", "--shard-size", "16",
                  "-q"]) == 0
+    for lane, more in (("jpeg", []), ("jpeg_aspect", ["--keep-aspect"])):
+        assert main(["build", str(image_raw), str(outs[lane]), "--image-size", "64" if lane == "jpeg" else "32", *more,
+                     "--store", "jpeg", "--shard-size", "16", "-q"]) == 0
     return outs
 
 

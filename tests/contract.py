@@ -22,7 +22,7 @@ READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", 
            "StatefulDataLoader(MMapIterableDataset)", "StatefulDataLoader(TokenWindows)",
            "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)",
            "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)", "Loader(audio)",
-           "Loader(AudioClips)", "StatefulDataLoader(AudioClips)")
+           "Loader(AudioClips)", "StatefulDataLoader(AudioClips)", "Loader(jpeg)", "StatefulDataLoader(jpeg, bucket_by)")
 
 
 def opened(paths: dict, key: str, **kwargs) -> MMapDataset:
@@ -56,6 +56,8 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         return Loader(opened(paths, "audio"), BATCH, num_threads=par, **common)
     if reader == "Loader(AudioClips)":
         return Loader(AudioClips(paths["audio"], 0.5, seed=9), BATCH, num_threads=par, **common)
+    if reader == "Loader(jpeg)":  # the JPEG lane's images decoded in the Loader's threads
+        return Loader(opened(paths, "jpeg", columns=["image", "key"]), BATCH, num_threads=par, **common)
     if reader == "Loader(images, bucket_by)":
         return Loader(opened(paths, "aspect", columns=["image", "key"]), BATCH, num_threads=par, bucket_by="aspect",
                       **common)
@@ -72,6 +74,8 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         source = BatchedDataset(AudioClips(paths["audio"], 0.5, seed=9), BATCH, **common)
     elif reader == "StatefulDataLoader(batched, bucket_by)":
         source = opened(paths, "aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
+    elif reader == "StatefulDataLoader(jpeg, bucket_by)":  # ... in DataLoader workers, each its own threads
+        source = opened(paths, "jpeg_aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
     else:
         source = BatchedDataset(packed(), BATCH, **common)
     return StatefulDataLoader(source, num_workers=par)
@@ -79,10 +83,15 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
 
 def samples(batch) -> list[str]:
     """The identities of a batch's samples, in order (an audio sample's: its key and a digest of
-    its frames, which tell one crop of a clip from another)."""
+    its frames, which tell one crop of a clip from another; an image's read with its key: the key
+    and a digest of its pixels, which a resumed batch must give again)."""
     if isinstance(batch, dict) and "audio" in batch:
         return [f"{key}@{_digest(row[:n])}" for key, row, n in zip(batch["key"], batch["audio"],
                                                                  batch["audio_lengths"].tolist())]
+    if isinstance(batch, dict) and "image" in batch and "key" in batch:
+        sizes = batch["image_size"].tolist() if "image_size" in batch else [None] * len(batch["key"])
+        return [f"{key}@{_digest(image if hw is None else image[:hw[0], :hw[1]])}"
+                for key, image, hw in zip(batch["key"], batch["image"], sizes)]
     if isinstance(batch, dict) and "key" in batch:
         return list(batch["key"])
     rows = batch["tokens"] if isinstance(batch, dict) else torch.cat([batch[0], batch[1][:, -1:]], dim=1)

@@ -28,6 +28,7 @@ from packer.dataset.reader import ColumnArrays, DatasetReader
 from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.canvas import CANVAS_BUFFER_BYTES, canvas_copy
+from loaders.batch.decode import Decoders, decode_copy
 from loaders.batch.ragged import AUDIO_BUFFER_BYTES, RAGGED_BUFFER_BYTES, frames_of, gather_ragged, gather_strings
 from loaders.batch.rows import in_shares, rows_copy
 
@@ -76,6 +77,7 @@ class ColumnGather:
         self._longest_of: dict[str, int] = {}
         self._largest_of: dict[str, tuple[int, ...]] = {}
         self._regions_of: dict[str, np.ndarray | None] = {}
+        self._decoders = Decoders()  # the JPEG lane's decode threads, made when first needed
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -92,7 +94,7 @@ class ColumnGather:
     def image_column(self) -> str:
         """The column whose samples have their own sizes (height, width, channels): what a batch
         grouped by shape groups by."""
-        ragged = [c.name for c in self.columns if c.ragged and len(c.shape) > 1 and frames_of(c) is None]
+        ragged = [c.name for c in self.columns if None in c.shape and len(c.shape) > 1 and frames_of(c) is None]
         if not ragged:
             raise ConfigError(f"{self.reader.root}: no column of own-sized images to group batches by "
                               f"(columns {[c.name for c in self.columns]}); build with --keep-aspect or --image-size keep")
@@ -272,7 +274,7 @@ class ColumnGather:
         CANVAS_BUFFER_BYTES, and its `{name}_size`."""
         out = {}
         for c in self.columns:
-            if not c.ragged:
+            if not c.ragged or (c.encoded and None not in c.shape):  # the JPEG lane's batch is the pixel lane's
                 out[c.name] = empty((batch_size, *c.shape), batch_dtype(c.dtype), memory)
             elif len(c.shape) > 1 and frames_of(c) is None and memory in ("huge", "pinned"):
                 dtype = np.dtype(c.dtype)
@@ -330,12 +332,17 @@ class ColumnGather:
             self._resident(np.unique(shard).tolist(), shard, rows)
         order = np.lexsort((rows, shard))  # the copies run in (shard, row) order: locality
         out: dict = {}
-        copies, rest = [], []
+        copies, decodes, rest = [], [], []
         for col in self.columns:
             if not col.ragged and not col.encoding and (col.sample_nbytes or 0) >= BIG_SAMPLE_BYTES:
                 out[col.name] = buffers[col.name][:n]
                 copies.append(rows_copy(out[col.name].numpy(), self._arrays(col.name), self._regions(col.name),
                                     shard, rows, order))
+            elif col.encoded:
+                fill, batch = decode_copy(col, self._arrays(col.name), shard, rows, order, buffers,
+                                          f"{self.reader.root}: column {col.name}")
+                out.update(batch)
+                decodes.append(fill)
             elif col.ragged and len(col.shape) > 1 and frames_of(col) is None:
                 fill, batch = canvas_copy(col.name, self._arrays(col.name), self._regions(col.name), shard, rows,
                                       order, buffers, f"{self.reader.root}: column {col.name}")
@@ -347,7 +354,8 @@ class ColumnGather:
         # pool (the first; any others after it), else split over a thread pool
         on_pool = [c for c in copies if isinstance(c, native.Job)] if isinstance(pool, native.Pool) else []
         threads = pool if isinstance(pool, ThreadPoolExecutor) else None
-        pending = [f for copy in copies if copy not in on_pool for f in in_shares(copy, n, threads, num_threads)]
+        pending = [f for fill in decodes for f in in_shares(fill, n, self._decoders.pool(num_threads), num_threads)]
+        pending += [f for copy in copies if copy not in on_pool for f in in_shares(copy, n, threads, num_threads)]
         with pool.running(on_pool[0], num_threads) if on_pool else contextlib.nullcontext():
             self._small(rest, shard, rows, buffers, n, out)
         for job in on_pool[1:]:
@@ -362,7 +370,7 @@ class ColumnGather:
         """The columns gathered in this thread: labels, strings, ragged 1-D."""
         for col in rest:
             arrays = self._arrays(col.name)
-            if col.encoding:
+            if col.string:
                 out[col.name] = gather_strings(arrays, shard, rows, col.encoding, f"{self.reader.root}: column {col.name}")
             elif col.ragged:
                 out.update(gather_ragged(col.name, arrays, shard, rows, buffers, self.padding_value, col.shape[1:]))

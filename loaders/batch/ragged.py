@@ -12,7 +12,8 @@ import math
 import numpy as np
 import torch
 
-from packer.dataset.reader import ColumnArrays, decode_text
+from packer.dataset.codec import decode_text
+from packer.dataset.reader import ColumnArrays
 
 from loaders.batch.buffers import batch_dtype, values_dtype
 

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from packer.dataset.format import Column, Manifest
-from packer.dataset.reader import DatasetReader, decode_text
+from packer.dataset.codec import decode_text
+from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 from packer.remote.traffic import FIELDS
 
@@ -158,7 +159,7 @@ class MMapDataset(torch.utils.data.Dataset):
         for name in self._names:
             col = self.manifest.column(name)
             value = self.reader.column(shard, name).sample(row)
-            if col.encoding:
+            if col.string:
                 out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
             else:
                 out[name] = _tensor(value)

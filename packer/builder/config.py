@@ -21,6 +21,7 @@ from packer.builder.audio import require as require_audio
 from packer.builder.forms import FORMS
 from packer.builder.forms.fields import FieldOptions
 from packer.builder.forms.labels import read_names
+from packer.dataset import codec
 from packer.dataset.format import printable
 from packer.builder.text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer
 from packer.builder.text import resolve_eos, token_dtype
@@ -83,6 +84,9 @@ class BuildConfig:
                                          "training-time crops)")  # recorded as max_side
     max_side: int | None = flag(bytes=UNLESS_DEFAULT, append=True, help="with --keep-aspect: the longer side at most "
                                 "N (default 2 x S; the image shrinks to fit)", type=int, metavar="N")
+    store: str = flag("pixels", bytes=UNLESS_DEFAULT, append=True, help="images stored as decoded pixels (the "
+                      "default) or as JPEG bytes: jpeg or jpeg:QUALITY (default 90), some 4-10x fewer bytes, decoded "
+                      "as batches are read", metavar="pixels|jpeg[:Q]")
     max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT, help="skip a longer document: a .txt file, JSONL "
                               f"line or caption (default {MAX_DOC_BYTES >> 20} MiB)", type=int, metavar="N")
     shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB",
@@ -176,6 +180,8 @@ class BuildConfig:
             rows, nbytes = parse_shard_size(str(self.shard_size))
             put("shard_rows", rows)
             put("shard_bytes", nbytes)
+        name, quality = codec.parse_store(self.store)
+        put("store", name if quality is None else f"{name}:{quality}")  # one spelling: one fingerprint
         if isinstance(self.background, str):
             try:
                 put("background", tuple(int(v) for v in self.background.split(",")))
@@ -292,7 +298,12 @@ class BuildConfig:
     def columns(self, kind: str, tokenizer: TokenizerSpec | None, *, labeled: bool) -> tuple[fmt.Column, ...]:
         """The columns this build writes."""
         size = None if self.keep_aspect else self.image_size
-        image = fmt.Column("image", "|u1", (size, size, 3) if size else (None, None, 3))
+        store, _ = codec.parse_store(self.store)
+        if store != "pixels" and kind not in ("images", "pairs"):
+            raise ConfigError(f"--store {self.store}: RAW {self.raw} holds {kind}, which has no images to store as "
+                              "JPEG; drop the flag")
+        image = fmt.Column("image", "|u1", (size, size, 3) if size else (None, None, 3),
+                           encoding=codec.JPEG if store == codec.JPEG else None)
         key = fmt.Column("key", "|u1", (None,), encoding="utf-8")
         if kind == "images":  # a flat folder has no classes: no label column
             return (image, fmt.Column("label", "<i8", ()), key) if labeled else (image, key)

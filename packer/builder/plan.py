@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from packer.builder.audio import AudioSpec, header_frames
-from packer.errors import ConfigError
+from packer.dataset import codec
+from packer.errors import ConfigError, SourceError
 from packer.dataset.format import Skip
 from packer.dataset.geometry import keep_aspect_size
 from packer.builder.scan import JSONL, PARQUET, Record, Scan
@@ -111,18 +112,19 @@ class _Cutter:
 
 def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows: int | None,
          shard_bytes: int | None, first_index: int = 0, max_side: int | None = None, text_key: str = "text",
-         max_doc_bytes: int = MAX_DOC_BYTES, audio: AudioSpec | None = None) -> Plan:
+         max_doc_bytes: int = MAX_DOC_BYTES, audio: AudioSpec | None = None, image_share: float = 1.0) -> Plan:
     """Cut the records of a scan into shard tasks numbered from `first_index` (`max_side`: a
-    keep-aspect build's cap, whose samples' sizes come from each file's header). A JSONL or
+    keep-aspect build's cap, whose samples' sizes come from each file's header; `image_share`:
+    the share of its pixels' bytes an image is stored in, JPEG_SHARE for the JPEG lane). A JSONL or
     Parquet file none of whose records has `text_key` is a ConfigError: a typo in --text-key
     would otherwise skip every record of it, and exit 0."""
     cutter = _Cutter(shard_rows, shard_bytes, first_index)
     skipped: list[Skip] = []
     if found.kind in ("images", "pairs") and image_size is not None and max_side is None:
-        _plan_fixed(cutter, len(found.records), _image_bytes(None, image_size))
+        _plan_fixed(cutter, len(found.records), _image_bytes(None, image_size, share=image_share))
     elif found.kind in ("images", "pairs"):
         for i, record in enumerate(found.records):
-            cutter.add(Span(i), 1, _image_bytes(record, image_size, max_side, found))
+            cutter.add(Span(i), 1, _image_bytes(record, image_size, max_side, found, image_share))
     elif found.kind == "audio":  # each clip's size from its header (capped), as the image sizes of 'keep'
         frame = audio.channels * np.dtype(audio.dtype).itemsize
         for i, record in enumerate(found.records):
@@ -162,14 +164,15 @@ def _plan_fixed(cutter: _Cutter, n: int, nbytes: int) -> None:
         first += take
 
 
-def _image_bytes(record: Record | None, size: int | None, max_side: int | None = None, found: Scan | None = None) -> int:
+def _image_bytes(record: Record | None, size: int | None, max_side: int | None = None, found: Scan | None = None,
+                 share: float = 1.0) -> int:
     if size is not None and max_side is None:
-        return size * size * 3 + _SAMPLE_OVERHEAD
+        return int(size * size * 3 * share) + _SAMPLE_OVERHEAD
     dims = header_size(record, found)  # 'keep' and keep-aspect: the header's size, without decoding
     if dims is None or 0 in dims:  # unreadable now means skipped later; it costs nothing here
         return _SAMPLE_OVERHEAD
     w, h = keep_aspect_size(*dims, size, max_side) if size is not None else dims
-    return w * h * 3 + _SAMPLE_OVERHEAD
+    return int(w * h * 3 * share) + _SAMPLE_OVERHEAD
 
 
 def header_size(record: Record, found: Scan | None = None) -> tuple[int, int] | None:
@@ -290,6 +293,8 @@ def _source_bytes(record: Record, found: Scan) -> int:
 
 
 SIZES_SAMPLE = 2000  # headers read for `packer sizes` by default: a 1% error bar on the mean
+# images of those decoded and stored as JPEG for its JPEG rows: their share of the pixels' bytes
+JPEG_SAMPLE = 100
 
 
 def size_report(found: Scan, size: int, max_side: int, sample: int | None = SIZES_SAMPLE,
@@ -318,7 +323,30 @@ def size_report(found: Scan, size: int, max_side: int, sample: int | None = SIZE
             on_progress(done, len(picked))
     scale = n / max(len(picked), 1)
     sizes = {k: round(v * scale) for k, v in total.items()}
+    shares = jpeg_shares(found, picked[::max(1, len(picked) // JPEG_SAMPLE)][:JPEG_SAMPLE], size, max_side)
+    sizes |= {f"jpeg_{k}": round(sizes[k] * share) for k, share in shares.items()}
     if found.form == "parquet":  # its rows' image bytes are not known without reading them: the files'
         sizes["source"] = sum(found.stats[p][0] for p in found.sources)
     return {"records": n, "headers_read": len(picked), "unreadable": unreadable, "size": size,
-            "max_side": max_side, "bytes": sizes}
+            "max_side": max_side, "bytes": sizes, "jpeg_quality": codec.DEFAULT_QUALITY}
+
+
+def jpeg_shares(found: Scan, records: list[Record], size: int, max_side: int) -> dict[str, float]:
+    """The share of their pixels' bytes `records`' images take in the JPEG lane (--store jpeg,
+    its default quality), for S x S crops ("fixed") and keep-aspect images: each decoded and
+    encoded as a build would."""
+    from packer.builder.forms.read import image_source
+    from packer.builder.images import decode_image
+
+    jpeg = {"fixed": 0, "keep_aspect": 0}
+    pixels = dict(jpeg)
+    for record in records:
+        for policy, cap in (("fixed", None), ("keep_aspect", max_side)):
+            try:
+                with image_source(record, found.form, found.fields) as source:
+                    image = decode_image(source, size, writable=False, max_side=cap)
+            except SourceError:
+                break
+            pixels[policy] += image.nbytes
+            jpeg[policy] += codec.encode(image, codec.DEFAULT_QUALITY).data.nbytes
+    return {k: jpeg[k] / pixels[k] if pixels[k] else 0.0 for k in jpeg}

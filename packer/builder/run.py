@@ -28,6 +28,7 @@ from packer.builder.publish import commit_staged
 from packer.builder.scan import Scan, scan
 from packer.builder.shard import ShardContext, ShardResult, reusable
 from packer.builder.workers import wait_for_old_workers
+from packer.dataset import codec
 from packer.dataset import format as fmt
 from packer.dataset import outdir
 from packer.dataset.reader import DatasetReader
@@ -134,7 +135,8 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
     the_plan = plan(found, image_size=config.image_size, max_side=config.side_cap, token_itemsize=itemsize,
                     shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first,
-                    text_key=config.text_key, max_doc_bytes=config.max_doc_bytes, audio=audio)
+                    text_key=config.text_key, max_doc_bytes=config.max_doc_bytes, audio=audio,
+                    image_share=codec.JPEG_SHARE if codec.parse_store(config.store)[0] == codec.JPEG else 1.0)
     skipped = (*found.skipped, *the_plan.skipped)
     if config.strict and skipped:
         raise SourceError(f"{config.raw / skipped[0].key}: {skipped[0].reason} (--strict)")

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from packer.dataset import codec
 from packer.dataset import format as fmt
 from packer.dataset import writer
 from packer.errors import SourceError
@@ -58,12 +59,20 @@ class ShardContext:
     audio: AudioSpec | None = None  # an audio build's rate, channels and dtype
 
     def decode(self, record: Record):
-        """A record's pixels, as this build decodes them (read-only), wherever its bytes are."""
+        """A record's pixels, as this build decodes them (read-only), wherever its bytes are;
+        with --store jpeg, those pixels as the JPEG lane stores them (`codec.Encoded`)."""
         if Image.MAX_IMAGE_PIXELS != self.max_image_pixels:
             Image.MAX_IMAGE_PIXELS = self.max_image_pixels
         c = self.config
         with image_source(record, self.form, self.fields) as source:
-            return decode_image(source, c.image_size, writable=False, background=c.background, max_side=c.side_cap)
+            pixels = decode_image(source, c.image_size, writable=False, background=c.background, max_side=c.side_cap)
+        store, quality = codec.parse_store(c.store)
+        if store != codec.JPEG:
+            return pixels
+        try:
+            return codec.encode(pixels, quality)
+        except (OSError, ValueError) as exc:  # libjpeg's limits: a side over 65,500 ('--image-size keep')
+            raise SourceError(f"cannot store as JPEG ({type(exc).__name__}: {str(exc)[:200]})") from None
 
     def caption(self, record: Record) -> str:
         return caption_of(record, self.form, self.fields, self.config.max_doc_bytes)

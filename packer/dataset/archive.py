@@ -246,7 +246,7 @@ def _in_generation(manifest: fmt.Manifest, generation: str) -> fmt.Manifest:
         fmt.FileEntry(f"{fmt.shard_path(generation, s.index)}/{f.path.rsplit('/', 1)[-1]}", f.size_bytes, f.checksum,
                       f.algo) for f in s.files)) for s in manifest.shards)
     return dataclasses.replace(manifest, shards=shards, generation=generation, inputs=None,
-                               version=fmt.written_version(manifest.kind))
+                               version=fmt.written_version(manifest.kind, manifest.columns))
 
 
 ARCHIVE_JSON_BYTES = 1 << 30  # archive.json past this is not one of ours: not read into memory

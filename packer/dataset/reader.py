@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from packer.dataset import codec
 from packer.dataset import format as fmt
 from packer.errors import ColumnError, IntegrityError, ManifestError
 from packer.system import flock
@@ -106,18 +107,23 @@ def check_shards_listed(root: Path, manifest: fmt.Manifest) -> None:
 
 @dataclass(frozen=True)
 class ColumnArrays:
-    """The mapped arrays of one column of one shard. Fixed columns: `values` is
-    [rows, *shape]. Ragged: flat `values`, `offsets` [rows + 1], optional `shapes` [rows, ndim]."""
+    """The mapped arrays of one column of one shard. Fixed columns: `values` is [rows, *shape].
+    Ragged: flat `values`, `offsets` [rows + 1], optional `shapes` [rows, ndim]; `jpeg`: the
+    values file of a JPEG column (`packer.dataset.codec`), whose samples are decoded."""
 
     values: np.ndarray
     offsets: np.ndarray | None = None
     shapes: np.ndarray | None = None
+    jpeg: str | None = None
 
-    def sample(self, row: int) -> np.ndarray:
+    def sample(self, row: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Sample `row`: a view of the map, or a JPEG's pixels (into `out`'s corner if given)."""
         if self.offsets is None:
             return self.values[row]
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
         flat = self.values[start:end]
+        if self.jpeg is not None:
+            return codec.decode(flat, self.shapes[row], f"{self.jpeg}: row {row}", out)
         return flat if self.shapes is None else flat.reshape(tuple(self.shapes[row]))
 
 
@@ -171,7 +177,7 @@ def map_column(shard_dir: Path, column: fmt.Column, num_samples: int, values_dir
         shapes_path = shard_dir / names["shapes"]
         shapes = map_npy(shapes_path, fmt.SHAPES_DTYPE, (num_samples, len(column.shape)))
         check_shapes(shapes_path, shapes, offsets, column)
-    return ColumnArrays(values, offsets, shapes)
+    return ColumnArrays(values, offsets, shapes, str(values_path) if column.encoded else None)
 
 
 def map_index(shard_dir: Path, column: fmt.Column, num_samples: int, values_bytes: int) -> ColumnArrays:
@@ -203,11 +209,13 @@ def check_offsets(path: Path, offsets: np.ndarray, num_values: int) -> None:
 def check_shapes(path: Path, shapes: np.ndarray, offsets: np.ndarray, column: fmt.Column) -> None:
     """Each sample's shape is non-negative, fits the column's fixed dimensions and holds exactly
     its values, in exact arithmetic (`exact_sizes`): dimensions whose product wraps past 2**63
-    onto the right count must not pass."""
+    onto the right count must not pass (a JPEG column's: by each decode)."""
     fixed = [(axis, d) for axis, d in enumerate(column.shape) if d is not None]
     if shapes.size and (shapes.min() < 0 or shapes.max() >= fmt.MAX_DIM or any(
             np.any(shapes[:, axis] != d) for axis, d in fixed)):
         raise IntegrityError(f"{path}: a sample shape is negative or does not fit {list(column.shape)}")
+    if column.encoded:
+        return
     sizes = np.diff(offsets)
     bad = np.flatnonzero(exact_sizes(shapes, int(offsets[-1]) if len(offsets) else 0) != sizes)
     if bad.size:
@@ -227,13 +235,6 @@ def exact_sizes(shapes: np.ndarray, limit: int) -> np.ndarray:
         prod = np.where(over, 0, prod * np.where(over, 0, d))
     zero = (shapes == 0).any(axis=1) if shapes.size else np.zeros(len(shapes), bool)
     return np.where(zero, 0, np.where(over, -1, prod))
-
-
-def decode_text(raw: bytes, encoding: str, where: str) -> str:
-    try:
-        return raw.decode(encoding)
-    except UnicodeDecodeError as exc:
-        raise IntegrityError(f"{where}: not {encoding} at byte {exc.start}; run 'packer verify'") from None
 
 
 class _GenerationLocks:

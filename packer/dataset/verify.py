@@ -12,7 +12,8 @@ import numpy as np
 
 from packer.dataset import format as fmt
 from packer.errors import IntegrityError
-from packer.dataset.reader import check_file_sizes, check_shards_listed, decode_text, load_manifest, map_column
+from packer.dataset.codec import decode_text
+from packer.dataset.reader import check_file_sizes, check_shards_listed, load_manifest, map_column
 from packer.dataset.writer import checksum_file
 
 
@@ -49,7 +50,7 @@ def check_hash(path: Path, entry: fmt.FileEntry) -> None:
 
 def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, arrays) -> None:
     """What a checksum cannot tell (a manifest written with wrong data): labels index the
-    classes, token ids fit the vocabulary, string columns decode."""
+    classes, token ids fit the vocabulary, string columns and JPEG images decode."""
     path = shard_dir / fmt.column_file_names(column)["values"]
     values = arrays.values
     if column.name == "label" and manifest.classes is not None and values.size:
@@ -63,5 +64,8 @@ def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, a
         top = max(vocab, eos + 1 if isinstance(eos, int) else 0)
         if int(values.max()) >= top:
             raise IntegrityError(f"{path}: token id {int(values.max())} is outside the vocabulary of {top:,}")
-    if column.encoding:
+    if column.string:
         decode_text(np.asarray(values).tobytes(), column.encoding, str(path))
+    if column.encoded:  # each image decodes to its shape
+        for row in range(len(arrays.offsets) - 1):
+            arrays.sample(row)

@@ -20,6 +20,7 @@ from typing import BinaryIO
 import numpy as np
 
 from packer import errors
+from packer.dataset import codec
 from packer.dataset import format as fmt
 from packer.system import linux_libc
 
@@ -114,11 +115,11 @@ class _NpyStream:
             self._file.close()
 
 
-def _check_shape(col: fmt.Column, value: np.ndarray) -> None:
+def _check_shape(col: fmt.Column, shape: tuple[int, ...]) -> None:
     """A sample's shape fits its column (None in the column's shape: any length there)."""
-    if value.shape != col.shape and (len(value.shape) != len(col.shape) or any(
-            want is not None and got != want for got, want in zip(value.shape, col.shape))):
-        raise ValueError(f"column {col.name}: sample shape {value.shape}, expected {col.shape}")
+    if shape != col.shape and (len(shape) != len(col.shape) or any(
+            want is not None and got != want for got, want in zip(shape, col.shape))):
+        raise ValueError(f"column {col.name}: sample shape {shape}, expected {col.shape}")
 
 
 class _ColumnWriter:
@@ -136,9 +137,12 @@ class _ColumnWriter:
         else:
             self.values = _NpyStream(shard_dir / names["values"], column.dtype, column.shape)
 
-    def add(self, value: np.ndarray) -> None:
-        """Append one sample."""
-        _check_shape(self.column, value)
+    def add(self, value: np.ndarray | codec.Encoded) -> None:
+        """Append one sample (of the JPEG lane: its `codec.Encoded` bytes and decoded shape)."""
+        if self.column.encoded:
+            self.extend([value])
+            return
+        _check_shape(self.column, value.shape)
         if not self.column.ragged:
             self.values.write(value, 1)
             return
@@ -147,10 +151,15 @@ class _ColumnWriter:
         if self.shapes is not None:
             self.shapes.append(value.shape)
 
-    def extend(self, values: list[np.ndarray]) -> None:
+    def extend(self, values: list[np.ndarray | codec.Encoded]) -> None:
         """Append samples: the bytes of add() for each, in one write."""
-        for value in values:
-            _check_shape(self.column, value)
+        shapes = [v.shape for v in values]
+        if self.column.encoded:
+            if not all(isinstance(v, codec.Encoded) for v in values):
+                raise ValueError(f"column {self.column.name}: takes JPEG bytes (codec.Encoded), not pixels")
+            values = [v.data for v in values]
+        for shape in shapes:
+            _check_shape(self.column, shape)
         if not values:
             return
         if not self.column.ragged:
@@ -160,7 +169,7 @@ class _ColumnWriter:
         self.values.write(np.concatenate([v.reshape(-1) for v in values]), int(sizes.sum()))
         self.offsets.extend((self.offsets[-1] + np.cumsum(sizes)).tolist())
         if self.shapes is not None:
-            self.shapes.extend(v.shape for v in values)
+            self.shapes.extend(shapes)
 
     def close(self) -> None:
         self.values.close()
@@ -208,7 +217,7 @@ class SlotWriter:
     def put(self, slot: int, value: np.ndarray) -> bytes | None:
         """Write one row; returns its checksum block's digest when a row is a block of its own
         (hashed here, while the row is in this core's cache), else None."""
-        _check_shape(self.column, value)
+        _check_shape(self.column, value.shape)
         data = memoryview(np.ascontiguousarray(value, dtype=self.column.dtype)).cast("B")
         digest = fmt.block_digest(data) if fmt.rows_per_block(self.row) == 1 else None
         offset = fmt.NPY_HEADER_BYTES + slot * self.row

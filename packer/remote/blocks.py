@@ -45,7 +45,7 @@ def ranged(manifest: fmt.Manifest) -> dict[str, int]:
     RAGGED_ROW_BLOCKS blocks), checksummed by blocks."""
     out = {}
     for shard, c, entry in values_files(manifest):
-        if entry.algo == fmt.CHECKSUM and not c.encoding:
+        if entry.algo == fmt.CHECKSUM and not c.string:
             item = np.dtype(c.dtype).itemsize
             if not c.ragged:
                 row = item * math.prod(c.shape)

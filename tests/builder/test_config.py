@@ -68,7 +68,7 @@ def test_builds_without_the_newer_flags_keep_the_fingerprint_earlier_versions_wr
 
 def test_append_checks_the_flags_that_change_a_samples_bytes():
     assert set(BuildConfig.append_checked()) == {"image_size", "text_key", "append_eos", "special_tokens", "max_side",
-                                                 "sample_rate", "channels", "dtype"}
+                                                 "sample_rate", "channels", "dtype", "store"}
 
 
 def test_a_config_without_raw_or_out_is_refused():

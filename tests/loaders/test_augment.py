@@ -32,6 +32,7 @@ from loaders import augment
 from loaders.augment import IMAGENET_MEAN, IMAGENET_STD, eval_transform, rrc_boxes, train_transform
 from packer.cli import main
 from packer.dataset.geometry import keep_aspect_size
+from packer.dataset.reader import load_manifest
 
 MEAN = torch.tensor(IMAGENET_MEAN).view(3, 1, 1)
 STD = torch.tensor(IMAGENET_STD).view(3, 1, 1)
@@ -359,7 +360,7 @@ def test_keep_aspect_flags_and_append_are_checked(photos_raw, aspect_out, tmp_pa
     assert "max_side is 100, the dataset was built with 128" in capsys.readouterr().err
 
 
-def test_packer_sizes_reports_every_policy_before_a_build(photos_raw, aspect_out, text_raw, capsys):
+def test_packer_sizes_reports_every_policy_before_a_build(photos_raw, aspect_out, text_raw, capsys, tmp_path):
     assert main(["sizes", str(photos_raw), "--image-size", "64", "--sample", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["records"] == report["headers_read"] == 90 and report["max_side"] == 128
@@ -367,6 +368,12 @@ def test_packer_sizes_reports_every_policy_before_a_build(photos_raw, aspect_out
     assert b["fixed"] == 90 * 64 * 64 * 3
     stored = sum(int(np.prod(MMapDataset(aspect_out)[i]["image"].shape)) for i in range(90))
     assert b["keep_aspect"] == stored  # the report is what the build then writes
+    # ... and so is the JPEG lane's row (90 images: every one of them encoded), under a quarter of the pixels
+    assert main(["build", str(photos_raw), str(tmp_path / "jpeg"), "--image-size", "64", "--store", "jpeg", "-q"]) == 0
+    written = sum(f.size_bytes - 128 for s in load_manifest(tmp_path / "jpeg").shards for f in s.files
+                  if f.path.endswith("/image.npy"))
+    assert abs(b["jpeg_fixed"] - written) <= 1 and b["jpeg_fixed"] < b["fixed"] / 4
+    assert b["jpeg_keep_aspect"] < b["keep_aspect"] / 4 and report["jpeg_quality"] == 90
     assert b["keep"] > b["keep_aspect"] and b["source"] == sum(p.stat().st_size for p in photos_raw.rglob("*.*"))
     assert main(["sizes", str(photos_raw), "--image-size", "64", "--sample", "30"]) == 0
     text = capsys.readouterr().out

@@ -25,7 +25,7 @@ class ArchiveFile:
 
 
 def archive_to_json(manifest: Manifest, files: list[ArchiveFile], level: int) -> str:
-    doc = {"format": ARCHIVE_FORMAT, "version": written_version(manifest.kind), "codec": "zstd", "level": level,
+    doc = {"format": ARCHIVE_FORMAT, "version": written_version(manifest.kind, manifest.columns), "codec": "zstd", "level": level,
            "files": [asdict(f) for f in files], "manifest": json.loads(manifest.to_json())}
     return json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
 

@@ -13,15 +13,19 @@ if TYPE_CHECKING:
 
 # -- 1. Identity and versioning ------------------------------------------------------------
 FORMAT_NAME = "mmpack"
-FORMAT_VERSION = (4, 1)  # (major, minor): minor bumps are additive, a newer major is refused.
+FORMAT_VERSION = (4, 2)  # (major, minor): minor bumps are additive, a newer major is refused.
 # What a writer writes: the oldest version that has what the dataset uses, so a dataset of a kind
-# 4.0 knew is the same bytes as before, and opens in a 4.0 reader; 4.1 added audio
+# 4.0 knew is the same bytes as before, and opens in a 4.0 reader; 4.1 added audio, 4.2 the JPEG
+# lane (a column of encoding "jpeg")
 KIND_VERSIONS = {"audio": (4, 1)}
+ENCODING_VERSIONS = {"jpeg": (4, 2)}
 BASE_VERSION = (4, 0)
 
 
-def written_version(kind: str) -> str:
-    return "%d.%d" % KIND_VERSIONS.get(kind, BASE_VERSION)
+def written_version(kind: str, columns: tuple[Column, ...] = ()) -> str:
+    """The version a writer writes for a dataset of `kind` with `columns`."""
+    return "%d.%d" % max([KIND_VERSIONS.get(kind, BASE_VERSION), *(ENCODING_VERSIONS.get(c.encoding, BASE_VERSION)
+                                                                   for c in columns)])
 
 
 READABLE_MAJORS = (1, 2, 3, 4)  # 1.x-3.x differ from 4.x in checksum keys and the shard dirs' place

@@ -21,7 +21,7 @@ from packer.errors import ColumnError, ManifestError
 # A manifest may come from a stranger: every field is checked before anything is mapped or
 # allocated, and every problem is a ManifestError naming the field (never a Python exception).
 DTYPES = frozenset({"|u1", "|i1", "|b1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"})
-ENCODINGS = (None, "utf-8")
+ENCODINGS = (None, "utf-8", "jpeg")  # "jpeg" (4.2): an image column stored as JPEG bytes (section 4)
 MAX_DIM = 1 << 31  # per-sample dimensions
 MAX_NDIM = 8
 
@@ -49,13 +49,27 @@ class Column:
                                 "dimensions (non-negative ints, or null for a variable one)")
         if self.encoding not in ENCODINGS:
             raise ManifestError(f"column {self.name}: encoding {self.encoding!r} is not one of {ENCODINGS}")
-        if self.encoding and (self.dtype != "|u1" or tuple(shape) != (None,)):
+        if self.string and (self.dtype != "|u1" or tuple(shape) != (None,)):
             raise ManifestError(f"column {self.name}: a string column is |u1 [null]")
+        if self.encoded and (self.dtype != "|u1" or len(shape) != 3 or shape[2] != 3 or (shape[0] is None) != (
+                shape[1] is None)):
+            raise ManifestError(f"column {self.name}: a jpeg column is |u1 [S, S, 3] or [null, null, 3]")
         object.__setattr__(self, "shape", tuple(shape))
 
     @property
+    def string(self) -> bool:
+        """Text stored as its bytes (a key)."""
+        return self.encoding == "utf-8"
+
+    @property
+    def encoded(self) -> bool:
+        """Images stored as JPEG bytes, read as the pixels of `shape` they decode to: stored as
+        a ragged column (bytes, offsets, each sample's decoded shape) whatever `shape` says."""
+        return self.encoding == "jpeg"
+
+    @property
     def ragged(self) -> bool:
-        return any(d is None for d in self.shape)
+        return self.encoded or any(d is None for d in self.shape)
 
     @property
     def sample_nbytes(self) -> int | None:
@@ -134,7 +148,7 @@ class Manifest:
         if self.kind not in KINDS:
             raise ManifestError(f"unknown dataset kind {self.kind!r}; expected one of {KINDS}")
         if self.version is None:
-            object.__setattr__(self, "version", written_version(self.kind))
+            object.__setattr__(self, "version", written_version(self.kind, self.columns))
         if not self.columns or len({c.name for c in self.columns}) != len(self.columns):
             raise ManifestError("columns must be a non-empty list of distinct names")
         counts = self.counts

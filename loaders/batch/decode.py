@@ -1,0 +1,49 @@
+"""The JPEG lane's batches (an image column of encoding "jpeg", `packer.dataset.codec`): the
+batch the pixel lane gives, [B, S, S, 3] for a fixed size, else the canvas and `{name}_size`
+(`loaders.batch.canvas`), each sample decoded into its slot. Pillow decodes outside the GIL, so
+the gather runs these fills over Python threads (`Decoders`), one contiguous share each, even
+where its copies run on the Loader's C pool.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+from packer.dataset.reader import ColumnArrays
+
+from loaders.batch.canvas import canvas_copy
+
+
+def decode_copy(column, arrays: list[ColumnArrays], shard, rows, order, buffers, where: str):
+    """(fill, batch) of an encoded column: fill(a, b) decodes the samples order[a:b] into the
+    batch; a decode that fails is an IntegrityError naming the shard file and row."""
+    n = len(rows)
+    if any(d is None for d in column.shape):  # own sizes: the canvas, as the pixel lane's
+        return canvas_copy(column.name, arrays, None, shard, rows, order, buffers, where)
+    batch = buffers[column.name][:n]
+    dst = batch.numpy()
+    shard, rows, order = shard.tolist(), rows.tolist(), order.tolist()
+
+    def fill(a, b):
+        for p in order[a:b]:
+            arrays[shard[p]].sample(rows[p], out=dst[p])
+    return fill, {column.name: batch}
+
+
+class Decoders:
+    """The threads a gather decodes on: made at the first encoded batch and again in a forked
+    child (where the parent's threads do not run); none for one thread."""
+
+    def __init__(self):
+        self._pool, self._pid, self._threads = None, None, 0
+
+    def pool(self, threads: int) -> ThreadPoolExecutor | None:
+        if threads <= 1:
+            return None
+        if self._pool is None or self._pid != os.getpid() or self._threads != threads:
+            if self._pool is not None and self._pid == os.getpid():
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(threads, thread_name_prefix="mmpack-decode")
+            self._pid, self._threads = os.getpid(), threads
+        return self._pool
