@@ -64,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--threads-list", type=_ints, default=sorted({1, cores}),
                     help="a Loader row for each thread count, each against memcpy on as many threads")
     lo.add_argument("--no-peers", action="store_true", help="leave out the peers' rows (WebDataset, LitData, ...)")
+    lo.add_argument("--jpeg", action="store_true", help="also the JPEG lane of the same crops (--store jpeg, decoded "
+                    "in the Loader's threads): images/s, bytes on disk a image, CPU a 1000 images, beside the pixels")
     lo.add_argument("--model", action="store_true",
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")
@@ -143,6 +145,8 @@ def _parser() -> argparse.ArgumentParser:
                      "a link of this many MB/s to the loopback server (default 100; 0: none)")
     re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
                      "a SeaweedFS server on loopback")
+    re_.add_argument("--jpeg", action="store_true", help="also the JPEG lane of the same crops (--store jpeg) through "
+                     "the --link-mb link: images/s and bytes over the link beside the pixels'")
     re_.add_argument("--peers", action="store_true", help="also WebDataset, LitData and MosaicML Streaming with "
                      "their own S3 readers on the loopback server, where installed (bench/peers-requirements.txt)")
     re_.add_argument("--workers", type=int, default=2, help="the peers' DataLoader workers (default 2)")
@@ -210,7 +214,8 @@ def _main(argv: list[str] | None) -> int:
 
         result, text, plot = bench_augment(args), report.augment_table, report.plot_augment
     elif args.command == "remote":
-        from .remote_bench import bench_remote, plot_remote, remote_table
+        from .remote_bench import bench_remote
+        from .remote_report import plot_remote, remote_table
 
         result, text, plot = bench_remote(args), remote_table, plot_remote
     elif args.command == "sampler":

@@ -201,6 +201,8 @@ def bench_loaders(args) -> dict:
              system=f"mmpack Loader, default ({loader.num_threads} threads)")
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     single = r
+    if getattr(args, "jpeg", False):
+        _jpeg_lane(work, raw, args.images, bs, single, run)
     if args.model and model[0].type != "cpu":  # the batch put on the GPU by the Loader (copied ahead, side stream)
         run(f"mmpack Loader(device={model[0].type}), default threads", "mmpack",
             lambda: Loader(ds, bs, device=model[0]), lambda b: len(b["label"]), mmpack_conv, files,
@@ -311,6 +313,27 @@ def bench_loaders(args) -> dict:
         "notes": ["conversion for mmpack = packer build from the raw files (decode included); for a peer's "
                   "decoded variant = writing the pixels mmpack decoded (decode not included)"],
     }
+
+
+def _jpeg_lane(work: Path, raw: Path, count: int, bs: int, pixels: dict, run) -> None:
+    """--jpeg: the same crops built with --store jpeg, read by the Loader at its default threads
+    (Pillow decoding in them): images/s, bytes on disk per image and CPU per 1000 images, beside
+    the pixel lane's default row (`pixels`)."""
+    from loaders import Loader, MMapDataset
+
+    _, out, seconds = _prepared(work, "images-jpeg", count,
+                                lambda dst: shutil.copytree(raw, dst, copy_function=os.link), {"store": "jpeg"})
+    ds = MMapDataset(out, columns=["image", "label"])
+    loader = Loader(ds, bs)
+    disk = dir_bytes(out)
+    r = run(f"mmpack Loader, JPEG lane (--store jpeg: Pillow decodes), default ({loader.num_threads} threads)", "mmpack",
+            lambda: loader, lambda b: len(b["label"]), {"convert_s": seconds, "disk_bytes": disk}, files_under(out),
+            threads=loader.num_threads)
+    pixels.update(lane="pixels", bytes_per_image=pixels["disk_bytes"] / len(ds))
+    r.update(lane="jpeg", bytes_per_image=disk / len(ds), best_memcpy=True)
+    if "samples_per_s" in r and "samples_per_s" in pixels:
+        r.update(of_pixel_lane_pct=100 * r["samples_per_s"] / pixels["samples_per_s"],
+                 bytes_of_pixel_lane_pct=100 * disk / pixels["disk_bytes"])
 
 
 def _default_vs_explicit(results: list[dict]) -> dict | None:

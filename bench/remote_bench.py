@@ -24,7 +24,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from . import data
-from .measure import alternated, timed_pass
+from .measure import alternated, dir_bytes, timed_pass
 from .stores import link, raw_get_rate
 from .loaders_bench import _prepared, machine, prepare_images
 
@@ -117,7 +117,12 @@ def bench_remote(args) -> dict:
         zstd = [_cold(opened(where=url + "-zstd"), total, loader_kw, drop=True) for _ in range(args.passes)]
         _say(f"zstd -{ZSTD_LEVEL} cold {statistics.median(c['bytes_per_s'] for c in zstd) / 1e6:,.0f} MB/s restored, "
              f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
-        linked = _through_link(endpoint, args.link_mb, opened, url, local.manifest, loader_kw) if args.url is None \
+        jpeg = None
+        if getattr(args, "jpeg", False):  # the JPEG lane of the same crops, beside the pixels through the link
+            _, jpeg_out, _ = _prepared(work, f"images-jpeg-{args.shard_size}", args.images, lambda r: shutil.copytree(
+                raw, r), {"shard_size": args.shard_size, "store": "jpeg"})
+            packer.push(jpeg_out, jpeg := url + "-jpeg")
+        linked = _through_link(endpoint, args.link_mb, opened, url, local.manifest, loader_kw, jpeg) if args.url is None \
             else None
         peers = None
         if getattr(args, "peers", False) and args.url is None:
@@ -209,10 +214,11 @@ def _rows_first(opened, local, loader_kw: dict, passes: int) -> dict:
             "link_bytes": statistics.median(link), "batch_bytes": local.manifest.size_bytes * loader_kw["batch_size"] / len(local)}
 
 
-def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, loader_kw: dict) -> dict | None:
+def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, loader_kw: dict,
+                  jpeg: str | None = None) -> dict | None:
     """The raw GET rate and a cold epoch of the plain and of the compressed push through a link
     of `mb_per_s` to the server (`stores.link`): the cold path where the link, not the CPU, is
-    the limit, and what compression gives there."""
+    the limit, and what compression gives there; and of the JPEG lane's push at `jpeg`."""
     from packer.remote import DOWNLOADS
 
     if not mb_per_s:
@@ -224,12 +230,13 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
             raw = raw_get_rate(url, manifest, DOWNLOADS)
             plain = _cold(opened(), total, loader_kw, drop=True)
             packed = _cold(opened(where=url + "-zstd"), total, loader_kw, drop=True)
+            lane = _cold(opened(where=jpeg), total, loader_kw, drop=True) if jpeg else None
         finally:
             os.environ["AWS_ENDPOINT_URL"] = endpoint
     _say(f"through a link of {mb_per_s:g} MB/s: raw GETs {raw / 1e6:,.0f} MB/s, cold plain "
          f"{plain['bytes_per_s'] / 1e6:,.0f} MB/s, zstd {packed['bytes_per_s'] / 1e6:,.0f} MB/s restored")
     return {"link_mb_per_s": mb_per_s, "raw_get_bytes_per_s": raw, "plain": plain, "zstd": packed,
-            "cold_of_raw_get": plain["bytes_per_s"] / raw}
+            "cold_of_raw_get": plain["bytes_per_s"] / raw, "jpeg": lane}
 
 
 def _limited(opened, url: str, caches: Path, local, share: float, order: str, loader_kw: dict, counts: dict) -> dict:
@@ -259,7 +266,7 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
                               "gets": after["gets"] - before["gets"],
                               "shard_hits": after["shard_hits"] - before["shard_hits"],
                               "shard_downloads": after["shard_downloads"] - before["shard_downloads"]})
-        row.update(epochs=per_epoch, cache_bytes=_dir_bytes(ds.root))
+        row.update(epochs=per_epoch, cache_bytes=dir_bytes(ds.root))
     except Exception as exc:  # noqa: BLE001 - a refused limit is a row saying why
         row["refused"] = str(exc).splitlines()[0][:300]
     _say(f"{order} at {share:.0%} of {len(local):,} images: {row.get('refused') or row['epochs'][-1]}")
@@ -284,166 +291,3 @@ def _rank(opened, local, rank: int, order: str, loader_kw: dict) -> dict:
     n, _, _ = timed_pass(loader)
     return {"rank": rank, "order": order, "images": len(local), "downloaded_share": ds.bytes_downloaded / total,
             "touched_share": sum(shards[k].size_bytes for k in touched.tolist()) / total, "samples": n}
-
-
-def _dir_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
-def _rows_first_row(first: dict | None) -> list[str]:
-    if not first:
-        return []
-    if "link_bytes" not in first:  # a run before the first batch's bytes were kept
-        return [f"{'  its first batch by rows':34} {'':>10} {'':>8} {first['first_batch_s']:>13.3f}"]
-    return [f"{'  its first batch by rows':34} {'':>10} {'':>8} {first['first_batch_s']:>13.3f} {'':>12}  "
-            f"({first['link_bytes'] / 1e6:,.1f} MB over the link for a batch of {first['batch_bytes'] / 1e6:,.1f} MB: "
-            "as for a dataset whose first batch's shards hold over 512 MiB)"]
-
-
-def remote_table(r: dict) -> str:
-    if "throttle" in r:
-        from .throttle_bench import throttle_table
-
-        return "\n".join(throttle_table(r["throttle"]))
-    if "cold" not in r:  # --nodes
-        from .nodes_bench import nodes_table
-
-        return "\n".join([f"{r['images']:,} images in {r['shards']} shards, {r['dataset_bytes'] / 1e6:,.0f} MB, batch "
-                          f"{r['batch_size']}, from {r['url']}", *nodes_table(r["nodes"])])
-    cold, zc = r["cold"], r["zstd_cold"]
-    lines = [f"{r['images']:,} images in {r['shards']} shards, {r['dataset_bytes'] / 1e6:,.0f} MB, batch {r['batch_size']}, "
-             f"from {r['url']} ({r['downloads_at_once']} downloads at once)",
-             f"{'':34} {'images/s':>10} {'MB/s':>8} {'first batch s':>13} {'of the limit':>12}",
-             f"{'raw GET of every file':34} {'':>10} {r['raw_get_bytes_per_s'] / 1e6:>8,.0f} {'':>13} {'100%':>12}",
-             f"{'raw GET of every file, into files':34} {'':>10} {r['raw_get_to_files_bytes_per_s'] / 1e6:>8,.0f} {'':>13} "
-             f"{100 * r['raw_get_to_files_bytes_per_s'] / r['raw_get_bytes_per_s']:>11.0f}%  (the cache's disk: the "
-             "node's own limit)",
-             f"{'local disk (warm page cache)':34} {r['local_samples_per_s']:>10,.0f} {'':>8} {'':>13} {'100%':>12}",
-             f"{'remote, cold (empty cache)':34} {statistics.median(c['samples_per_s'] for c in cold):>10,.0f} "
-             f"{statistics.median(c['bytes_per_s'] for c in cold) / 1e6:>8,.0f} "
-             f"{statistics.median(c['first_batch_s'] for c in cold):>13.3f} {100 * r['cold_of_raw_get']:>11.0f}%  "
-             f"({100 * r['cold_of_raw_get_to_files']:.0f}% of the GETs into files)",
-             *_rows_first_row(r.get("cold_rows_first")),
-             f"{'remote, zstd -' + str(r['zstd_level']) + ', cold (empty cache)':34} "
-             f"{statistics.median(c['samples_per_s'] for c in zc):>10,.0f} "
-             f"{statistics.median(c['bytes_per_s'] for c in zc) / 1e6:>8,.0f} "
-             f"{statistics.median(c['first_batch_s'] for c in zc):>13.3f} "
-             f"{100 * statistics.median(c['bytes_per_s'] for c in zc) / r['raw_get_bytes_per_s']:>11.0f}%  "
-             f"({statistics.median(c['link_share'] for c in zc):.2f}x the dataset's bytes over the link)",
-             *_link_rows(r),
-             f"{'remote, warm (cache full)':34} {r['warm_samples_per_s']:>10,.0f} {'':>8} {'':>13} "
-             f"{100 * r['warm_of_local']:>11.0f}%  (alternated with local disk, best of 4 passes a round)",
-             "", "cache limit (share of the dataset): bytes over the link per epoch / the dataset's, epochs 1 and 2, "
-             "counted by a proxy in front of the server (`ds.traffic` where there is none); epoch 2's GET requests "
-             "and shards found in the cache",
-             f"{'order':12} {'limit':>6} {'epoch 1':>8} {'epoch 2':>8} {'images/s 2':>10} {'cache MB':>9} "
-             f"{'GETs 2':>7} {'hits 2':>7}"]
-    for row in r["limits"]:
-        head = f"{row['order']:12} {100 * row['limit_share']:>5.0f}%"
-        if row.get("images", r["images"]) != r["images"]:
-            head = f"{row['order'] + ' (' + format(row['images'], ',') + ' small)':30} {100 * row['limit_share']:>5.0f}%"
-        if "refused" in row:
-            lines.append(f"{head} refused: {row['refused'][:110]}")
-        else:
-            e = row["epochs"]
-            share = "link_share" if "link_share" in e[0] else "downloaded_share"
-            lines.append(f"{head} {e[0][share]:>7.2f}x {e[1][share]:>7.2f}x "
-                         f"{e[1]['samples_per_s']:>10,.0f} {row['cache_bytes'] / 1e6:>9,.1f} "
-                         f"{e[1].get('link_gets', e[1].get('gets', 0)):>7,} {e[1].get('shard_hits', 0):>7,}")
-    lines.append("")
-    for order in dict.fromkeys(x.get("order", "sequential") for x in r["ranks"]):
-        rows = [x for x in r["ranks"] if x.get("order", "sequential") == order]
-        shares = ", ".join(f"{x['downloaded_share']:.2f}x" for x in rows)
-        touched = ", ".join(f"{x['touched_share']:.2f}x" for x in rows if "touched_share" in x)
-        lines.append(f"{len(rows)} ranks, each its own cache, one epoch, {order} order ({rows[0].get('images', r['images']):,} "
-                     f"images): each reads shards of {touched or '?'} of the dataset; downloaded per rank {shares} "
-                     "(with the next epoch's first 64 batches)")
-    lines += _peer_rows(r)
-    return "\n".join(lines)
-
-
-def _peer_rows(r: dict) -> list[str]:
-    """Each system over the same server, through a counting proxy: cold and warm epochs."""
-    if not r.get("peers"):
-        return []
-    total = r["dataset_bytes"]
-    lines = ["", "the same pixels over the same server, each system's own S3 reader and cache; bytes and GETs counted "
-             "by a proxy (answers' bytes with their headers)",
-             f"{'system':58} {'epoch':>5} {'images/s':>9} {'first s':>8} {'link/dataset':>12} {'GETs':>7}"]
-    for row in r["peers"]:
-        if "epochs" not in row:
-            lines.append(f"{row['system'][:58]:58} {row.get('skipped') or row.get('error')}"[:160])
-            continue
-        for name, e in zip(("cold", "warm"), row["epochs"]):
-            lines.append(f"{row['system'][:58]:58} {name:>5} {e['samples_per_s']:>9,.0f} {e['first_batch_s'] or 0:>8.2f} "
-                         f"{e['link_bytes'] / total:>11.2f}x {e['gets']:>7,}")
-    return lines
-
-
-def _link_rows(r: dict) -> list[str]:
-    x = r.get("link")
-    if not x:
-        return []
-    head = f"link of {x['link_mb_per_s']:g} MB/s"
-    rows = [f"{head + ', raw GET of every file':34} {'':>10} {x['raw_get_bytes_per_s'] / 1e6:>8,.0f} {'':>13} "
-            f"{'100%':>12}"]
-    for name, c in (("plain", x["plain"]), (f"zstd -{r['zstd_level']}", x["zstd"])):
-        rows.append(f"{head + ', cold, ' + name:34} {c['samples_per_s']:>10,.0f} {c['bytes_per_s'] / 1e6:>8,.0f} "
-                    f"{c['first_batch_s']:>13.3f} {100 * c['bytes_per_s'] / x['raw_get_bytes_per_s']:>11.0f}%  "
-                    f"({c['link_share']:.2f}x the dataset's bytes over the link)")
-    return rows
-
-
-def plot_remote(r: dict, path: Path) -> None:
-    from .report import _plt
-
-    plt = _plt()
-    if "throttle" in r:
-        from .throttle_bench import plot_throttle
-
-        return plot_throttle(plt, r["throttle"], path)
-    if "cold" not in r:  # --nodes
-        from .nodes_bench import plot_nodes
-
-        return plot_nodes(plt, r["nodes"], path)
-    peers = [x for x in r.get("peers") or [] if x.get("epochs")]
-    fig, axes = plt.subplots(1, 3 if peers else 2, figsize=(17 if peers else 11, 4.4))
-    a, b = axes[0], axes[1]
-    names = ["local disk", "cold", f"cold,\nzstd -{r['zstd_level']}", "warm"]
-    rates = [r["local_samples_per_s"], statistics.median(c["samples_per_s"] for c in r["cold"]),
-             statistics.median(c["samples_per_s"] for c in r["zstd_cold"]), r["warm_samples_per_s"]]
-    colors = ["#888", "#c66", "#c96", "#4a8"]
-    if r.get("link"):
-        mb = format(r["link"]["link_mb_per_s"], "g")
-        names[3:3] = [f"cold,\n{mb} MB/s link", f"cold, zstd,\n{mb} MB/s link"]
-        rates[3:3] = [r["link"]["plain"]["samples_per_s"], r["link"]["zstd"]["samples_per_s"]]
-        colors[3:3] = ["#a44", "#a74"]
-    a.bar(names, rates, color=colors)
-    a.set_yscale("log")
-    a.tick_params(axis="x", labelsize=7)
-    a.set_ylabel("images/s (log scale)")
-    a.set_title(f"Loader, batch {r['batch_size']}")
-    rows = [x for x in r["limits"] if "refused" not in x]
-    labels = [f"{x['order']} {100 * x['limit_share']:.0f}%" + (f" ({x['images']:,} small)" if x["images"] != rows[0]["images"]
-                                                               else "") for x in rows]
-    shares = [x["epochs"][-1].get("link_share", x["epochs"][-1]["downloaded_share"]) for x in rows]
-    b.bar(range(len(rows)), shares, color=["#4c72b0" if x["order"] == "sequential" else "#55a868" if x["order"] == "block"
-                                           else "#c44e52" for x in rows])
-    b.set_xticks(range(len(rows)), labels, rotation=55, ha="right", fontsize=7)
-    b.axhline(1.0, color="k", lw=0.8)
-    b.set_ylabel("over the link per epoch / dataset")
-    b.set_title("cache limits (epoch 2, counted at a proxy)")
-    if peers:
-        c = axes[2]
-        systems = [x["system"].split(" (")[0].replace("mmpack Loader over ", "mmpack ") for x in peers]
-        for k, (epoch, color) in enumerate((("cold", "#c66"), ("warm", "#4a8"))):
-            c.barh([i + 0.4 * k for i in range(len(peers))], [x["epochs"][k]["samples_per_s"] for x in peers],
-                   height=0.4, color=color, label=epoch)
-        c.set_yticks([i + 0.2 for i in range(len(peers))], systems, fontsize=8)
-        c.invert_yaxis()
-        c.set_xscale("log")
-        c.set_xlabel("images/s (log scale)")
-        c.set_title("each system's own S3 reader, same server")
-        c.legend(loc="lower right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)

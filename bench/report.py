@@ -50,6 +50,12 @@ def loaders_table(report: dict) -> str:
                      f"first pass of a fresh Loader {d['default_first_pass_pct']:.0f}% of its first pass, steady "
                      f"{d['default_steady_pct']:.0f}% of its steady rate; a fresh Loader's first pass runs at "
                      f"{d['first_pass_of_steady_pct']:.0f}% of its steady rate (its ring is allocated in it)")
+    jpeg = next((r for r in report["results"] if "of_pixel_lane_pct" in r), None)
+    if jpeg:
+        lines.append(f"The JPEG lane (--store jpeg) against the pixel lane, each at the Loader's default threads: "
+                     f"{jpeg['of_pixel_lane_pct']:.0f}% of its images/s in {jpeg['bytes_of_pixel_lane_pct']:.0f}% of "
+                     f"its bytes ({jpeg['bytes_per_image']:,.0f} B an image), {jpeg['cpu_s_per_1000']:.2f} CPU s a "
+                     "1000 images (the decode, on the host's cores)")
     mix = next((r for r in report["results"] if "of_one_source_pct" in r), None)
     if mix:
         low, high = mix.get("of_one_source_range_pct", [mix["of_one_source_pct"]] * 2)

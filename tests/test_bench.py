@@ -26,9 +26,13 @@ def work(tmp_path_factory):
 def test_bench_loaders_smallest(work, tmp_path, capsys):
     out = tmp_path / "bench.json"
     assert main(["loaders", *TINY, "--batch-size", "8", "--passes", "1", "--work", str(work), "--json", str(out),
-                 "--cold", "--step-ms", "2", "--stall-steps", "3"]) == 0
+                 "--cold", "--step-ms", "2", "--stall-steps", "3", "--jpeg"]) == 0
     report = json.loads(out.read_text())
     rows = {r["system"]: r for r in report["results"]}
+    jpeg = [r for r in rows.values() if r.get("lane") == "jpeg"]  # --jpeg: the same crops stored as JPEG
+    assert len(jpeg) == 1 and jpeg[0]["samples_per_s"] > 0 and jpeg[0]["cold_samples_per_s"] > 0
+    assert 0 < jpeg[0]["bytes_of_pixel_lane_pct"] <= 25 and jpeg[0]["of_pixel_lane_pct"] > 0
+    assert jpeg[0]["cpu_s_per_1000"] > 0 and 0 <= jpeg[0]["stall"]["wait_share"] <= 1
     families = {r["family"] for r in rows.values()}
     assert families == {"mmpack", "baseline", "peer"}
     for name in ("mmpack Loader, 1 thread(s)", "MMapDataset + DataLoader(2 workers, collate)",
@@ -53,7 +57,7 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
         assert state == "ran" or any(r.get("skipped") == state for r in rows.values()), module
     assert report["memcpy_bytes_per_s"] > 0 and report["machine"]["cores"] >= 1 and report["machine"]["ram_gib"] > 0
     table = capsys.readouterr().out
-    assert "%memcpy" in table and "GPU util" in table and "WebDataset" in table
+    assert "%memcpy" in table and "GPU util" in table and "WebDataset" in table and "The JPEG lane" in table
     assert "first pass of a fresh Loader" in table and "machine load: 1-min load average" in table
     mixture = next(r for name, r in rows.items() if name.startswith("mmpack Loader over a Mixture of 3 datasets"))
     assert mixture["samples_per_s"] > 0 and mixture["of_one_source_pct"] > 0 and "A Mixture of 3 datasets" in table
@@ -367,7 +371,8 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     out, png = tmp_path / "remote.json", tmp_path / "remote.png"
     plot = ["--plot", str(png)] if _has("matplotlib") else []
     assert main(["remote", "--images", "40", "--batch-size", "8", "--passes", "2", "--shard-size", "200KB",
-                 "--block-samples", "1500", "--link-mb", "50", "--work", str(work), "--json", str(out), *plot]) == 0
+                 "--block-samples", "1500", "--link-mb", "50", "--jpeg", "--work", str(work), "--json", str(out),
+                 *plot]) == 0
     r = json.loads(out.read_text())
     assert r["raw_get_bytes_per_s"] > 0 and r["local_samples_per_s"] > 0 and r["warm_samples_per_s"] > 0
     assert all(c["bytes_per_s"] > 0 and c["first_batch_s"] > 0 for c in r["cold"]) and len(r["cold"]) == 2
@@ -378,10 +383,12 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     assert link["link_mb_per_s"] == 50 and link["plain"]["link_share"] == pytest.approx(1, rel=0.01)
     assert link["raw_get_bytes_per_s"] > 0 and link["cold_of_raw_get"] > 0
     assert link["zstd"]["link_share"] == pytest.approx(statistics.median(c["link_share"] for c in r["zstd_cold"]))
+    assert 0 < link["jpeg"]["link_share"] < 0.25 and link["jpeg"]["samples_per_s"] > 0  # --jpeg: its bytes, a cold epoch
     assert {(x["order"], x["limit_share"]) for x in r["limits"]} == {(o, s) for o in ("sequential", "block", "random")
                                                                     for s in (1.0, 0.5, 0.3, 0.1)} | {("block", 0.25)}
     for row in r["limits"]:  # measured, or refused saying why
         assert "refused" in row or (row["epochs"][0]["downloaded_share"] > 0.9 and row["cache_bytes"] <= row["limit_bytes"])
     assert [(x["order"], x["rank"]) for x in r["ranks"]] == [(o, k) for o in ("sequential", "block") for k in range(4)]
     assert all(x["downloaded_share"] > 0 and 0 < x["touched_share"] <= 1 for x in r["ranks"])
-    assert (not plot or png.stat().st_size > 0) and "raw GET of every file" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert (not plot or png.stat().st_size > 0) and "raw GET of every file" in said and "cold, JPEG lane" in said
