@@ -202,7 +202,7 @@ def bench_loaders(args) -> dict:
     r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
     single = r
     if getattr(args, "jpeg", False):
-        _jpeg_lane(work, raw, args.images, bs, single, run)
+        _jpeg_lane(work, raw, args.images, bs, single, run, model[0] if args.model else None)
     if args.model and model[0].type != "cpu":  # the batch put on the GPU by the Loader (copied ahead, side stream)
         run(f"mmpack Loader(device={model[0].type}), default threads", "mmpack",
             lambda: Loader(ds, bs, device=model[0]), lambda b: len(b["label"]), mmpack_conv, files,
@@ -315,10 +315,11 @@ def bench_loaders(args) -> dict:
     }
 
 
-def _jpeg_lane(work: Path, raw: Path, count: int, bs: int, pixels: dict, run) -> None:
+def _jpeg_lane(work: Path, raw: Path, count: int, bs: int, pixels: dict, run, device=None) -> None:
     """--jpeg: the same crops built with --store jpeg, read by the Loader at its default threads
     (Pillow decoding in them): images/s, bytes on disk per image and CPU per 1000 images, beside
-    the pixel lane's default row (`pixels`)."""
+    the pixel lane's default row (`pixels`); on a CUDA `device` (--model) also decoded there
+    (nvJPEG, where torchvision has it)."""
     from loaders import Loader, MMapDataset
 
     _, out, seconds = _prepared(work, "images-jpeg", count,
@@ -334,6 +335,11 @@ def _jpeg_lane(work: Path, raw: Path, count: int, bs: int, pixels: dict, run) ->
     if "samples_per_s" in r and "samples_per_s" in pixels:
         r.update(of_pixel_lane_pct=100 * r["samples_per_s"] / pixels["samples_per_s"],
                  bytes_of_pixel_lane_pct=100 * disk / pixels["disk_bytes"])
+    if device is not None and device.type == "cuda":
+        on = Loader(ds, bs, device=device)
+        run(f"mmpack Loader(device={device.type}), JPEG lane: {'nvJPEG' if on._decode else 'Pillow (no torchvision)'}",
+            "mmpack", lambda: on, lambda b: len(b["label"]), {"convert_s": seconds, "disk_bytes": disk},
+            files_under(out), threads=on.num_threads)["lane"] = "jpeg, device decode"
 
 
 def _default_vs_explicit(results: list[dict]) -> dict | None:

@@ -25,6 +25,7 @@ from loaders.batch import native
 from loaders.batch.ring import Ring
 from loaders.source import as_source, epochs_of, gather
 from loaders.cuda import to_device
+from loaders.device_decode import choose, decoded_on
 from loaders.order.orders import WINDOW
 from loaders.order.sampler import Order, Pass, Resumable, check_int
 from loaders.producer import made_ahead, stop_all
@@ -113,6 +114,9 @@ class Loader(Resumable):
         num_buffers: batch buffers in the ring, >= 2: the batch the caller holds and
             num_buffers - 1 gathered ahead (more are allocated only while the caller keeps
             batches; see `loaders.batch.ring`).
+        jpeg_decode: where a JPEG-lane dataset's images are decoded (`--store jpeg`): "auto" (on
+            a CUDA `device` by nvJPEG where torchvision is installed, else in the gather's
+            threads by Pillow), "threads", or "device" (refused without both).
 
     `close()` (or leaving a `with Loader(...) as loader:` block) stops its open iterations and
     frees its buffers and threads at once, and unpins a remote dataset's shards (the node's
@@ -123,7 +127,7 @@ class Loader(Resumable):
                  num_threads: int | str | None = None, pin_memory: bool | None = None, device=None,
                  order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None, num_buffers: int = 3, bucket_by: str | None = None,
-                 block_window: int = WINDOW):
+                 block_window: int = WINDOW, jpeg_decode: str = "auto"):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
         self._dataset = dataset
@@ -138,6 +142,10 @@ class Loader(Resumable):
             self.num_threads = check_int("num_threads", num_threads, 1, 1 << 12)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
+        # the JPEG lane: decoded on the device by nvJPEG (`loaders.device_decode`), or in the gather's threads
+        self._decode = choose(jpeg_decode, device, any(getattr(c, "encoded", False) for c in getattr(self.source, "columns", None) or ()))
+        if self._decode is not None:
+            self.source.device_decode = True
         self.num_buffers = check_int("num_buffers", num_buffers, 2, 1 << 12)
         self._ring: Ring | None = None
         self._pool = None
@@ -182,6 +190,8 @@ class Loader(Resumable):
         batches = self._gathered(p)
         if self.device is not None:
             batches = to_device(batches, self.device)
+        if self._decode is not None:
+            batches = decoded_on(batches, self.device, self._decode)
         return self._counted(p, batches)
 
     def _pool_of(self, threads: int):

@@ -7,7 +7,7 @@
 #   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540] [STEP...]
 #
 # STEPs (default: all, in this order): cuda_tests tests imagenet (imagenet_loader: its packed run
-# alone) augment profile packer forms loaders_model loaders suite; `tests` runs the tests $TESTS
+# alone) augment profile packer forms loaders_model loaders jpeg suite; `tests` runs the tests $TESTS
 # names (all of them without it); setup always runs. What each card has measured, and what is
 # still owed: bench/results/README.md.
 #
@@ -120,6 +120,38 @@ want loaders_model && DMON=1 step loaders_model 150 bench loaders --images 3000 
     --plot "$L/loaders-model.png"
 want loaders && step loaders 80 bench loaders --images 3000 --workers 16 --threads-list 8,16 --passes 3 \
     --work /tmp/lw --json "$L/loaders.json"
+
+# 2b. the JPEG lane (--store jpeg): nvJPEG on the GPU against Pillow in the Loader's threads, each
+# image's PSNR against the pixel lane's; then against ResNet-18's step beside the pixel lane
+want jpeg && TAIL=20 step jpeg_decode 90 python3 - <<'PY'
+import time
+from pathlib import Path
+import numpy as np, torch, packer
+from bench import data
+from loaders import Loader, MMapDataset
+raw = data.make_image_folders(Path("/tmp/jr"), 1024, seed=3)
+packer.build(raw, "/tmp/jr-px", image_size=224, overwrite=True)
+packer.build(raw, "/tmp/jr-jpeg", image_size=224, store="jpeg", overwrite=True)
+px, jpeg = MMapDataset("/tmp/jr-px"), MMapDataset("/tmp/jr-jpeg")
+def psnr(a, b):
+    mse = np.mean((a.astype(np.float64) - b) ** 2)
+    return 99.0 if mse == 0 else 10 * np.log10(255 ** 2 / mse)
+for mode in ("device", "threads"):
+    loader = Loader(jpeg, 256, shuffle=False, device="cuda", jpeg_decode=mode)
+    for _ in loader:
+        pass
+    torch.cuda.synchronize(); t = time.perf_counter(); n = 0
+    for _ in range(3):
+        for b in loader:
+            n += len(b["label"])
+    torch.cuda.synchronize(); rate = n / (time.perf_counter() - t)
+    ps = [psnr(img, px[i]["image"].numpy()) for i, img in enumerate(
+        img for b in loader for img in b["image"].cpu().numpy())]
+    print(f"{mode}: {rate:,.0f} images/s, {loader.num_threads} threads; PSNR against the pixel lane median "
+          f"{np.median(ps):.2f} dB, min {min(ps):.2f} dB, {len(ps)} images")
+PY
+want jpeg && DMON=1 step jpeg_model 150 bench loaders --images 3000 --workers 16 --threads-list 16 --model --jpeg \
+    --no-peers --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-jpeg.json" --plot "$L/loaders-jpeg.png"
 
 # 1. the whole suite, in the time left (no S3 server binary travels: those tests skip); each
 # result named as it comes (-v), so a run stopped by its time box still names its failures, and

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+import numpy as np
+import torch
+
+from packer.dataset import codec
 from packer.dataset.reader import ColumnArrays
 
 from loaders.batch.canvas import canvas_copy
+from loaders.batch.ragged import ranges, spans
 
 
 def decode_copy(column, arrays: list[ColumnArrays], shard, rows, order, buffers, where: str):
@@ -29,6 +35,41 @@ def decode_copy(column, arrays: list[ColumnArrays], shard, rows, order, buffers,
         for p in order[a:b]:
             arrays[shard[p]].sample(rows[p], out=dst[p])
     return fill, {column.name: batch}
+
+
+@dataclass
+class JpegBatch:
+    """A batch's JPEG samples as the gather hands them to a decode on the device
+    (`loaders.device_decode`)."""
+
+    name: str
+    data: torch.Tensor  # uint8: the samples' bytes one after another
+    offsets: list[int]  # B + 1: sample i is data[offsets[i]:offsets[i + 1]]
+    shapes: np.ndarray  # [B, 3]: what each decodes to (h, w, 3)
+    fixed: bool  # the column's sides are fixed: [B, S, S, 3], no canvas
+    where: list[str]  # each sample's file and row, for an error
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def jpeg_bytes(column, arrays: list[ColumnArrays], shard, rows) -> JpegBatch:
+    """A batch's JPEG bytes, one take per shard, in batch order; each sample's header checked
+    against its stored shape here (`codec.check_header`), so that no forged size reaches the
+    device's decoder."""
+    starts, lengths, pieces = spans(arrays, shard, rows)
+    at = np.cumsum(lengths) - lengths
+    blob = np.empty(int(lengths.sum()), np.uint8)
+    shapes = np.empty((len(rows), 3), np.int64)
+    for sel, values in pieces:
+        blob[ranges(at[sel], lengths[sel])] = values[ranges(starts[sel], lengths[sel])]
+    for k in np.unique(shard).tolist():
+        shapes[shard == k] = arrays[k].shapes[rows[shard == k]]
+    where = [f"{arrays[k].jpeg}: row {r}" for k, r in zip(shard.tolist(), rows.tolist())]
+    offsets = [*at.tolist(), len(blob)]
+    for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
+        codec.check_header(blob[a:b], shapes[i], where[i])
+    return JpegBatch(column.name, torch.from_numpy(blob), offsets, shapes, None not in column.shape, where)
 
 
 class Decoders:

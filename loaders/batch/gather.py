@@ -28,7 +28,7 @@ from packer.dataset.reader import ColumnArrays, DatasetReader
 from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.canvas import CANVAS_BUFFER_BYTES, canvas_copy
-from loaders.batch.decode import Decoders, decode_copy
+from loaders.batch.decode import Decoders, decode_copy, jpeg_bytes
 from loaders.batch.ragged import AUDIO_BUFFER_BYTES, RAGGED_BUFFER_BYTES, frames_of, gather_ragged, gather_strings
 from loaders.batch.rows import in_shares, rows_copy
 
@@ -78,6 +78,7 @@ class ColumnGather:
         self._largest_of: dict[str, tuple[int, ...]] = {}
         self._regions_of: dict[str, np.ndarray | None] = {}
         self._decoders = Decoders()  # the JPEG lane's decode threads, made when first needed
+        self.device_decode = False  # set by a Loader whose device decodes the JPEG lane (`loaders.device_decode`)
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -274,6 +275,8 @@ class ColumnGather:
         CANVAS_BUFFER_BYTES, and its `{name}_size`."""
         out = {}
         for c in self.columns:
+            if c.encoded and self.device_decode:  # bytes, taken fresh each batch
+                continue
             if not c.ragged or (c.encoded and None not in c.shape):  # the JPEG lane's batch is the pixel lane's
                 out[c.name] = empty((batch_size, *c.shape), batch_dtype(c.dtype), memory)
             elif len(c.shape) > 1 and frames_of(c) is None and memory in ("huge", "pinned"):
@@ -338,6 +341,8 @@ class ColumnGather:
                 out[col.name] = buffers[col.name][:n]
                 copies.append(rows_copy(out[col.name].numpy(), self._arrays(col.name), self._regions(col.name),
                                     shard, rows, order))
+            elif col.encoded and self.device_decode:  # its bytes, for the device to decode
+                out[col.name] = jpeg_bytes(col, self._arrays(col.name), shard, rows)
             elif col.encoded:
                 fill, batch = decode_copy(col, self._arrays(col.name), shard, rows, order, buffers,
                                           f"{self.reader.root}: column {col.name}")

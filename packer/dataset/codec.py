@@ -70,6 +70,46 @@ def encode(pixels: np.ndarray, quality: int) -> Encoded:
     return Encoded(np.frombuffer(buf.getbuffer(), np.uint8).copy(), tuple(pixels.shape))
 
 
+# the frame headers that give a JPEG's size (SOF0-SOF15 less DHT, JPG and DAC)
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def header(data) -> tuple[int, int, int] | None:
+    """(height, width, components) from a JPEG's frame header, read from its markers without
+    decoding anything; None where the bytes do not hold one before the scan."""
+    b = bytes(data[:1 << 16])
+    if b[:2] != b"\xff\xd8":
+        return None
+    i = 2
+    while i + 9 < len(b):
+        if b[i] != 0xFF:
+            return None
+        marker = b[i + 1]
+        if marker == 0xFF:  # fill byte
+            i += 1
+            continue
+        if marker in _SOF:
+            return int.from_bytes(b[i + 5:i + 7], "big"), int.from_bytes(b[i + 7:i + 9], "big"), b[i + 9]
+        if marker == 0xDA:  # the scan: no frame header before it
+            return None
+        i += 2 + int.from_bytes(b[i + 2:i + 4], "big")
+    return None
+
+
+def check_header(data, shape, where: str) -> None:
+    """Bytes that end a JPEG and whose frame header says RGB `shape`: what a decoder may be
+    handed (a device's, which allocates what the header says); else IntegrityError."""
+    h, w = int(shape[0]), int(shape[1])
+    if bytes(data[-2:]) != EOI:  # libjpeg decodes a torn tail (zeros) with a warning: grey rows, no error
+        raise IntegrityError(f"{where}: its JPEG bytes do not decode (no end-of-image marker: cut short or "
+                             "overwritten); run 'packer verify'")
+    found = header(data)
+    if found != (h, w, 3):
+        said = "no frame header" if found is None else f"{found[1]} x {found[0]}, {found[2]} components"
+        raise IntegrityError(f"{where}: its JPEG header says {said}, the dataset says RGB {w} x {h}; "
+                             "run 'packer verify'")
+
+
 def decode(data, shape, where: str, out: np.ndarray | None = None) -> np.ndarray:
     """The HxWx3 uint8 pixels of one sample's JPEG bytes, which must decode to `shape`: into
     `out`'s top-left corner when given (returned as that view), else a new array. Anything else
@@ -77,10 +117,8 @@ def decode(data, shape, where: str, out: np.ndarray | None = None) -> np.ndarray
     IntegrityError naming `where`."""
     from PIL import Image
 
+    check_header(data, shape, where)
     h, w = int(shape[0]), int(shape[1])
-    if bytes(data[-2:]) != EOI:  # libjpeg decodes a torn tail (zeros) with a warning: grey rows, no error
-        raise IntegrityError(f"{where}: its JPEG bytes do not decode (no end-of-image marker: cut short or "
-                             "overwritten); run 'packer verify'")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from bench import data
@@ -172,3 +173,60 @@ def test_store_is_refused_where_it_cannot_hold_and_a_mixture_of_lanes_is_refused
         assert says in err and err.count("\n") == 1, err
     with pytest.raises(ConfigError, match="mixed datasets must hold the same columns"):
         Loader(Mixture([MMapDataset(built["jpeg"]), MMapDataset(built["images"])], [1, 1]), 8)
+
+
+def _pillow_decode(pieces, device):
+    """torchvision's decode_jpeg on a list, as `loaders.device_decode` calls it (a list of
+    [3, h, w] uint8 tensors on `device`, RuntimeError on bad bytes), done by Pillow."""
+    out = []
+    for piece in pieces:
+        try:
+            with Image.open(io.BytesIO(piece.numpy().tobytes())) as img:
+                pixels = np.asarray(img.convert("RGB"))
+        except Exception as exc:  # noqa: BLE001 - as torchvision raises
+            raise RuntimeError(str(exc)) from None
+        out.append(torch.from_numpy(pixels.copy()).permute(2, 0, 1).to(device))
+    return out
+
+
+@pytest.mark.parametrize("lane", ["jpeg", "jpeg_aspect"])
+def test_a_decode_after_the_copy_stage_gives_the_batches_the_threads_give(built, monkeypatch, lane):
+    """jpeg_decode="device": the gather hands each batch's bytes and one call after the copy
+    stage decodes them (torchvision's nvJPEG on a GPU; stood in for here by Pillow through the
+    same call): the batches, canvas and sizes too, are the threads' batches."""
+    from loaders import device_decode
+
+    monkeypatch.setattr(device_decode, "decoder", lambda: _pillow_decode)
+    ds = MMapDataset(built[lane])
+    for threads in (1, 2):
+        on_device = list(Loader(ds, 7, seed=2, num_threads=threads, jpeg_decode="device"))
+        by_threads = list(Loader(ds, 7, seed=2, num_threads=threads, jpeg_decode="threads"))
+        assert len(on_device) == len(by_threads) > 1
+        for a, b in zip(on_device, by_threads):
+            assert set(a) == set(b) and a["key"] == b["key"] and torch.equal(a["label"], b["label"])
+            assert torch.equal(a["image"], b["image"]) and a["image"].is_contiguous()
+            assert "image_size" not in b or torch.equal(a["image_size"], b["image_size"])
+
+
+def test_a_device_decode_names_the_sample_it_fails_on_and_is_refused_without_torchvision(built, monkeypatch):
+    from loaders import device_decode
+    from loaders.batch.decode import JpegBatch
+
+    stored = _stored(built["jpeg"])[:3]
+    data = torch.from_numpy(np.frombuffer(b"".join(b for b, _ in stored), np.uint8).copy())
+    offsets = np.cumsum([0] + [len(b) for b, _ in stored]).tolist()
+    batch = JpegBatch("image", data, offsets, np.array([s for _, s in stored]), True, ["a: row 0", "b: row 1", "c: row 2"])
+
+    def fails_on_the_second(pieces, device):
+        if any(torch.equal(p, data[offsets[1]:offsets[2]]) for p in pieces):
+            raise RuntimeError("nvjpeg: bad bytes")
+        return _pillow_decode(pieces, device)
+    with pytest.raises(IntegrityError, match=r"^b: row 1: its JPEG bytes do not decode on cpu \(nvjpeg: bad bytes\)"):
+        device_decode.decode_batch(batch, torch.device("cpu"), fails_on_the_second)
+    assert device_decode.decode_batch(batch, torch.device("cpu"), _pillow_decode)["image"].shape == (3, 64, 64, 3)
+    monkeypatch.setattr(device_decode, "decoder", lambda: None)
+    with pytest.raises(ConfigError, match="needs torchvision's decode_jpeg"):
+        Loader(MMapDataset(built["jpeg"]), 8, jpeg_decode="device")
+    with pytest.raises(ConfigError, match="is not one of auto, threads, device"):
+        Loader(MMapDataset(built["jpeg"]), 8, jpeg_decode="gpu")
+    assert Loader(MMapDataset(built["jpeg"]), 8, device="cpu")._decode is None  # auto: the threads, off CUDA
