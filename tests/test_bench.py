@@ -262,10 +262,12 @@ def test_memcpy_limit_is_the_best_seen_per_thread_count():
 
 def test_bench_loaders_model_runs_a_real_step_for_every_row_on_cpu(work, tmp_path):
     """--model: ResNet-18 on image batches, a small transformer on token batches, every row (on
-    the CPU here: the code path a GPU run takes, its step on another device)."""
+    the CPU here: the code path a GPU run takes, its step on another device). The DataLoader rows
+    without worker processes: their workers are test_bench_loaders_smallest's (here they would
+    only start processes, a few seconds each pass on 2 cores)."""
     out = tmp_path / "model.json"
     assert main(["loaders", *TINY, "--batch-size", "2", "--passes", "1", "--work", str(work), "--json", str(out),
-                 "--model", "--stall-steps", "2", "--no-peers"]) == 0  # the peers' rows: test_bench_loaders_smallest
+                 "--model", "--stall-steps", "2", "--no-peers", "--workers", "0"]) == 0  # peers: ..._smallest
     report = json.loads(out.read_text())
     rows = [r for r in report["results"] if r["family"] != "peer"]
     assert rows and all("error" not in r for r in rows), [r.get("error") for r in rows]
