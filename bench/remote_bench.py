@@ -234,7 +234,8 @@ def _through_link(endpoint: str, mb_per_s: float, opened, url: str, manifest, lo
         finally:
             os.environ["AWS_ENDPOINT_URL"] = endpoint
     _say(f"through a link of {mb_per_s:g} MB/s: raw GETs {raw / 1e6:,.0f} MB/s, cold plain "
-         f"{plain['bytes_per_s'] / 1e6:,.0f} MB/s, zstd {packed['bytes_per_s'] / 1e6:,.0f} MB/s restored")
+         f"{plain['bytes_per_s'] / 1e6:,.0f} MB/s, zstd {packed['bytes_per_s'] / 1e6:,.0f} MB/s restored"
+         + (f"; images/s plain {plain['samples_per_s']:,.0f}, JPEG lane {lane['samples_per_s']:,.0f}" if lane else ""))
     return {"link_mb_per_s": mb_per_s, "raw_get_bytes_per_s": raw, "plain": plain, "zstd": packed,
             "cold_of_raw_get": plain["bytes_per_s"] / raw, "jpeg": lane}
 
