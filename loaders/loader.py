@@ -143,7 +143,9 @@ class Loader(Resumable):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
         # the JPEG lane: decoded on the device by nvJPEG (`loaders.device_decode`), or in the gather's threads
-        self._decode = choose(jpeg_decode, device, any(getattr(c, "encoded", False) for c in getattr(self.source, "columns", None) or ()))
+        # (a source of its own: the flag below is this Loader's alone)
+        encoded = any(getattr(c, "encoded", False) for c in getattr(self.source, "columns", None) or ())
+        self._decode = choose(jpeg_decode, device, encoded)
         if self._decode is not None:
             self.source.device_decode = True
         self.num_buffers = check_int("num_buffers", num_buffers, 2, 1 << 12)
