@@ -64,8 +64,9 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--threads-list", type=_ints, default=sorted({1, cores}),
                     help="a Loader row for each thread count, each against memcpy on as many threads")
     lo.add_argument("--no-peers", action="store_true", help="leave out the peers' rows (WebDataset, LitData, ...)")
-    lo.add_argument("--jpeg", action="store_true", help="also the JPEG lane of the same crops (--store jpeg, decoded "
-                    "in the Loader's threads): images/s, bytes on disk a image, CPU a 1000 images, beside the pixels")
+    lo.add_argument("--jpeg", action="store_true", help="also the JPEG lane of the same crops (--store jpeg, quality "
+                    "90, decoded in the Loader's threads): images/s, bytes on disk per image and CPU seconds per 1000 "
+                    "images, beside the pixel lane")
     lo.add_argument("--model", action="store_true",
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")

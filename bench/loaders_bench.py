@@ -327,7 +327,7 @@ def _jpeg_lane(work: Path, raw: Path, count: int, bs: int, pixels: dict, run, de
     ds = MMapDataset(out, columns=["image", "label"])
     loader = Loader(ds, bs)
     disk = dir_bytes(out)
-    r = run(f"mmpack Loader, JPEG lane (--store jpeg: Pillow decodes), default ({loader.num_threads} threads)", "mmpack",
+    r = run(f"mmpack Loader, JPEG lane, q90, default ({loader.num_threads} threads)", "mmpack",
             lambda: loader, lambda b: len(b["label"]), {"convert_s": seconds, "disk_bytes": disk}, files_under(out),
             threads=loader.num_threads)
     pixels.update(lane="pixels", bytes_per_image=pixels["disk_bytes"] / len(ds))

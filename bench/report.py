@@ -52,10 +52,11 @@ def loaders_table(report: dict) -> str:
                      f"{d['first_pass_of_steady_pct']:.0f}% of its steady rate (its ring is allocated in it)")
     jpeg = next((r for r in report["results"] if "of_pixel_lane_pct" in r), None)
     if jpeg:
-        lines.append(f"The JPEG lane (--store jpeg) against the pixel lane, each at the Loader's default threads: "
+        lines.append(f"The JPEG lane (--store jpeg, quality 90, Pillow decoding in the Loader's threads) against the "
+                     "pixel lane, each at the Loader's default threads: "
                      f"{jpeg['of_pixel_lane_pct']:.0f}% of its images/s in {jpeg['bytes_of_pixel_lane_pct']:.0f}% of "
-                     f"its bytes ({jpeg['bytes_per_image']:,.0f} B an image), {jpeg['cpu_s_per_1000']:.2f} CPU s a "
-                     "1000 images (the decode, on the host's cores)")
+                     f"its bytes ({jpeg['bytes_per_image']:,.0f} B per image), {jpeg['cpu_s_per_1000']:.2f} CPU s per "
+                     "1000 images (the decode, on the host's cores; %memcpy counts the pixels it writes)")
     mix = next((r for r in report["results"] if "of_one_source_pct" in r), None)
     if mix:
         low, high = mix.get("of_one_source_range_pct", [mix["of_one_source_pct"]] * 2)

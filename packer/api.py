@@ -174,7 +174,8 @@ def info(path: str | Path) -> dict:
         "num_samples": m.num_samples,
         "num_shards": len(m.shards),
         "size_bytes": m.size_bytes,
-        "columns": {c.name: {"dtype": c.dtype, "shape": list(c.shape), "ragged": c.ragged} for c in m.columns},
+        "columns": {c.name: {"dtype": c.dtype, "shape": list(c.shape), "ragged": c.ragged, "encoding": c.encoding}
+                    for c in m.columns},
         "classes": list(m.classes) if m.classes is not None else None,
         "empty_classes": empty_classes(reader) if reader is not None else None,
         "counts": m.counts,

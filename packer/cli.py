@@ -140,7 +140,8 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
             print(f"... and {len(skips) - SKIPS_SHOWN} more (packer info {out} --skipped)")
     rate = f"{new.get('packed', 0) / max(seconds, 1e-9):,.0f} samples/s"
     if not appended:
-        rate += f", {manifest.size_bytes / max(seconds, 1e-9) / 1e6:,.0f} MB/s written"
+        mb_s = manifest.size_bytes / max(seconds, 1e-9) / 1e6
+        rate += f", {mb_s:,.{0 if mb_s >= 10 else 1}f} MB/s written"
         waited = manifest.build.get("disk_wait")
         if waited is not None and waited >= DISK_BOUND:  # the cores were not what set the pace
             rate += f"; the workers spent {100 * waited:.0f}% of their time waiting on the disk"
@@ -198,7 +199,7 @@ def _cmd_sizes(args) -> int:
     n, read, size, cap = report["records"], report["headers_read"], report["size"], report["max_side"]
     print(f"{args.raw}: {n:,} images; sizes from the headers of {read:,}"
           + (" (all)" if read == n else " spread over RAW, scaled up")
-          + f"; JPEG's share from {min(read, JPEG_SAMPLE):,} of them encoded")
+          + f"; the JPEG rows from {min(read, JPEG_SAMPLE):,} of them encoded as a build would")
     q = report["jpeg_quality"]
     rows = [(f"--image-size {size}", f"{size} x {size} centre crops", "fixed"),
             (f"--image-size {size} --store jpeg", f"... as JPEG, quality {q}", "jpeg_fixed"),

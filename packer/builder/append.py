@@ -5,9 +5,9 @@ that the files it was built from are unchanged and that the build would write th
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import fields, replace
 
-from packer.builder.config import BuildConfig
+from packer.builder.config import UNLESS_DEFAULT, BuildConfig
 from packer.builder.scan import MULTI_DOC_EXTS, Scan
 from packer.dataset import format as fmt
 from packer.builder import inputs
@@ -57,14 +57,20 @@ def only_new(found: Scan, reader: DatasetReader) -> Scan:
 def check_compatible(config: BuildConfig, base: fmt.Manifest, params: dict, columns, tokenizer) -> None:
     """The build appended would write the dataset's columns with its flags and tokenizer."""
     where = f"--append to {config.out}"
+    old = base.build
+    unless_default = {f.name: f.default for f in fields(BuildConfig) if f.metadata["bytes"] == UNLESS_DEFAULT}
+    for name in config.append_checked():  # first: a flag names the fix better than the columns it changes
+        new = params.get(name, unless_default.get(name))
+        if name not in old and name not in unless_default:
+            continue  # a dataset built before the flag was recorded
+        was = old.get(name, unless_default.get(name))
+        if was != new:
+            fix = f"; pass --{name.replace('_', '-')} {was}" if isinstance(was, (int, str)) and not isinstance(was, bool) \
+                else ""
+            raise ConfigError(f"{where}: {name} is {new!r}, the dataset was built with {was!r}{fix}")
     if tuple(columns) != tuple(base.columns):
         raise ConfigError(f"{where}: columns differ ({fmt.columns_text(columns)} vs the dataset's {fmt.columns_text(base.columns)}); "
                           "use the dataset's --image-size")
-    old = base.build
-    for name in config.append_checked():
-        new = params.get(name)
-        if name in old and old[name] != new:
-            raise ConfigError(f"{where}: {name} is {new!r}, the dataset was built with {old[name]!r}")
     if base.tokenizer and tokenizer and base.tokenizer.get("sha256") != tokenizer.sha256:
         raise ConfigError(f"{where}: tokenizer {config.tokenizer} is not the one the dataset was built with "
                           f"(sha256 {tokenizer.sha256[:12]} vs {base.tokenizer['sha256'][:12]})")

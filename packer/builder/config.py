@@ -85,8 +85,8 @@ class BuildConfig:
     max_side: int | None = flag(bytes=UNLESS_DEFAULT, append=True, help="with --keep-aspect: the longer side at most "
                                 "N (default 2 x S; the image shrinks to fit)", type=int, metavar="N")
     store: str = flag("pixels", bytes=UNLESS_DEFAULT, append=True, help="images stored as decoded pixels (the "
-                      "default) or as JPEG bytes: jpeg or jpeg:QUALITY (default 90), some 4-10x fewer bytes, decoded "
-                      "as batches are read", metavar="pixels|jpeg[:Q]")
+                      "default) or as JPEG bytes: jpeg or jpeg:QUALITY (default 90), a sixth to a tenth of the bytes, "
+                      "decoded as batches are read", metavar="pixels|jpeg[:Q]")
     max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT, help="skip a longer document: a .txt file, JSONL "
                               f"line or caption (default {MAX_DOC_BYTES >> 20} MiB)", type=int, metavar="N")
     shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB",

@@ -53,8 +53,8 @@ def parse_store(text: str | None) -> tuple[str, int | None]:
     """'pixels' (or None) -> ('pixels', None); 'jpeg' -> ('jpeg', 90); 'jpeg:Q' -> ('jpeg', Q)."""
     if text in (None, "pixels"):
         return "pixels", None
-    name, _, quality = str(text).partition(":")
-    if name != JPEG or (quality and not quality.isdigit()) or not 1 <= int(quality or DEFAULT_QUALITY) <= 100:
+    name, colon, quality = str(text).partition(":")
+    if name != JPEG or (colon and not quality.isdigit()) or not 1 <= int(quality or DEFAULT_QUALITY) <= 100:
         raise ConfigError(f"--store: {text!r} is not 'pixels', 'jpeg' or 'jpeg:QUALITY' (QUALITY 1..100, e.g. jpeg:90)")
     return JPEG, int(quality or DEFAULT_QUALITY)
 
@@ -105,9 +105,9 @@ def check_header(data, shape, where: str) -> None:
                              "overwritten); run 'packer verify'")
     found = header(data)
     if found != (h, w, 3):
-        said = "no frame header" if found is None else f"{found[1]} x {found[0]}, {found[2]} components"
-        raise IntegrityError(f"{where}: its JPEG header says {said}, the dataset says RGB {w} x {h}; "
-                             "run 'packer verify'")
+        said = "its JPEG bytes hold no frame header" if found is None else \
+            f"its JPEG header says {found[1]} x {found[0]}, {found[2]} components"
+        raise IntegrityError(f"{where}: {said}, the dataset says RGB {w} x {h}; run 'packer verify'")
 
 
 def decode(data, shape, where: str, out: np.ndarray | None = None) -> np.ndarray:

@@ -162,17 +162,29 @@ def test_a_jpeg_column_is_rgb_images_or_the_manifest_is_refused(dtype, shape):
     assert fmt.Column("image", "|u1", (None, None, 3), encoding="jpeg").ragged
 
 
-def test_store_is_refused_where_it_cannot_hold_and_a_mixture_of_lanes_is_refused(built, text_raw, image_raw, minilm,
-                                                                               tmp_path, capsys):
+def test_store_is_refused_where_it_cannot_hold_and_a_mixture_or_append_of_lanes_is_refused(
+        built, text_raw, image_raw, minilm, tmp_path, capsys):
     for argv, says in ((["--tokenizer", str(minilm), "--store", "jpeg"], "holds text"),
                        (["--store", "jpg"], "is not 'pixels', 'jpeg' or 'jpeg:QUALITY'"),
+                       (["--store", "jpeg:"], "is not 'pixels', 'jpeg' or 'jpeg:QUALITY'"),
                        (["--store", "jpeg:0"], "QUALITY 1..100")):
         raw = text_raw if "--tokenizer" in argv else image_raw
         assert main(["build", str(raw), str(tmp_path / "o"), *argv, "-q"]) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
-    with pytest.raises(ConfigError, match="mixed datasets must hold the same columns"):
+    with pytest.raises(ConfigError, match=r"differ from .*jpeg.s image \|u1 \[64, 64, 3\] as JPEG"):
         Loader(Mixture([MMapDataset(built["jpeg"]), MMapDataset(built["images"])], [1, 1]), 8)
+    raw, out = tmp_path / "raw", tmp_path / "lane"  # an append says which --store the dataset takes
+    (raw / "a").mkdir(parents=True)
+    photos = sorted((image_raw / "astronaut").iterdir())[:3]
+    shutil.copy(photos[0], raw / "a" / photos[0].name)
+    assert main(["build", str(raw), str(out), "--image-size", "32", "--store", "jpeg", "-q"]) == 0
+    shutil.copy(photos[1], raw / "a" / photos[1].name)
+    assert main(["build", str(raw), str(out), "--image-size", "32", "--append", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "store is 'pixels', the dataset was built with 'jpeg:90'; pass --store jpeg:90" in err, err
+    assert main(["build", str(raw), str(out), "--image-size", "32", "--append", "--store", "jpeg", "-q"]) == 0
+    assert len(MMapDataset(out)) == 2 and load_manifest(out).version == "4.2"
 
 
 def _pillow_decode(pieces, device):

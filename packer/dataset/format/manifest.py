@@ -89,8 +89,8 @@ class Column:
 
 
 def columns_text(columns) -> str:
-    """'image |u1 [32, 32, 3], key |u1 [None]': columns for a message."""
-    return ", ".join(f"{c.name} {c.dtype} {list(c.shape)}" for c in columns)
+    """'image |u1 [32, 32, 3], key |u1 [None]': columns for a message (a JPEG column's: 'as JPEG')."""
+    return ", ".join(f"{c.name} {c.dtype} {list(c.shape)}{' as JPEG' if c.encoded else ''}" for c in columns)
 
 
 @dataclass(frozen=True)
