@@ -65,6 +65,12 @@ def test_the_lanes_images_are_pillows_decode_of_its_bytes_in_every_batch(built, 
     # the order and the batches' other columns are the pixel lane's
     assert [b["key"] for b in Loader(ds, 8, seed=4, columns=["key"])] == \
         [b["key"] for b in Loader(px, 8, seed=4, columns=["key"])]
+    # a mixture of JPEG datasets (here the lane twice) decodes each image as its dataset does
+    at = {ds[i]["key"]: i for i in range(len(ds))}
+    for batch in Loader(Mixture([ds, MMapDataset(built[lane])], [1, 1], num_samples=24), 8, seed=1):
+        for j, key in enumerate(batch["key"]):
+            h, w = want[at[key]].shape[:2]
+            assert np.array_equal(batch["image"][j, :h, :w].numpy(), want[at[key]])
 
 
 def test_at_quality_90_each_image_is_as_close_as_pillows_own_encode_in_under_a_quarter_of_the_bytes(tmp_path):
