@@ -49,6 +49,36 @@ def _padding_pct(loader) -> float:
     return 100 * (1 - image / canvas) if canvas else 0.0
 
 
+def launches(fn, cuda: bool) -> dict:
+    """What one call of `fn` dispatches, from torch's profiler: "ops", the aten ops called from
+    Python (nested ones not counted: each is a kernel launch on a GPU, a few microseconds of
+    host time); on CUDA "kernels", the kernels it ran; on a CPU "gpu_path_ops", the ops of the
+    batched path a GPU runs (`loaders.augment`'s matrix products), forced here to count them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from loaders import augment
+
+    def count() -> tuple[int, int | None]:
+        fn()  # warmed: lazy set-up (a cache, a plan) is not the call's
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+        events = prof.events()
+        ops = sum(1 for e in events if e.name.startswith("aten::") and (e.cpu_parent is None or
+                                                                       not e.cpu_parent.name.startswith("aten::")))
+        return ops, sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
+
+    ops, kernels = count()
+    if cuda:
+        return {"ops": ops, "kernels": kernels}
+    dense, augment._dense_path = augment._dense_path, lambda x: True
+    try:
+        return {"ops": ops, "gpu_path_ops": count()[0]}
+    finally:
+        augment._dense_path = dense
+
+
 def bench_augment(args) -> dict:
     from loaders import Loader, MMapDataset
     from loaders.augment import eval_transform, normalize, train_transform
@@ -85,7 +115,7 @@ def bench_augment(args) -> dict:
         (f"train_transform, fixed {size} batch", lambda: train_transform(f["image"], None, size, generator=g)),
         (f"normalize only, fixed {size} batch (no crop: the floor)", lambda: normalize(f["image"])),
     ]
-    rows = [{"transform": name, "ms": _timed(fn, reps, cuda)} for name, fn in transforms]
+    rows = [{"transform": name, "ms": _timed(fn, reps, cuda), **launches(fn, cuda)} for name, fn in transforms]
     x = train_transform(a["image"], a["image_size"], size, generator=g, channels_last=True)
     labels = a["label"].to(device) % 1000
 

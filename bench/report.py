@@ -89,9 +89,13 @@ def augment_table(report: dict) -> str:
         lines.append(f"{r['dataset']:16} {r['flags']:58} {r['images_per_s']:>10,.0f} "
                      f"{' x '.join(map(str, r['canvas'])):>22} {r.get('padding_pct', 0):>7.0f}% {r['cpu_s_per_1000']:>9.2f}")
     models = report["model_step_ms"]
-    lines.append(f"{'transform':58} {'ms/batch':>9} " + " ".join(f"{'% of ' + k:>16}" for k in models))
+    lines.append(f"{'transform':58} {'ms/batch':>9} " + " ".join(f"{'% of ' + k:>16}" for k in models)
+                 + f" {'ops':>6} {'kernels':>8} {'GPU ops':>8}")
     for r in report["transforms"]:
-        lines.append(f"{r['transform']:58} {r['ms']:>9.2f} " + " ".join(f"{r['pct_of_step'][k]:>15.1f}%" for k in models))
+        lines.append(f"{r['transform']:58} {r['ms']:>9.2f} " + " ".join(f"{r['pct_of_step'][k]:>15.1f}%" for k in models)
+                     + f" {_f(r.get('ops'), '>6')} {_f(r.get('kernels'), '>8')} {_f(r.get('gpu_path_ops'), '>8')}")
+    lines.append("ops: aten ops a call dispatches from Python (each a kernel launch on a GPU); kernels: the CUDA "
+                 "kernels it ran; GPU ops, on a CPU: the ops of the path a GPU runs, counted here (torch's profiler)")
     lines.append("model step: one forward + backward + SGD step on the transform's output: "
                  + ", ".join(f"{k} {v:,.1f} ms" for k, v in models.items())
                  + ("; targets on an H100: train_transform < 3% of ResNet-50, < 5% of ResNet-18" if "ResNet-50" in models
