@@ -71,6 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")
     stall_args(lo, None)
+    lo.add_argument("--arch", choices=("resnet18", "resnet50"), default="resnet18",
+                    help="with --model: the images' network (default resnet18)")
     lo.add_argument("--audio", action="store_true",
                     help="audio rows instead: Loader(AudioClips) crops vs soundfile + soxr in DataLoader workers, "
                          "same clips and crops, against memcpy (--clips, --seconds, --batch-size, --workers, "

@@ -152,12 +152,14 @@ def bench_loaders(args) -> dict:
     mmpack_conv = {"convert_s": build_s, "disk_bytes": dir_bytes(out)}
     raw_conv = {"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)}
     results: list[dict] = []
-    if args.model:  # real networks: a ResNet-18 for images, a small transformer for tokens
-        from .models import model_steps
+    arch = getattr(args, "arch", "resnet18")
+    if args.model:  # real networks: a ResNet (--arch) for images, a small transformer for tokens
+        from .models import ARCHS, model_steps
 
         from packer.builder.text import load_tokenizer
 
-        model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024)
+        model_name = ARCHS[arch]
+        model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024, arch)
         with Loader(ds, bs, device=model[0]) as one:
             resident = _resident_rate(one, model[1], args.stall_steps)
 
@@ -306,7 +308,7 @@ def bench_loaders(args) -> dict:
         "memcpy_images_per_s": memcpy(1) / sample_bytes, "batch_size": bs, "workers": workers,
         "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
         "peers": peer_state, "step_ms": args.step_ms, "step_mode": "model" if args.model else args.step_mode,
-        "model": (f"ResNet-18 (images), a 4-layer transformer (tokens) on {model[0]}") if args.model else None,
+        "model": (f"{model_name} (images), a 4-layer transformer (tokens) on {model[0]}") if args.model else None,
         "resident_samples_per_s": resident if args.model else None,
         "cache": ("warm for every rate; cold = one pass right after evicting the system's files from the page "
                   "cache with posix_fadvise(DONTNEED)") if args.cold else "warm (run with --cold for cold passes)",

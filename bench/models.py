@@ -119,14 +119,18 @@ def _as_tokens(batch, context: int) -> torch.Tensor:
     return flat[:rows * context].reshape(rows, -1) if flat.numel() >= context else flat.reshape(1, -1)
 
 
-def model_steps(vocab: int, context: int):
-    """(device, image step, token step): each takes a batch and trains one step, synchronised.
-    On the CPU (CI) token rows are cut to 32 tokens, so that the code path runs in seconds (the
-    language model's output layer over the 30,522 ids is most of its step)."""
+ARCHS = {"resnet18": "ResNet-18", "resnet50": "ResNet-50"}
+
+
+def model_steps(vocab: int, context: int, arch: str = "resnet18"):
+    """(device, image step, token step): each takes a batch and trains one step, synchronised;
+    the images' network is `arch` (ARCHS). On the CPU (CI) token rows are cut to 32 tokens, so
+    that the code path runs in seconds (the language model's output layer over the 30,522 ids is
+    most of its step)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     context = context if cuda else min(context, 32)
-    vision = resnet18().to(device, memory_format=torch.channels_last)
+    vision = {"resnet18": resnet18, "resnet50": resnet50}[arch]().to(device, memory_format=torch.channels_last)
     lm = TinyGPT(vocab, context).to(device)
     train_vision, train_lm = trainer(vision, device), trainer(lm, device)
 

@@ -151,7 +151,7 @@ for mode in ("device", "threads"):
           f"{np.median(ps):.2f} dB, min {min(ps):.2f} dB, {len(ps)} images")
 PY
 want jpeg && DMON=1 step jpeg_model 150 bench loaders --images 3000 --workers 16 --threads-list 16 --model --jpeg \
-    --no-peers --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-jpeg.json" --plot "$L/loaders-jpeg.png"
+    --arch resnet50 --no-peers --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-jpeg.json" --plot "$L/loaders-jpeg.png"
 
 # 1. the whole suite, in the time left (no S3 server binary travels: those tests skip); each
 # result named as it comes (-v), so a run stopped by its time box still names its failures, and
