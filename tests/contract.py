@@ -1,5 +1,6 @@
 """The resume contract, shared by every reader: the readers built the same way in the test and in
-a fresh process (`python -m tests.contract`, JSON in on stdin, JSON out on stdout), and the
+a process of its own (`python -m tests.contract`, a JSON line of jobs in on stdin, a line of
+results out on stdout), and the
 README's training loop that drives them.
 
 A batch is told by the identity of its samples: the image keys, or a digest of each token row.
@@ -123,8 +124,11 @@ def resume(reader: str, paths: dict, *, world: int, rank: int, par: int, state: 
 
 
 def main() -> None:
-    jobs = json.load(sys.stdin)
-    json.dump([resume(**job) for job in jobs], sys.stdout)
+    """Each line of stdin a JSON list of jobs, answered by a line of their results: one process
+    resumes the jobs of many tests (none of which ran in it before), not an interpreter and
+    torch started for each."""
+    for line in sys.stdin:
+        print(json.dumps([resume(**job) for job in json.loads(line)]), flush=True)
 
 
 if __name__ == "__main__":

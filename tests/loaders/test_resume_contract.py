@@ -1,13 +1,18 @@
 """One resume contract for every reader (tests/contract.py): save after k batches, resume in a
-fresh process with another thread or worker count, and the batches go on exactly as the
+process that never ran the saving loader (one such process serves a test process's tests:
+`_Resumer`), with another thread or worker count, and the batches go on exactly as the
 uninterrupted run's, through epoch boundaries, with set_epoch called as in the README; every
 sample of an epoch comes once across ranks; a state from another world size resumes elastically."""
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
+import select
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -20,12 +25,48 @@ from tests import contract
 ROOT = Path(__file__).resolve().parents[2]
 
 
+class _Resumer:
+    """A Python process of its own (`python -m tests.contract`) that resumes the jobs it is sent:
+    never the process that saved their states. One serves the tests of this test process while
+    the environment it was started with holds (a URL's credentials and endpoint are in it)."""
+
+    def __init__(self):
+        self.proc, self.env, self.log = None, None, None
+
+    def run(self, jobs: list[dict]) -> list:
+        env = {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}  # pytest's, set for every test
+        if self.proc is None or self.proc.poll() is not None or env != self.env:
+            self.close()
+            self.log = tempfile.TemporaryFile("w+")  # not a pipe: a chatty process would fill it and stall
+            self.proc = subprocess.Popen([sys.executable, "-m", "tests.contract"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=self.log, text=True, cwd=ROOT, env=env)
+            self.env = env
+        self.proc.stdin.write(json.dumps(jobs) + "\n")
+        self.proc.stdin.flush()
+        if not select.select([self.proc.stdout], [], [], 600)[0]:  # its answer is a line: nothing buffered before it
+            self.proc.kill()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.wait(timeout=60)
+            self.log.seek(0)
+            raise AssertionError(f"the resuming process exited {self.proc.returncode}: {self.log.read()[-3000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+            self.log.close()
+        self.proc = None
+
+
+_resumer = _Resumer()
+atexit.register(_resumer.close)
+
+
 def fresh_process(jobs: list[dict]) -> list:
-    """Run contract.resume for each job in a new Python process."""
-    out = subprocess.run([sys.executable, "-m", "tests.contract"], input=json.dumps(jobs), capture_output=True,
-                         text=True, cwd=ROOT, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return [[(epoch, batch) for epoch, batch in run] for run in json.loads(out.stdout)]
+    """contract.resume for each job, in a process that never ran the loaders that saved them."""
+    return [[(epoch, batch) for epoch, batch in run] for run in _resumer.run(jobs)]
 
 
 def every_sample(reader: str, paths: dict) -> Counter:
