@@ -10,10 +10,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from bench import data, sounds
 
 N_CROPS = 60
+
+# property tests check values, never time: a loaded machine (CI's, the suite's other test process)
+# must not fail one on hypothesis' default 200 ms deadline a case
+settings.register_profile("mmpack", deadline=None)
+settings.load_profile("mmpack")
 
 
 # The test files that take most of the suite's time, longest first (`python -m pytest
