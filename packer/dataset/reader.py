@@ -210,10 +210,13 @@ def check_shapes(path: Path, shapes: np.ndarray, offsets: np.ndarray, column: fm
     """Each sample's shape is non-negative, fits the column's fixed dimensions and holds exactly
     its values, in exact arithmetic (`exact_sizes`): dimensions whose product wraps past 2**63
     onto the right count must not pass (a JPEG column's: by each decode)."""
-    fixed = [(axis, d) for axis, d in enumerate(column.shape) if d is not None]
-    if shapes.size and (shapes.min() < 0 or shapes.max() >= fmt.MAX_DIM or any(
-            np.any(shapes[:, axis] != d) for axis, d in fixed)):
-        raise IntegrityError(f"{path}: a sample shape is negative or does not fit {list(column.shape)}")
+    wrong = ((shapes < 0) | (shapes >= fmt.MAX_DIM)).any(axis=1)
+    for axis, d in ((axis, d) for axis, d in enumerate(column.shape) if d is not None):
+        wrong |= shapes[:, axis] != d
+    if wrong.any():
+        r = int(np.argmax(wrong))
+        raise IntegrityError(f"{path}: row {r}'s shape {tuple(int(d) for d in shapes[r])} is negative or does not fit "
+                             f"{list(column.shape)}; run 'packer verify'")
     if column.encoded:
         return
     sizes = np.diff(offsets)
