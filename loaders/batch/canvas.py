@@ -16,7 +16,7 @@ from packer.errors import ConfigError
 from packer.dataset.reader import ColumnArrays
 
 from loaders.batch import native
-from loaders.batch.ragged import spans
+from loaders.batch.ragged import shapes_at, spans
 
 CANVAS_BUFFER_BYTES = 512 << 20  # an image canvas buffer: B x the dataset's largest sides, at most this
 CANVAS_RAM_SHARE = 4  # a batch's canvas may take at most 1/this of the machine's memory
@@ -31,10 +31,7 @@ def canvas_copy(name, arrays: list[ColumnArrays], regions, shard, rows, order, b
     n = len(rows)
     first = next((a for a in arrays if a is not None), None)
     dtype = first.values.dtype if first is not None else np.dtype(np.uint8)
-    shapes = np.zeros((n, first.shapes.shape[1] if first is not None else 3), np.int64)
-    for k in np.unique(shard):
-        sel = shard == k
-        shapes[sel] = arrays[k].shapes[rows[sel]]
+    shapes = shapes_at(arrays, shard, rows, first.shapes.shape[1] if first is not None else 3)
     top = shapes.max(axis=0, initial=0)
     need = n * math.prod(top.tolist())  # exact: the largest sides of different samples may not fit int64
     too_big = ConfigError(f"{where}: a batch of {n} samples of up to {top[0]} x {top[1]} needs a "

@@ -18,7 +18,7 @@ from packer.dataset import codec
 from packer.dataset.reader import ColumnArrays
 
 from loaders.batch.canvas import canvas_copy
-from loaders.batch.ragged import ranges, spans
+from loaders.batch.ragged import shapes_at, take_bytes
 
 
 def decode_copy(column, arrays: list[ColumnArrays], shard, rows, order, buffers, where: str):
@@ -57,16 +57,9 @@ def jpeg_bytes(column, arrays: list[ColumnArrays], shard, rows) -> JpegBatch:
     """A batch's JPEG bytes, one take per shard, in batch order; each sample's header checked
     against its stored shape here (`codec.check_header`), so that no forged size reaches the
     device's decoder."""
-    starts, lengths, pieces = spans(arrays, shard, rows)
-    at = np.cumsum(lengths) - lengths
-    blob = np.empty(int(lengths.sum()), np.uint8)
-    shapes = np.empty((len(rows), 3), np.int64)
-    for sel, values in pieces:
-        blob[ranges(at[sel], lengths[sel])] = values[ranges(starts[sel], lengths[sel])]
-    for k in np.unique(shard).tolist():
-        shapes[shard == k] = arrays[k].shapes[rows[shard == k]]
+    blob, offsets = take_bytes(arrays, shard, rows)
+    shapes = shapes_at(arrays, shard, rows, 3)
     where = [f"{arrays[k].jpeg}: row {r}" for k, r in zip(shard.tolist(), rows.tolist())]
-    offsets = [*at.tolist(), len(blob)]
     for i, (a, b) in enumerate(zip(offsets[:-1], offsets[1:])):
         codec.check_header(blob[a:b], shapes[i], where[i])
     return JpegBatch(column.name, torch.from_numpy(blob), offsets, shapes, None not in column.shape, where)

@@ -29,7 +29,8 @@ from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.canvas import CANVAS_BUFFER_BYTES, canvas_copy
 from loaders.batch.decode import Decoders, decode_copy, jpeg_bytes
-from loaders.batch.ragged import AUDIO_BUFFER_BYTES, RAGGED_BUFFER_BYTES, frames_of, gather_ragged, gather_strings
+from loaders.batch.ragged import (AUDIO_BUFFER_BYTES, RAGGED_BUFFER_BYTES, frames_of, gather_ragged, gather_strings,
+                                  shapes_at)
 from loaders.batch.rows import in_shares, rows_copy
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
@@ -107,11 +108,7 @@ class ColumnGather:
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]
         arrays = self._index(name)
-        out = np.empty((len(ids), arrays[0].shapes.shape[1] if arrays else 0), np.int64)
-        for k in np.unique(shard).tolist():
-            sel = shard == k
-            out[sel] = arrays[k].shapes[rows[sel]]
-        return out
+        return shapes_at(arrays, shard, rows, arrays[0].shapes.shape[1] if arrays else 0)
 
     def _arrays(self, name: str) -> list[ColumnArrays | None]:
         """Every shard's maps of one column, built once: not O(shards) work per batch (a

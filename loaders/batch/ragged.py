@@ -44,17 +44,32 @@ def spans(arrays: list[ColumnArrays], shard, rows):
     return starts, ends - starts, pieces
 
 
-def gather_strings(arrays: list[ColumnArrays], shard, rows, encoding: str, where: str) -> list[str]:
-    """A string column: each shard's bytes for the batch in one vectorised take, decoded once
-    (ASCII, the usual case for keys) and sliced, else decoded piece by piece: half
-    the work of a bytes() + decode per sample, which matters because it runs on the producer
-    thread while the pool copies images, and holds the GIL the whole time."""
+def shapes_at(arrays: list[ColumnArrays], shard, rows, ndim: int) -> np.ndarray:
+    """[len(rows), ndim]: each sample's shape in a ragged column, from its shards' shapes files."""
+    out = np.zeros((len(rows), ndim), np.int64)
+    for k in np.unique(shard).tolist():
+        sel = shard == k
+        out[sel] = arrays[k].shapes[rows[sel]]
+    return out
+
+
+def take_bytes(arrays: list[ColumnArrays], shard, rows) -> tuple[np.ndarray, list[int]]:
+    """A |u1 ragged column's samples one after another, one vectorised take per shard, and where
+    each starts and ends in that blob ([B + 1] bounds)."""
     starts, lengths, pieces = spans(arrays, shard, rows)
     at = np.cumsum(lengths) - lengths  # where each sample's bytes go in the batch's blob
     blob = np.empty(int(lengths.sum()), np.uint8)
     for sel, values in pieces:
         blob[ranges(at[sel], lengths[sel])] = values[ranges(starts[sel], lengths[sel])]
-    bounds = np.concatenate([at, [len(blob)]]).tolist()
+    return blob, [*at.tolist(), len(blob)]
+
+
+def gather_strings(arrays: list[ColumnArrays], shard, rows, encoding: str, where: str) -> list[str]:
+    """A string column: each shard's bytes for the batch in one vectorised take, decoded once
+    (ASCII, the usual case for keys) and sliced, else decoded piece by piece: half
+    the work of a bytes() + decode per sample, which matters because it runs on the producer
+    thread while the pool copies images, and holds the GIL the whole time."""
+    blob, bounds = take_bytes(arrays, shard, rows)
     raw = blob.tobytes()
     if encoding in ("utf-8", "ascii") and raw.isascii():
         text = raw.decode("ascii")
