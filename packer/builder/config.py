@@ -312,7 +312,9 @@ class BuildConfig:
             return (fmt.audio_column(spec.dtype, spec.channels), *((fmt.Column("label", "<i8", ()),) if labeled else ()),
                     *((fmt.Column("tokens", tokenizer.dtype, (None,)),) if tokenizer else ()), key)
         tokens = fmt.Column("tokens", tokenizer.dtype, (None,))
-        return (image, tokens, key) if kind == "pairs" else (tokens, key)
+        if kind == "pairs":  # a record with a caption and a label keeps both
+            return (image, fmt.Column("label", "<i8", ()), tokens, key) if labeled else (image, tokens, key)
+        return (tokens, key)
 
 
 def parse_shard_size(text: str) -> tuple[int | None, int | None]:

@@ -390,4 +390,5 @@ def _pair_item(ctx: ShardContext, record: Record):
         pixels = ctx.decode(record)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
-    return Document(record.key, caption), {"image": pixels}
+    return Document(record.key, caption), {"image": pixels} if record.label is None else {
+        "image": pixels, "label": np.int64(record.label)}

@@ -65,9 +65,14 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
     skipped += other
     named: set = set()  # (device, inode) of every image a manifest's record names
     fields, ignored, items, met = _read(form, mine, options, stats, named, probed)
-    names = options.classes if options.classes is not None else fields.pop("class_names", None)
+    names = fields.pop("class_names", None)  # a Hugging Face ClassLabel's
+    if options.classes is not None:
+        names = options.classes
+    elif names is not None:
+        labels.check_distinct(names, f"{mine[0][0]}: its ClassLabel ({fields['label']})")
     if fields["label"] is not None:
-        items, classes = labels.assign(items, met, names)
+        where = mine[0][0] if len(mine) == 1 else f"{mine[0][0]} ... ({len(mine)} files)"
+        items, classes = labels.assign(items, met, names, f"{where}: the labels ({fields['label']})")
     else:
         classes = None
     records = _unique([r for r in items if isinstance(r, Record)], skipped)

@@ -14,6 +14,7 @@ import json
 from collections.abc import Iterator
 
 from packer.builder.forms.fields import FieldOptions, choose
+from packer.builder.forms.labels import problem as label_problem
 from packer.builder.records import Record
 from packer.dataset.format import Skip
 from packer.errors import ConfigError
@@ -119,6 +120,10 @@ def records(pfile, path: str, rel: str, fields: dict, met: dict) -> Iterator[Rec
             value = labels[i]
             if label is not None and (value is None or (isinstance(value, int) and value < 0)):
                 yield Skip(key, "scan", f"no label ({label} is {value})")
+                continue
+            why = label_problem(value) if label is not None else None
+            if why:
+                yield Skip(key, "scan", why)
                 continue
             yield Record(key, path, label=None if label is None else met.setdefault(value, len(met)), at=(g, i))
         row += n
