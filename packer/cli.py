@@ -153,6 +153,10 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
     if empty:
         print(_empty_classes_line(empty, len(manifest.classes)))
     if appended:
+        if new.get("new_classes"):
+            first = len(manifest.classes) - len(new["new_classes"])
+            print("new classes: " + ", ".join(f"{name} = {first + i}" for i, name in enumerate(new["new_classes"])) +
+                  " (numbered after the dataset's classes, --allow-new-classes)")
         print(f"appended {new.get('found', 0):,} new records = packed {new.get('packed', 0):,} + skipped "
               f"{new.get('skipped', 0):,} in {seconds:.1f} s ({rate}); {out} now holds found {c['found']:,} = "
               f"packed {c['packed']:,} + skipped {c['skipped']:,} in {len(manifest.shards)} shards, "

@@ -43,6 +43,21 @@ def check_unchanged(config: BuildConfig, reader: DatasetReader, found: Scan) -> 
                           "--allow-changed to keep those samples as they are and add only the new records")
 
 
+def check_classes(config: BuildConfig, base: fmt.Manifest, found: Scan) -> None:
+    """Class folders the dataset does not have get the labels after its classes, where
+    torchvision's ImageFolder over RAW now would number every class in sorted order: refused
+    unless --allow-new-classes says to number them so."""
+    new = list((found.classes or ())[len(base.classes or ()):]) if base.classes is not None else []
+    if new and not config.allow_new_classes:
+        named = ", ".join(f"{name} = {len(base.classes) + i}" for i, name in enumerate(new[:4]))
+        imagefolder = sorted({*base.classes, *new})
+        raise ConfigError(f"--append: {config.raw} has {len(new)} class folder(s) the dataset in {config.out} does not "
+                          f"({named}{', ...' if len(new) > 4 else ''}); they would be numbered after its "
+                          f"{len(base.classes)} classes, where ImageFolder over RAW would number them in sorted order "
+                          f"({new[0]} = {imagefolder.index(new[0])}); pass --allow-new-classes to add them so, or "
+                          "rebuild with --overwrite")
+
+
 def only_new(found: Scan, reader: DatasetReader) -> Scan:
     """The records of RAW that the dataset does not hold yet (packed or skipped before)."""
     base = reader.manifest

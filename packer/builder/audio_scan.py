@@ -39,15 +39,16 @@ def is_audio(rel: str) -> bool:
 
 
 def scan_audio(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], known: tuple[str, ...] | None,
-               split: str | None, max_bytes: int, no_text: bool = False) -> Scan:
+               split: str | None, max_bytes: int, no_text: bool = False, *, quoted_tsv: bool = False) -> Scan:
     """The records of a folder of audio files (see the module docstring); `known`: the classes
-    of the dataset an --append adds to; `no_text`: transcripts left out (skips)."""
+    of the dataset an --append adds to; `no_text`: transcripts left out (skips); `quoted_tsv`: a
+    TSV's double quotes are CSV quoting (else text, as Common Voice writes its sentences)."""
     by_rel = dict(files)
     tables, other = ([], []) if no_text else _tables(files, split, raw)
     skipped += [Skip(rel, "scan", f"the transcript table of another split, not --split {split}") for rel in other]
     texts: dict[str, str] = {}  # audio rel -> transcript, from the table
     for rel in tables:
-        _read_table(rel, by_rel[rel], by_rel, texts, skipped, max_bytes)
+        _read_table(rel, by_rel[rel], by_rel, texts, skipped, max_bytes, quoted_tsv)
     stems = {os.path.splitext(rel)[0]: rel for rel, _ in files if os.path.splitext(rel)[1].lower() in EXTS}
     sidecars = {rel for rel, _ in files if rel.endswith(".txt") and rel[:-4] in stems and rel not in tables}
     if no_text:
@@ -111,7 +112,7 @@ def _tables(files: list[tuple[str, str]], split: str | None, raw: Path) -> tuple
 
 
 def _is_ljspeech(path: str) -> bool:
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with open(path, encoding=manifest.text_encoding(path), errors="replace") as f:
         first = f.readline()
     return first.count("|") >= 1 and "," not in first.split("|", 1)[0]
 
@@ -128,7 +129,8 @@ def _fields(path: str, rel: str) -> tuple[str, str] | None:
     return None
 
 
-def _read_table(rel: str, path: str, by_rel: dict, texts: dict, skipped: list[Skip], max_bytes: int) -> None:
+def _read_table(rel: str, path: str, by_rel: dict, texts: dict, skipped: list[Skip], max_bytes: int,
+                quoted_tsv: bool) -> None:
     """The transcripts a table gives, by the rel path of the audio each row names; a row naming
     no audio file of RAW, or one named before, is a skip."""
     folder = os.path.dirname(rel)
@@ -138,7 +140,7 @@ def _read_table(rel: str, path: str, by_rel: dict, texts: dict, skipped: list[Sk
     else:
         fields = _fields(path, rel)
         rows = ((at, row if not isinstance(row, dict) else (row.get(fields[0]), row.get(fields[1])))
-                for at, row in manifest.rows(path, rel, max_bytes))
+                for at, row in manifest.rows(path, rel, max_bytes, quoted_tsv=quoted_tsv))
         where = ("", "clips")
     for at, row in rows:
         if isinstance(row, Skip):
@@ -161,7 +163,7 @@ def _read_table(rel: str, path: str, by_rel: dict, texts: dict, skipped: list[Sk
 
 
 def _ljspeech_rows(path: str, rel: str):
-    with open(path, newline="", encoding="utf-8", errors="replace") as f:
+    with open(path, newline="", encoding=manifest.text_encoding(path), errors="replace") as f:
         for line, fields in enumerate(csv.reader(f, delimiter="|", quoting=csv.QUOTE_NONE), start=1):
             if not fields or not any(fields):
                 continue

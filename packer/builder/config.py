@@ -21,6 +21,7 @@ from packer.builder.audio import require as require_audio
 from packer.builder.forms import FORMS
 from packer.builder.forms.fields import FieldOptions
 from packer.builder.forms.labels import read_names
+from packer.builder.images import DEFAULT_MAX_PIXELS
 from packer.dataset import codec
 from packer.dataset.format import printable
 from packer.builder.text import MAX_DOC_BYTES, TokenizerSpec, file_sha256, keep_tokenizer, load_tokenizer
@@ -74,6 +75,8 @@ class BuildConfig:
     part: tuple[int, int] | None = flag(help="build only part i (0-based) of N into a shared OUT; then 'packer commit "
                                         "OUT'", metavar="i/N")  # (i, N): no publish
     append: bool = flag(False, help="add RAW's new records to the dataset in OUT as new shards")
+    allow_new_classes: bool = flag(False, help="with --append: add RAW's new class folders, numbered after the "
+                                   "dataset's classes (refused otherwise: ImageFolder would number them in sorted order)")
     allow_changed: bool = flag(False, help="with --append: keep the samples of RAW files deleted or changed since the "
                                            "build (refused otherwise)")
     max_skipped: float | None = flag(help="fail the build when more than this fraction of the records found are "
@@ -87,6 +90,9 @@ class BuildConfig:
     store: str = flag("pixels", bytes=UNLESS_DEFAULT, append=True, help="images stored as decoded pixels (the "
                       "default) or as JPEG bytes: jpeg or jpeg:QUALITY (default 90), a sixth to a tenth of the bytes, "
                       "decoded as batches are read", metavar="pixels|jpeg[:Q]")
+    max_pixels: int | None = flag(bytes=UNLESS_DEFAULT, help="skip an image of more pixels than N (default "
+                                  f"{DEFAULT_MAX_PIXELS:,}, Pillow's decompression-bomb limit: 0.5 GB decoded)",
+                                  type=int, metavar="N")
     max_doc_bytes: int = flag(MAX_DOC_BYTES, bytes=UNLESS_DEFAULT, help="skip a longer document: a .txt file, JSONL "
                               f"line or caption (default {MAX_DOC_BYTES >> 20} MiB)", type=int, metavar="N")
     shard_size: str | int | None = flag(help="rows per shard (1000) or bytes (256MB); default 256MB",
@@ -106,6 +112,13 @@ class BuildConfig:
                                 metavar="FILE")  # recorded as its names
     split: str | None = flag(bytes=UNLESS_DEFAULT, help="build this split of a Hugging Face or WebDataset dataset: "
                              "its train-*.parquet, train-*.tar, train.jsonl or train/ files", metavar="NAME")
+    manifest: Path | None = flag(bytes=UNLESS_DEFAULT, help="the manifest to read where RAW holds several (JSONL, "
+                                 "JSON, CSV, TSV or Parquet naming image files; a path, or relative to RAW)", type=Path,
+                                 metavar="FILE")  # recorded as given
+    quoted_tsv: bool = flag(False, bytes=UNLESS_DEFAULT, help="read .tsv tables with CSV quoting (a field in double "
+                            "quotes may hold tabs); by default a TSV's quotes are text, as Common Voice writes them")
+    allow_outside: bool = flag(False, bytes=UNLESS_DEFAULT, help="pack files a manifest names outside RAW (absolute "
+                               "paths, '..', links out of RAW); by default each is a skip")
     no_text: bool = flag(False, bytes=UNLESS_DEFAULT, help="pack the images of an input that has captions without "
                                                             "them (else --tokenizer is needed); the audio without its "
                                                             "transcripts")
@@ -129,6 +142,10 @@ class BuildConfig:
                 raise ConfigError(f"--kind {self.kind} and --input {self.input}: name the input form once")
             object.__setattr__(self, "input", self.kind)
             object.__setattr__(self, "kind", None)
+        if self.manifest is not None:  # one manifest named: the form is a manifest
+            if self.input not in (None, "manifest"):
+                raise ConfigError(f"--manifest {self.manifest} and --input {self.input}: a manifest is --input manifest")
+            object.__setattr__(self, "input", "manifest")
         if self.kind is not None and self.kind not in fmt.KINDS:
             raise ConfigError(f"--kind: {self.kind!r} is not one of {', '.join(fmt.KINDS + FORMS[1:])}")
         if self.image_size is not None and not 1 <= self.image_size <= 16384:
@@ -154,6 +171,8 @@ class BuildConfig:
             raise ConfigError("--max-side caps keep-aspect images: add --keep-aspect")
         if self.max_side is not None and not self.image_size <= self.max_side <= 65535:
             raise ConfigError(f"--max-side: {self.max_side} must lie between --image-size ({self.image_size}) and 65535")
+        if self.max_pixels is not None and not 1 <= self.max_pixels <= 1 << 40:
+            raise ConfigError(f"--max-pixels: {self.max_pixels} must lie between 1 and 2**40")
         if not 1 <= self.max_doc_bytes <= 1 << 40:
             raise ConfigError(f"--max-doc-bytes: {self.max_doc_bytes} must lie between 1 and 2**40")
         if self.max_skipped is not None and not 0 <= self.max_skipped <= 1:
@@ -195,6 +214,8 @@ class BuildConfig:
             put("part", tuple(self.part))
         if self.tokenizer is not None:
             put("tokenizer", Path(self.tokenizer))
+        if self.manifest is not None:
+            put("manifest", Path(self.manifest))
         for name, kind in (("sample_rate", int), ("channels", int), ("max_seconds", float)):
             value = getattr(self, name)
             try:  # "16000" as the flag spells it, 16000.0 as a number; 16000.5 is no rate
@@ -211,7 +232,9 @@ class BuildConfig:
         """What the input forms' scans read (`packer.builder.forms`)."""
         return FieldOptions(image=self.image_key, text=self.text_key, label=self.label_key, id=self.id_key,
                             no_text=self.no_text, classes=read_names(self.classes) if self.classes else None,
-                            split=self.split, max_doc_bytes=self.max_doc_bytes)
+                            split=self.split, max_doc_bytes=self.max_doc_bytes,
+                            manifest=None if self.manifest is None else str(self.manifest), quoted_tsv=self.quoted_tsv,
+                            allow_outside=self.allow_outside)
 
     @staticmethod
     def options() -> tuple:
@@ -234,7 +257,8 @@ class BuildConfig:
                     "classes": ("classes", list(read_names(self.classes)) if self.classes else None),
                     "tokenizer": ("tokenizer_sha256", tokenizer.sha256 if tokenizer else None),
                     "background": ("background", list(self.background) if self.background else None),
-                    "max_side": ("max_side", self.side_cap)}
+                    "max_side": ("max_side", self.side_cap),
+                    "manifest": ("manifest", None if self.manifest is None else str(self.manifest))}
         params = {}
         for f in fields(self):
             name, value = recorded.get(f.name, (f.name, getattr(self, f.name)))

@@ -5,19 +5,34 @@ Policy (FORMAT.md, "Image pixels"): EXIF orientation applied; any mode becomes R
 S with Pillow's antialiased bilinear filter, then a centre crop of S x S (or, keep-aspect, the
 whole image with its longer side capped: `packer.dataset.geometry.keep_aspect_size`). JPEGs are decoded in
 draft mode at the smallest DCT scale that still leaves both sides >= 2*S (Pillow's own
-`reducing_gap` for thumbnails: at 1*S the DCT-scaled pixels alias visibly, 22 dB vs 34 dB). Pillow's
-decompression-bomb warning is an error for that file.
+`reducing_gap` for thumbnails: at 1*S the DCT-scaled pixels alias visibly, 22 dB vs 34 dB). An
+image of more pixels than the build's limit (`pixel_limit`: Pillow's decompression-bomb
+warning, at the limit the build sets) is an error for that file.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import numpy as np
 from PIL import Image, ImageOps
 
 from packer.dataset.geometry import keep_aspect_size
+
+PILLOW_MAX_PIXELS = 89_478_485  # Pillow's own Image.MAX_IMAGE_PIXELS, above which it warns of a bomb
+# a build's limit: where Pillow refuses outright (twice its warning's), so a 144 MP photo packs; a
+# 13,000 x 13,000 image, 0.5 GB decoded in a worker. --max-pixels sets another.
+DEFAULT_MAX_PIXELS = 2 * PILLOW_MAX_PIXELS
+
+
+def pixel_limit(given: int | None = None) -> int | None:
+    """The pixel limit a build's workers decode with: --max-pixels where given; else the one a
+    script set in Pillow (Image.MAX_IMAGE_PIXELS) before it built; else DEFAULT_MAX_PIXELS."""
+    if given is not None:
+        return given
+    return DEFAULT_MAX_PIXELS if Image.MAX_IMAGE_PIXELS == PILLOW_MAX_PIXELS else Image.MAX_IMAGE_PIXELS
 from packer.errors import SourceError
 from packer.internals import raw_encoder
 
@@ -133,7 +148,9 @@ def decode_image(path, size: int | None, *, writable: bool = True,
     except SourceError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise SourceError(f"decompression bomb ({exc})") from None
+        found = re.search(r"\((\d+) pixels\)", str(exc))
+        raise SourceError(f"{int(found.group(1)) if found else 0:,} pixels, over the limit of {Image.MAX_IMAGE_PIXELS:,} "
+                          "(a decompression bomb, or a larger photo than the limit: --max-pixels N packs it)") from None
     except Image.UnidentifiedImageError:
         raise SourceError("not an image Pillow can identify") from None
     except MemoryError:

@@ -77,8 +77,10 @@ def commit_staged(out: Path, *, seconds: float | None = None, workers: int | str
                   "created_unix": round(time.time(), 3),
                   "mmpack_version": _version(), "layout": f"{doc['kind']}: {doc.get('layout', '')}"}
     if base is not None:  # the append's own counts in its entry, the dataset's in `counts`
+        added = list(doc["classes"][len(base.classes):]) if base.classes is not None and doc["classes"] else []
         build_info["appended"] = [*base.build.get("appended", []),
-                                  {**{k: build_info[k] for k in ("raw", "created_unix", "seconds")}, **counts}]
+                                  {**{k: build_info[k] for k in ("raw", "created_unix", "seconds")}, **counts,
+                                   **({"new_classes": added} if added else {})}]
         build_info = {**base.build, "appended": build_info["appended"]}
         counts = {k: base.counts[k] + counts[k] for k in counts}
     build_info["fingerprint"] = doc["fingerprint"]  # what a run of the same command finds done

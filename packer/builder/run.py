@@ -22,6 +22,7 @@ import numpy as np
 
 from packer.builder import append, inputs, staging
 from packer.builder.config import BuildConfig
+from packer.builder.images import pixel_limit
 from packer.builder.pieces import in_pieces, piece_bounds
 from packer.builder.plan import Plan, plan, records_of
 from packer.builder.publish import commit_staged
@@ -131,6 +132,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None)
     if base is not None:
         append.check_compatible(config, base, params, columns, tokenizer)
+        append.check_classes(config, base, found)
     itemsize = np.dtype(tokenizer.dtype).itemsize if tokenizer else 2
     first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
     the_plan = plan(found, image_size=config.image_size, max_side=config.side_cap, token_itemsize=itemsize,
@@ -161,7 +163,8 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         inputs.write(outdir.staging_dir(config.out), found,
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
     ctx = ShardContext(config, doc["generation"], fingerprint, found.kind, columns, tokenizer, found.form,
-                       dict(found.fields) if found.fields else None, audio=audio)
+                       dict(found.fields) if found.fields else None, audio=audio,
+                       max_image_pixels=pixel_limit(config.max_pixels))
     return Prepared(config, found, the_plan, ctx, base, published)
 
 

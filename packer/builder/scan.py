@@ -165,7 +165,8 @@ def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], st
         return forms.scan(form, raw, files, skipped, stats, options, kind)
     audio = sum(is_audio(rel) for rel, _ in files)
     if kind == "audio" or (kind is None and audio and audio >= sum(_ext(rel) in IMAGE_EXTS for rel, _ in files)):
-        found = scan_audio(raw, files, skipped, classes, options.split, options.max_doc_bytes, options.no_text)
+        found = scan_audio(raw, files, skipped, classes, options.split, options.max_doc_bytes, options.no_text,
+                           quoted_tsv=options.quoted_tsv)
         return replace(found, stats=stats, why=found.why if kind is None else f"forced with --kind ({found.why})")
     files = _without_audio(files, skipped, kind)
     if not files:

@@ -30,7 +30,7 @@ from packer.errors import SourceError
 from packer.dataset.outdir import write_atomic
 from packer.builder.audio import AudioSpec, decode_audio
 from packer.builder.forms.read import caption_of, image_source
-from packer.builder.images import decode_image, flattened
+from packer.builder.images import decode_image, flattened, pixel_limit
 from packer.builder.plan import ShardTask, Span
 from packer.builder.scan import Record, read_ahead
 from packer.system import flock
@@ -53,9 +53,9 @@ class ShardContext:
     tokenizer: TokenizerSpec | None
     form: str = "folder"  # where records' bytes are (`packer.builder.forms`)
     fields: dict | None = None  # the form's field of each role
-    # Pillow's decompression-bomb limit in the build process (a script may change it): workers
-    # start from a forkserver and would otherwise decode with Pillow's default
-    max_image_pixels: int | None = field(default_factory=lambda: Image.MAX_IMAGE_PIXELS)
+    # the pixel limit as the build process knows it (--max-pixels, or a script's Pillow limit):
+    # workers start from a forkserver and would otherwise decode with Pillow's default
+    max_image_pixels: int | None = field(default_factory=pixel_limit)
     audio: AudioSpec | None = None  # an audio build's rate, channels and dtype
 
     def decode(self, record: Record):

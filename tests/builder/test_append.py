@@ -32,7 +32,7 @@ def _split_images(image_raw: Path, a: Path, b: Path) -> None:
             shutil.copytree(image_raw / name, (b if k % 2 else a) / name, symlinks=True)
 
 
-def test_merge_and_append_equal_a_build_of_the_union(tmp_path, image_raw):
+def test_merge_and_append_equal_a_build_of_the_union(tmp_path, image_raw, capsys):
     a, b, union = tmp_path / "a", tmp_path / "b", tmp_path / "union"
     _split_images(image_raw, a, b)
     shutil.copytree(a, union, symlinks=True)
@@ -50,7 +50,13 @@ def test_merge_and_append_equal_a_build_of_the_union(tmp_path, image_raw):
 
     appended = tmp_path / "appended"
     shutil.copytree(tmp_path / "a.ds", appended)
-    build(union, appended, *IMG, "--append")
+    # B's classes are new to A's dataset: numbered after A's, not as ImageFolder numbers the union
+    assert main(["build", str(union), str(appended), *map(str, IMG), "--append", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--allow-new-classes" in err and "class folder(s) the dataset" in err and err.count("\n") == 1
+    build(union, appended, *IMG, "--append", "--allow-new-classes")
+    new = load_manifest(appended).build["appended"][-1]["new_classes"]
+    assert new == [c for c in whole.classes if c not in load_manifest(tmp_path / "a.ds").classes]
     assert by_key(appended) == want
     assert load_manifest(appended).counts == whole.counts
     build(union, appended, *IMG, "--append")  # nothing new: unchanged

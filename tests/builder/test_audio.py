@@ -301,7 +301,9 @@ def test_append_adds_clips_and_merge_refuses_another_rate(audio_raw, tmp_path, c
     shutil.copytree(audio_raw / "effects", raw / "effects")
     err = one_line_error(capsys, ["build", str(raw), str(out), "--append"])
     assert "--sample-rate" in err  # an append repeats the flags the samples' bytes depend on
-    assert main(["build", str(raw), str(out), "--sample-rate", "16000", "--append", "-q"]) == 0
+    assert "--allow-new-classes" in one_line_error(capsys, ["build", str(raw), str(out), "--sample-rate", "16000",
+                                                            "--append"])  # effects: a class folder the dataset lacks
+    assert main(["build", str(raw), str(out), "--sample-rate", "16000", "--append", "--allow-new-classes", "-q"]) == 0
     m = load_manifest(out)
     assert m.classes == ("music", "speech", "effects") and m.counts["packed"] == len(list(audio_raw.rglob("*.*")))
     other = tmp_path / "other"

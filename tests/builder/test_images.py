@@ -64,3 +64,23 @@ def test_background_composites_transparency_before_alpha_is_dropped(tmp_path):
     white = decode_image(path, None, background=(255, 255, 255))
     assert np.array_equal(plain, np.asarray(photo.convert("RGB")))
     assert (white[:, :20] == 255).all() and np.array_equal(white[:, 20:], plain[:, 20:])
+
+
+def test_a_photo_over_pillows_warning_packs_and_max_pixels_sets_the_limit(tmp_path):
+    """A 9,600 x 9,600 photo (92 MP, over Pillow's 89.5 MP warning) was refused as a
+    "decompression bomb"; the limit is --max-pixels, by default Pillow's own refusal (179 MP),
+    and a skip over it says how to pack it."""
+    from loaders import MMapDataset
+    from packer.cli import main
+
+    raw = tmp_path / "raw" / "a"
+    raw.mkdir(parents=True)
+    Image.new("RGB", (9600, 9600), (200, 120, 40)).save(raw / "big.jpg", quality=50)
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(raw / "small.png")
+    assert main(["build", str(raw.parent), str(tmp_path / "out"), "--image-size", "16", "-q"]) == 0
+    assert len(MMapDataset(tmp_path / "out")) == 2
+    assert main(["build", str(raw.parent), str(tmp_path / "cap"), "--image-size", "16", "-q",
+                 "--max-pixels", "90000000"]) == 0
+    m = MMapDataset(tmp_path / "cap").manifest
+    assert [s.key for s in m.skipped] == ["a/big.jpg"] and "92,160,000 pixels, over the limit of 90,000,000" in \
+        m.skipped[0].reason and "--max-pixels" in m.skipped[0].reason

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from packer.builder.audio import EXTS as AUDIO_EXTS
 from packer.builder.forms import labels, manifest, parquet, splits, tar
 from packer.builder.forms.fields import FieldOptions, describe
 from packer.builder.records import IMAGE_EXTS, Record, Scan
@@ -20,6 +21,7 @@ from packer.errors import ConfigError, SourceError
 FORMS = ("folder", "parquet", "tar", "manifest")
 NAMES = {"parquet": "Hugging Face Parquet", "tar": "WebDataset tars", "manifest": "a manifest of image files"}
 PROBED = 4  # JSON / CSV / JSONL files looked into to tell a manifest from text
+INPUT_EXTS = IMAGE_EXTS | AUDIO_EXTS | {".txt", ".jsonl", ".json", ".csv", ".tsv", ".tar"}  # inputs besides Parquet
 
 
 def detect(files: list[tuple[str, str]], options: FieldOptions) -> str | None:
@@ -27,11 +29,14 @@ def detect(files: list[tuple[str, str]], options: FieldOptions) -> str | None:
     if any(tar.is_tar(rel) for rel, _ in files):
         return "tar"
     probed = 0
+    unreadable = []
     for rel, path in files:
         ext = os.path.splitext(rel)[1].lower()
         if ext == ".parquet":
             pfile = parquet.open_file(path)
-            if not isinstance(pfile, str):
+            if isinstance(pfile, str):
+                unreadable.append(f"{rel}: {pfile}")
+            else:
                 if parquet.image_column(pfile, options) is not None:
                     return "parquet"
                 if parquet.path_column(pfile, options) is not None:
@@ -40,6 +45,9 @@ def detect(files: list[tuple[str, str]], options: FieldOptions) -> str | None:
             probed += 1
             if manifest.fields_of(path, rel, options) is not None:
                 return "manifest"
+    if unreadable and not any(os.path.splitext(rel)[1].lower() in INPUT_EXTS for rel, _ in files):
+        # nothing else to pack: the layouts would take it for text, and say so, not what it is
+        raise SourceError(f"{unreadable[0]}; it is the only input of RAW: copy it again whole (a cut or damaged file)")
     return None
 
 
@@ -53,18 +61,21 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
     if kind == "images":
         options = FieldOptions(**{**options.__dict__, "no_text": True})
     probed: dict = {}  # a manifest's fields, by its path: probed once
+    chosen = manifest_named(raw, files, options.manifest) if form == "manifest" else None
     mine = []
     for rel, path in files:
-        if _is(form, rel, path, options, probed):
+        if chosen is not None and rel != chosen and os.path.splitext(rel)[1].lower() in manifest.EXTS:
+            skipped.append(Skip(rel, "scan", f"not --manifest {chosen}"))
+        elif _is(form, rel, path, options, probed):
             mine.append((rel, path))
         elif not (form == "manifest" and os.path.splitext(rel)[1].lower() in IMAGE_EXTS):  # those: _unnamed
             skipped.append(Skip(rel, "scan", _not_mine(form, rel)))
     if not mine:
-        raise SourceError(f"{raw}: holds no {NAMES[form]}")
+        raise SourceError(_none_found(raw, form, files, options))
     mine, other = splits.pick(mine, options.split, raw)
     skipped += other
-    named: set = set()  # (device, inode) of every image a manifest's record names
-    fields, ignored, items, met = _read(form, mine, options, stats, named, probed)
+    named: dict = {}  # (device, inode) of every image a manifest's record names -> that manifest
+    fields, ignored, items, met = _read(form, mine, options, stats, named, probed, manifest.Inside(raw))
     names = fields.pop("class_names", None)  # a Hugging Face ClassLabel's
     if options.classes is not None:
         names = options.classes
@@ -87,6 +98,32 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
                 ignored=tuple(ignored))
 
 
+def manifest_named(raw: Path, files: list[tuple[str, str]], given: str | None) -> str | None:
+    """The relative path of the manifest --manifest names (as a path, or relative to RAW)."""
+    if given is None:
+        return None
+    root = os.path.realpath(raw)
+    for candidate in (given, os.path.join(raw, given)):
+        real = os.path.realpath(candidate)
+        if os.path.isfile(real) and real.startswith(os.path.join(root, "")):
+            rel = os.path.relpath(real, root).replace(os.sep, "/")
+            if rel in dict(files):
+                return rel
+    raise ConfigError(f"--manifest {given}: no such manifest file in {raw}; name one of its JSONL, JSON, CSV, TSV or "
+                      "Parquet files (a path, or relative to RAW)")
+
+
+def _none_found(raw: Path, form: str, files: list[tuple[str, str]], options: FieldOptions) -> str:
+    """The error of a RAW that holds none of the form it was taken for, with why its candidates
+    are not (a manifest's first records name no image file, say)."""
+    what = {"manifest": "manifest of image files"}.get(form, NAMES[form])
+    if form == "manifest":
+        tables = [(rel, path) for rel, path in files if os.path.splitext(rel)[1].lower() in manifest.EXTS]
+        if tables:
+            return f"{raw}: holds no {what} ({manifest.why_not(tables[0][1], tables[0][0], options)})"
+    return f"{raw}: holds no {what}"
+
+
 def _is(form: str, rel: str, path: str, options: FieldOptions, probed: dict) -> bool:
     ext = os.path.splitext(rel)[1].lower()
     if form == "tar":
@@ -107,13 +144,14 @@ def _not_mine(form: str, rel: str) -> str:
             "manifest": "neither a manifest nor an image it names"}[form]
 
 
-def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict, named: set, probed: dict):
+def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: dict, named: dict, probed: dict,
+          inside: manifest.Inside):
     """(fields, the input's fields left out, records and skips, the label values met): the
     first file's fields serve them all (a manifest's, as `probed` found them)."""
     items: list = []
     met: dict = {}
     if form == "tar":
-        fields, ignored = tar.fields_of(mine[0][1], mine[0][0], options)
+        fields, ignored = tar.fields_of(mine, options)
         for rel, path in mine:
             items.extend(tar.records(path, rel, fields, met, options.image))
         return fields, ignored, items, met
@@ -136,7 +174,7 @@ def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: 
         return {**fields, "class_names": names}, ignored, items, met
     fields, ignored = probed[mine[0][1]]
     for rel, path in mine:
-        items.extend(manifest.records(path, rel, fields, options, met, stats, named))
+        items.extend(manifest.records(path, rel, fields, options, met, stats, named, inside))
     return fields, ignored, items, met
 
 
@@ -153,7 +191,7 @@ def _unique(records: list[Record], skipped: list[Skip]) -> list[Record]:
     return out
 
 
-def _unnamed(files: list[tuple[str, str]], named: set) -> list[Skip]:
+def _unnamed(files: list[tuple[str, str]], named: dict) -> list[Skip]:
     """The image files under RAW that no record names (by device and inode: one file however
     its path is written): found, so said."""
     out = []

@@ -33,6 +33,9 @@ class FieldOptions:
     classes: tuple[str, ...] | None = None  # --classes FILE's names
     split: str | None = None
     max_doc_bytes: int = 64 << 20
+    manifest: str | None = None  # --manifest FILE: the one manifest to read
+    quoted_tsv: bool = False  # a TSV's double quotes are CSV quoting, not text
+    allow_outside: bool = False  # a manifest may name files outside RAW
 
     def named(self, role: str) -> str | None:
         value = getattr(self, role)

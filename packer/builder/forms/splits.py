@@ -1,5 +1,6 @@
 """Dataset splits by their files' names, as the Hugging Face Hub and WebDataset name them:
-`train-00000-of-00004.parquet`, `data/train/...`, `train-000000.tar`, `train.jsonl`. A build
+`train-00000-of-00004.parquet` (with a hash after it, as older uploads have), `data/train/...`,
+`train-000000.tar`, `train.jsonl`. A build
 takes one split: the one `--split` names, or the only one there is; a RAW with several and no
 `--split` is refused, naming them, rather than packed as one dataset."""
 
@@ -12,7 +13,8 @@ from packer.dataset.format import Skip
 from packer.errors import ConfigError
 
 SPLIT_NAMES = ("train", "test", "validation", "valid", "val", "dev", "eval")
-_SHARD = re.compile(r"([A-Za-z][A-Za-z0-9_]*)-\d+(?:-of-\d+)?\.")
+# `train-00000-of-00004.parquet`; older `push_to_hub` added a hash (`...-of-00004-5f3a2c1e9b3a5c8d.parquet`)
+_SHARD = re.compile(r"([A-Za-z][A-Za-z0-9_]*)-\d+(?:-of-\d+)?(?:-[0-9a-f]{6,64})?\.")
 
 
 def split_of(rel: str, given: str | None = None) -> str | None:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from packer.builder.forms.fields import FieldOptions, choose
 from packer.builder.records import Record
-from packer.dataset.format import Skip
+from packer.dataset.format import Skip, printable
 from packer.errors import ConfigError
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp", "bmp", "tif", "tiff", "gif")
@@ -49,8 +49,11 @@ def samples(path: str, rel: str) -> Iterator[tuple[str, dict] | Skip]:
             if isinstance(member, Skip):
                 yield member
                 continue
-            name = f"{rel}:{member.name}"
+            name = f"{rel}:{printable(member.name)}"
             if member.isdir():
+                continue
+            if printable(member.name) != member.name:  # a key is UTF-8 text
+                yield Skip(name, "scan", "a member whose name is not UTF-8; rename it (tar --transform)")
                 continue
             if not member.isreg():
                 yield Skip(name, "scan", f"a {_TYPES.get(member.type, 'special')} member, not a regular file")
@@ -103,7 +106,15 @@ def _members(f, rel: str, size: int) -> Iterator[_Member | tarfile.TarInfo | Ski
     blocks, bytes after them (tars joined end to end)."""
     fd, pos = f.fileno(), 0
     pax, pax_at = None, 0  # the pax header before this one: its records, and where it starts
+    magic = os.pread(fd, 6, 0)
+    packed = next((name for name, head in _COMPRESSED_MAGIC if magic.startswith(head)), None)
+    if packed:
+        yield Skip(rel, "scan", f"a {packed}-compressed tar named .tar: its members cannot be read in place; "
+                                "decompress it to a plain .tar")
+        return
     while True:
+        if pos > size:  # the member before claims to run past the end (a pax size of 2**70): said by samples()
+            return
         buf = os.pread(fd, BLOCK, pos)
         if len(buf) < BLOCK:
             if pos == 0:
@@ -147,6 +158,7 @@ def _members(f, rel: str, size: int) -> Iterator[_Member | tarfile.TarInfo | Ski
 
 
 _PAX = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE)
+_COMPRESSED_MAGIC = (("gzip", b"\x1f\x8b"), ("bzip2", b"BZh"), ("xz", b"\xfd7zXZ\x00"), ("zstd", b"\x28\xb5\x2f\xfd"))
 
 
 PAX_BYTES = 1 << 16  # a pax header longer than this is tarfile's to read
@@ -246,11 +258,29 @@ _TYPES = {tarfile.SYMTYPE: "symlink", tarfile.LNKTYPE: "hard link", tarfile.CHRT
           tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "FIFO"}
 
 
-def fields_of(path: str, rel: str, options: FieldOptions) -> tuple[dict, list[str]]:
-    """The member extension of each role, from the first sample that has an image (the json
-    field of a caption as `json:FIELD`), and the extensions the build leaves out."""
+def fields_of(tars: list[tuple[str, str]], options: FieldOptions) -> tuple[dict, list[str]]:
+    """The member extension of each role, from the first sample that has an image, in the
+    first tar that has one (an empty or unreadable tar before it says nothing of the rest; the
+    json field of a caption as `json:FIELD`), and the extensions the build leaves out."""
+    first_skip = None
+    for rel, path in tars:
+        found = _fields_of(path, rel, options)
+        if isinstance(found, tuple):
+            return found
+        first_skip = first_skip or found
+    if first_skip is not None:
+        raise ConfigError(f"{first_skip.key}: {first_skip.reason}; no tar of RAW has a sample with an image")
+    raise ConfigError(f"{tars[0][0]}{' ...' if len(tars) > 1 else ''}: no sample with an image member "
+                      f"({', '.join('.' + e for e in IMAGE_MEMBERS)}); pass --image-key EXT if its images have "
+                      "another extension")
+
+
+def _fields_of(path: str, rel: str, options: FieldOptions) -> tuple[dict, list[str]] | Skip | None:
+    """`fields_of` of one tar; else its first skip, or None."""
+    first_skip = None
     for sample in samples(path, rel):
         if isinstance(sample, Skip):
+            first_skip = first_skip or sample
             continue
         exts = list(sample[1])
         spellings = {"image": IMAGE_MEMBERS, "text": TEXT_MEMBERS, "label": ("cls", "label", "labels"), "id": ()}
@@ -265,8 +295,7 @@ def fields_of(path: str, rel: str, options: FieldOptions) -> tuple[dict, list[st
         if options.image is None:  # each sample's own image member, whichever it is
             chosen["image"], used = "/".join(IMAGE_MEMBERS[:3]) + "/...", used | set(IMAGE_MEMBERS)
         return chosen, sorted(set(exts) - used)
-    raise ConfigError(f"{rel}: no sample with an image member ({', '.join('.' + e for e in IMAGE_MEMBERS)}); "
-                      "pass --image-key EXT if its images have another extension")
+    return first_skip
 
 
 def _json_caption(path: str, member: tarfile.TarInfo, options: FieldOptions) -> str | None:
