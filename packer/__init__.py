@@ -1,6 +1,6 @@
 """mmpack's offline packer: raw images and text -> memory-mapped numpy shards + a manifest.
 
-`packer.build / commit / push / pull / verify / info / merge / pack / unpack / sizes` do what
+`packer.build / commit / push / pull / verify / info / show / merge / pack / unpack / sizes` do what
 the `packer` command does (`packer.api`). Never imports torch. `loaders` reads what this writes,
 through `packer.dataset.reader` (and `packer.remote` for URLs); names are imported lazily so
 that reading does not pull in Pillow, tokenizers or pyarrow.
@@ -13,8 +13,8 @@ import importlib
 __version__ = "0.6.0"
 
 _EXPORTS = {
-    **{name: "api" for name in ("build", "commit", "push", "pull", "verify", "info", "merge", "pack", "unpack",
-                                "sizes")},
+    **{name: "api" for name in ("build", "commit", "push", "pull", "verify", "info", "show", "merge", "pack",
+                                "unpack", "sizes")},
     "BuildConfig": "builder.config", "DatasetReader": "dataset.reader", "load_manifest": "dataset.reader",
     "MmpackError": "errors", "ConfigError": "errors", "SourceError": "errors",
     "ManifestError": "errors", "IntegrityError": "errors",

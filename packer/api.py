@@ -1,5 +1,5 @@
 """What the `packer` command does, as Python functions: `build`, `commit`, `push`, `pull`,
-`verify`, `info`, `merge`, `pack`, `unpack` and `sizes`, each with the command's options as
+`verify`, `info`, `show`, `merge`, `pack`, `unpack` and `sizes`, each with the command's options as
 keywords (the flags' names in snake case, their values as the flags take them or as Python
 values) and URLs wherever the command takes them. The CLI (`packer.cli`) parses flags into these
 calls and prints what they return; they print nothing.
@@ -187,6 +187,23 @@ def info(path: str | Path) -> dict:
         "skipped": [{"key": k.key, "stage": k.stage, "reason": k.reason} for k in m.skipped],
         **extra,
     }
+
+
+def show(path: str | Path, *, n: int = 16, png: str | Path | None = None) -> dict:
+    """`packer show PATH [-n N] [--png FILE]`: N samples spread over the dataset as a user checks
+    a build: each one's id, key, label and class name, caption or transcript decoded with the
+    dataset's tokenizer, image size or clip seconds; with `png`, the images in a grid under
+    their class names or the clips' waveforms, written there."""
+    from packer.dataset import show as shown
+
+    reader = shown.open_reader(path)
+    m = reader.manifest
+    rows = shown.samples(reader, shown.spread(m.num_samples, n))
+    written = shown.draw(rows, png) if png is not None else None
+    return {"path": str(path), "kind": m.kind, "num_samples": m.num_samples, "png": str(written) if written else None,
+            "samples": [{k: v for k, v in row.items() if k not in ("image", "audio")} |
+                        ({"image_size": list(row["image"].shape[:2])} if "image" in row else {}) for row in rows],
+            "lines": [shown.line(row) for row in rows]}
 
 
 def empty_classes(reader: DatasetReader) -> list[str]:

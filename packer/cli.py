@@ -85,6 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the figures as JSON")
     i.add_argument("--skipped", action="store_true", help="list every skipped record with its reason")
 
+    sh = sub.add_parser("show", help="a few samples as the model will see them: key, class, caption or transcript "
+                                     "(decoded), image size or clip length; --png draws them")
+    sh.add_argument("out", help="a dataset dir, archive or URL")
+    sh.add_argument("-n", type=int, default=16, help="samples, spread evenly over the dataset (default 16)")
+    sh.add_argument("--png", type=Path, default=None, metavar="FILE",
+                    help="draw them: images in a grid under their class names, clips as waveforms")
+    sh.add_argument("--json", action="store_true", help="print the samples as JSON")
+
     v = sub.add_parser("verify", help="re-hash and check every file of a dataset dir (or archive, or s3:// URL)")
     v.add_argument("out", help="a dataset dir, archive or URL")
     v.add_argument("--cache", nargs="?", const=True, default=False, metavar="DIR",
@@ -266,6 +274,20 @@ def _cmd_info(args) -> int:
     return 0
 
 
+def _cmd_show(args) -> int:
+    d = api.show(args.out, n=args.n, png=args.png)
+    if args.json:
+        print(json.dumps({k: v for k, v in d.items() if k != "lines"}, indent=1))
+        return 0
+    print(f"dataset   {d['path']} ({d['kind']}, {d['num_samples']:,} samples): {len(d['samples'])} of them, spread "
+          "evenly")
+    for text in d["lines"]:
+        print(text)
+    if d["png"]:
+        print(f"png -> {d['png']}")
+    return 0
+
+
 def _cmd_verify(args) -> int:
     bar = ProgressBar("verifying", enabled=True)
     try:
@@ -338,7 +360,8 @@ def _cmd_pull(args) -> int:
     return 0
 
 
-COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "sizes": _cmd_sizes, "info": _cmd_info, "verify": _cmd_verify,
+COMMANDS = {"build": _cmd_build, "commit": _cmd_commit, "sizes": _cmd_sizes, "info": _cmd_info, "show": _cmd_show,
+            "verify": _cmd_verify,
             "merge": _cmd_merge, "pack": _cmd_pack, "unpack": _cmd_unpack, "push": _cmd_push, "pull": _cmd_pull}
 
 
