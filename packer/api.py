@@ -194,7 +194,7 @@ def show(path: str | Path, *, n: int = 16, png: str | Path | None = None) -> dic
     a build: each one's id, key, label and class name, caption or transcript decoded with the
     dataset's tokenizer, image size or clip seconds; with `png`, the images in a grid under
     their class names or the clips' waveforms, written there."""
-    from packer import show as shown
+    from packer import preview as shown
 
     reader = shown.open_reader(path)
     m = reader.manifest
