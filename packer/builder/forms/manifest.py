@@ -8,8 +8,8 @@ reason; so is a path that leads out of RAW (absolute, `..`, a link out), unless
 --allow-outside: a manifest must not pack, and maybe push, whatever its writer could name.
 CSV and TSV are read as spreadsheets save them: UTF-8 with or without a byte-order mark, or
 UTF-16 with one (Excel's "Unicode Text"); a TSV's quotes are text, as Common Voice writes
-them (`--quoted-tsv` reads them as CSV quoting). Lines are read within --max-doc-bytes; a JSON
-list is read whole, so it is refused past JSON_LIST_BYTES (write JSONL instead).
+them (`--quoted-tsv` reads them as CSV quoting). Lines, and a JSON list's elements, are read
+within --max-doc-bytes, a JSON list streamed an element at a time (`jsonarray`).
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import json
 import os
 import stat
 from collections.abc import Iterator
-from pathlib import Path
 
+from packer.builder.forms import jsonarray
 from packer.builder.forms.fields import SPELLINGS, FieldOptions, choose
 from packer.builder.records import IMAGE_EXTS, Record
 from packer.builder.text import read_lines, too_long
 from packer.dataset.format import Skip
-from packer.errors import ConfigError
+from packer.errors import ConfigError, SourceError
 
 EXTS = (".jsonl", ".json", ".csv", ".tsv", ".parquet")
-JSON_LIST_BYTES = 1 << 30
 PROBE = 8  # records read to find a manifest's fields
 
 
@@ -48,23 +47,28 @@ def rows(path: str, rel: str, limit: int, batch_rows: int = 4096, *,
                     except ValueError as exc:
                         yield f"{line}", Skip(f"{rel}:{line}", "scan", f"not JSON ({str(exc)[:120]})")
     elif ext == ".json":
-        size = os.path.getsize(path)
-        if size > JSON_LIST_BYTES:
-            raise ConfigError(f"{rel}: a JSON manifest of {size:,} bytes is read whole; write it as JSONL "
-                              "(a record a line), which is read a line at a time")
-        try:
-            doc = json.loads(Path(path).read_bytes())
-        except ValueError as exc:
-            yield "0", Skip(rel, "scan", f"not JSON ({str(exc)[:120]})")
-            return
-        if not isinstance(doc, list):
-            yield "0", Skip(rel, "scan", "not a JSON list of records")
-            return
-        yield from ((f"{i}", r) for i, r in enumerate(doc))
+        yield from _json_rows(path, rel, limit)
     elif ext in (".csv", ".tsv"):
         yield from _table_rows(path, rel, limit, tsv=ext == ".tsv", quoted=quoted_tsv or ext == ".csv")
     else:
         yield from _parquet_rows(path, rel, batch_rows)
+
+
+def _json_rows(path: str, rel: str, limit: int) -> Iterator[tuple[str, object]]:
+    """The records of a JSON list, streamed an element at a time (`jsonarray`)."""
+    place = 0
+    with open(path, "rb") as f:
+        try:
+            for place, (_, size, raw) in enumerate(jsonarray.elements(f, limit=limit)):
+                if raw is None:
+                    yield f"{place}", Skip(f"{rel}:{place}", "scan", f"an element of {too_long(size, limit)}")
+                    continue
+                try:
+                    yield f"{place}", json.loads(raw)
+                except ValueError as exc:
+                    yield f"{place}", Skip(f"{rel}:{place}", "scan", f"not JSON ({str(exc)[:120]})")
+        except SourceError as exc:
+            yield f"{place}", Skip(rel if place == 0 else f"{rel}:{place}", "scan", str(exc))
 
 
 def text_encoding(path: str) -> str:
