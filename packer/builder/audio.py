@@ -1,6 +1,6 @@
 """Audio clips as an audio build packs them (FORMAT.md section 4, "Audio samples"): decoded by
 libsndfile (`soundfile`), mixed to the channels asked, resampled by soxr (its HQ mode) where the
-file's rate differs, and stored as int16 PCM or float32; and the scan of a folder of
+file's rate differs, and stored as int16 PCM or float32 in [-1, 1); and the scan of a folder of
 audio files, with class folders, sidecar transcripts (`<stem>.txt`) or a transcript table
 (LJSpeech's `metadata.csv`, Common Voice's TSV: `packer.builder.transcripts`).
 
@@ -34,7 +34,17 @@ BLOCK_FRAMES = 1152 * 64
 DEFAULT_MAX_SECONDS = 600.0  # 10 min: 19 MB of int16 mono at 16 kHz, the clip a worker holds
 DTYPES = {"int16": "<i2", "float32": "<f4"}
 INT16_SCALE = 32768.0  # libsndfile's: float = int16 / 32768
+FLOAT_TOP = np.float32(1 - 2**-24)  # the largest float32 below 1: a float32 clip lies in [-1, 1)
 INSTALL = 'pip install "mmpack[audio]" (soundfile and soxr)'
+
+_clipped = 0  # values of this process's packed clips not stored as decoded: `clipped()`
+
+
+def clipped() -> int:
+    """Values (samples x channels) of the clips decoded in this process so far that were NaN or
+    infinite in the file, or past the stored range after mixing and resampling; read before and
+    after a shard for its count (`build.audio_clipped`)."""
+    return _clipped
 
 
 def require() -> None:
@@ -70,6 +80,7 @@ def decode_audio(source, spec: AudioSpec) -> np.ndarray:
     channels that cannot be mixed to the ones asked."""
     import soundfile as sf
 
+    global _clipped
     try:
         with quiet(), sf.SoundFile(source) as f:
             rate, claimed, subtype = f.samplerate, f.frames, f.subtype
@@ -85,14 +96,15 @@ def decode_audio(source, spec: AudioSpec) -> np.ndarray:
         raise SourceError(f"truncated: its header says {claimed:,} frames, the file holds {frames:,}")
     if clip.frames == 0:
         raise SourceError(f"no audio at {spec.sample_rate:,} Hz: its {frames} frame(s) at {rate:,} Hz resample to none")
+    _clipped += clip.clipped
     return clip.array()
 
 
 def convert(blocks: Iterator[np.ndarray], rate: int, spec: AudioSpec, clip: Clip) -> int:
-    """Decoded float32 blocks [n, C] at `rate`, in order, into `clip` as the spec stores them: the
-    mean of the channels for mono (a mono file copied to both for stereo); resampled by one soxr
-    HQ stream; then int16 as clip(round(x * 32768)), or float32 as they are. Returns the frames
-    read."""
+    """Decoded float32 blocks [n, C] at `rate`, in order, into `clip` as the spec stores them: NaN
+    as 0 and +-Inf as +-1 (one would spread over the clip in the resampler); the mean of the
+    channels for mono (a mono file copied to both for stereo); resampled by one soxr HQ stream;
+    then int16 as clip(round(x * 32768)), or float32 clipped to [-1, 1). Returns the frames read."""
     stream = None
     if rate != spec.sample_rate:
         import soxr
@@ -101,6 +113,7 @@ def convert(blocks: Iterator[np.ndarray], rate: int, spec: AudioSpec, clip: Clip
     frames = 0
     for block in blocks:
         frames += len(block)
+        clip.clipped += _finite(block)
         if block.shape[1] != spec.channels:
             block = block.mean(axis=1, keepdims=True, dtype=np.float32) if spec.channels == 1 else np.repeat(block, 2, axis=1)
         clip.add(stream.resample_chunk(np.ascontiguousarray(block)) if stream else block)
@@ -109,13 +122,21 @@ def convert(blocks: Iterator[np.ndarray], rate: int, spec: AudioSpec, clip: Clip
     return frames
 
 
+def _finite(block: np.ndarray) -> int:
+    """NaN as 0 and +-Inf as +-1, in place (a float file can hold them); how many there were."""
+    bad = block.size - int(np.count_nonzero(np.isfinite(block)))
+    if bad:
+        np.nan_to_num(block, copy=False, nan=0.0, posinf=1.0, neginf=-1.0)
+    return bad
+
+
 class Clip:
     """A clip as it is stored, filled a block at a time: one array sized from the file's header
     (its pages resident only as they are written, so a lying header costs nothing), grown
     where the file holds more (an MP3's header length is an estimate)."""
 
     def __init__(self, spec: AudioSpec, frames: int):
-        self.dtype, self.frames = spec.dtype, 0
+        self.dtype, self.frames, self.clipped = spec.dtype, 0, 0
         self.data = np.empty((max(frames, 1), spec.channels), spec.dtype)
 
     def add(self, x: np.ndarray) -> None:
@@ -125,7 +146,15 @@ class Clip:
             grown = np.empty((max(end, 2 * len(self.data)), self.data.shape[1]), self.dtype)
             grown[:self.frames] = self.data[:self.frames]
             self.data = grown
-        self.data[self.frames:end] = np.clip(np.rint(x * INT16_SCALE), -32768, 32767) if self.dtype == "<i2" else x
+        out = self.data[self.frames:end]
+        if self.dtype == "<i2":
+            x = np.rint(x * INT16_SCALE)
+            self.clipped += int(np.count_nonzero(x < -32768) + np.count_nonzero(x > 32767))
+            np.clip(x, -32768, 32767, out=x)
+            out[:] = x
+        else:
+            self.clipped += int(np.count_nonzero(x < -1) + np.count_nonzero(x > FLOAT_TOP))
+            np.clip(x, -1, FLOAT_TOP, out=out)
         self.frames = end
 
     def array(self) -> np.ndarray:

@@ -1,8 +1,9 @@
 """Audio builds end to end through the real CLI, on real recordings (bench.sounds: speech and
 sounds from Debian packages, music from the pygame wheel; WAV, FLAC, Ogg Vorbis, MP3 at 8 to 96
 kHz): every packed clip equals soundfile + soxr of its whole file (MP3s longer than two decode
-blocks included), a worker's memory grows by the stored clip only, transcripts are tokenized,
-and hostile files are skips with reasons, never a hang or an allocation of what a header claims."""
+blocks included), float32 within [-1, 1) with what was clipped counted, a worker's memory grows
+by the stored clip only, transcripts are tokenized, and hostile files are skips with reasons,
+never a hang or an allocation of what a header claims."""
 
 from __future__ import annotations
 
@@ -25,17 +26,23 @@ from tests.trees import one_line_error
 ROOT = Path(__file__).resolve().parents[2]
 
 
+FLOAT_TOP = np.float32(1 - 2**-24)  # the largest float32 below 1
+
+
 def reference(path: Path, rate: int, channels: int = 1, dtype: str = "int16") -> np.ndarray:
-    """What FORMAT.md asks a packed clip to equal: soundfile's whole float32 decode, the channels'
-    mean (or a mono file copied to both), soxr's HQ resample of the whole clip, then int16 at
-    libsndfile's scale."""
+    """What FORMAT.md asks a packed clip to equal: soundfile's whole float32 decode (NaN as 0,
+    +-Inf as +-1), the channels' mean (or a mono file copied to both), soxr's HQ resample of the
+    whole clip, then int16 at libsndfile's scale or float32 clipped to [-1, 1)."""
     data, native = sf.read(path, dtype="float32", always_2d=True)
+    data = np.nan_to_num(data, nan=0.0, posinf=1.0, neginf=-1.0)
     if data.shape[1] != channels:
         data = data.mean(axis=1, keepdims=True, dtype=np.float32) if channels == 1 else np.repeat(data, 2, axis=1)
     if native != rate:
         data = soxr.resample(data, native, rate, quality="HQ")
     if dtype == "int16":
         data = np.clip(np.rint(data * 32768.0), -32768, 32767).astype(np.int16)
+    else:
+        data = np.clip(data, -1, FLOAT_TOP)
     return data[:, 0] if channels == 1 else data
 
 
@@ -101,6 +108,32 @@ def test_mp3s_are_decoded_without_seams_at_block_ends(mp3_raw, tmp_path):
     for sample in ds:
         want, got = reference(mp3_raw / sample["key"], 16000), sample["audio"].numpy()
         assert got.shape == want.shape and np.abs(got.astype(np.int32) - want).max() <= 1, sample["key"]
+
+
+def test_float32_clips_lie_in_minus_one_to_one_with_nan_as_zero_and_are_counted(tmp_path):
+    """A float WAV holding NaN, +-Inf and a voice at 4x full scale: stored float32 lies in [-1, 1)
+    (NaN as 0, Inf as full scale, before the resampler spreads them), int16 likewise, and the
+    manifest counts the values changed (`build.audio_clipped`)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    voice, rate = sf.read(sounds.speech()[0], dtype="float32")
+    loud = voice * 4
+    loud[[100, 5000, 20000]], loud[[300, 40000]], loud[7000] = np.nan, np.inf, -np.inf
+    sf.write(raw / "loud.wav", loud, rate, subtype="FLOAT")
+    sf.write(raw / "quiet.wav", voice / 4, rate, subtype="FLOAT")
+    for dtype in ("float32", "int16"):
+        out = tmp_path / dtype
+        assert main(["build", str(raw), str(out), "--sample-rate", "16000", "--dtype", dtype, "-q"]) == 0
+        m, ds = load_manifest(out), MMapDataset(out)
+        for sample in ds:
+            got, want = sample["audio"].numpy(), reference(raw / sample["key"], 16000, dtype=dtype)
+            assert np.array_equal(got, want), (dtype, sample["key"])
+            if dtype == "float32":
+                assert np.isfinite(got).all() and got.min() >= -1 and got.max() < 1
+        clean = soxr.resample(np.nan_to_num(loud, nan=0.0, posinf=1.0, neginf=-1.0), rate, 16000, quality="HQ")
+        values, (lo, hi) = (np.rint(clean * 32768.0), (-32768, 32767)) if dtype == "int16" else (clean, (-1, FLOAT_TOP))
+        over = np.count_nonzero(values < lo) + np.count_nonzero(values > hi)
+        assert over > 100 and m.build["audio_clipped"] == 6 + over, dtype  # the 6 NaN and Inf, then the voice's peaks
 
 
 def test_a_long_clip_costs_a_worker_its_stored_bytes_not_its_decoded_copies(tmp_path):
