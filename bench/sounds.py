@@ -13,7 +13,10 @@ count is an estimate (house_lo.mp3: 80,151 claimed, 80,064 decoded). A FLAC whos
 claims 2**36 frames makes `soundfile.read` allocate 128 GiB; a WAV that claims 2**31 is cut to
 what it holds. Garbage named `.mp3` opens as "File does not exist", a truncated FLAC as "lost
 sync" or "psf_fseek() failed", and mpg123 prints notes on damaged input to fd 2. pygame 2.6.1
-has wheels up to Python 3.13.
+has wheels up to Python 3.13. An MP3 read in blocks through `SoundFile.read` has ~2 MPEG frames of
+zeros or garbage after a block's end (up to 0.3 of full scale; 20 of 20 `mp3_clips` at 4,096
+frames a block): soundfile seeks after every read, and libsndfile's MP3 seek restarts mpg123
+without its bit reservoir (`packer.builder.audio` reads MP3 without that seek).
 """
 
 from __future__ import annotations
@@ -209,6 +212,49 @@ def make_audio_folders(raw: Path, count: int, *, seed: int = 0, transcripts: boo
         if transcripts:
             stem.with_suffix(".txt").write_text(transcript(src) + "\n", encoding="utf-8")
     return raw
+
+
+def mp3_clips(folder: Path, count: int, *, seed: int = 0) -> list[Path]:
+    """`count` MP3s written by soundfile (LAME) into `folder`, as Common Voice holds its clips: the
+    ALSA voices, shuffled by `seed`, one after another until each clip is longer than two blocks of
+    the packer's decode (2.2 x 73,728 frames at its own rate); at 48 kHz (MPEG-1) and, every third,
+    24 kHz (MPEG-2, resampled by soxr); every fourth stereo, a second voice sequence on the right;
+    every second at LAME's VBR level 0.9 (about 40 kbps), the others at soundfile's default (80)."""
+    import numpy as np
+    import soundfile as sf
+    import soxr
+
+    rng = random.Random(seed)
+    voices = [sf.read(p, dtype="float32")[0] for p in speech()]  # 48 kHz mono
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for i in range(count):
+        rate = 24000 if i % 3 == 2 else 48000
+        tracks = []
+        for _ in range(2 if i % 4 == 3 else 1):
+            parts, frames = [], 0
+            while frames < 2.2 * 73_728:
+                voice = rng.choice(voices)
+                parts.append(voice if rate == 48000 else soxr.resample(voice, 48000, rate, quality="HQ"))
+                frames += len(parts[-1])
+            tracks.append(np.concatenate(parts))
+        frames = min(len(t) for t in tracks)
+        path = folder / f"cv_{i:03d}.mp3"
+        level = {"compression_level": 0.9} if i % 2 else {}
+        sf.write(path, np.stack([t[:frames] for t in tracks], axis=1), rate, format="MP3", **level)
+        paths.append(path)
+    return paths
+
+
+def long_clip(path: Path, seconds: float) -> Path:
+    """A FLAC (PCM_16, 48 kHz mono) of `seconds` of real speech: the ALSA voices in turn, repeated."""
+    import numpy as np
+    import soundfile as sf
+
+    voices = np.concatenate([sf.read(p, dtype="int16")[0] for p in speech()])
+    frames = round(seconds * 48000)
+    sf.write(path, np.resize(voices, frames), 48000, format="FLAC", subtype="PCM_16")
+    return path
 
 
 def hostile_audio(folder: Path) -> dict[str, str]:

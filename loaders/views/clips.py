@@ -7,7 +7,8 @@ window's frames, T_i the clip's): a pure function of three integers, so it is th
 thread, worker or rank count, and a resumed run crops what the uninterrupted one would have. A
 clip shorter than the window is taken whole and padded with zeros; `audio_lengths` gives the
 frames that are real. As a Loader source a batch is one copy per clip into a [B, F] (or
-[B, F, C]) buffer.
+[B, F, C]) buffer, and the clips' other columns beside it as an MMapDataset's batch has them: a
+transcript's `tokens` whole (the crop may cut the words it holds), with `tokens_lengths`.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class AudioClips(Reopens):
         root: an audio dataset dir (`packer build RAW OUT --sample-rate HZ`).
         seconds: the window's length; its frames are round(seconds * the dataset's rate).
         seed: with the epoch and the clip, fixes each crop (a Loader's seed orders the clips).
-        columns: the dataset's other columns each batch carries (default: label and key where
-            the dataset has them; tokens would not match a crop).
+        columns: the dataset's other columns each batch carries (default: all of them: label,
+            tokens and key where the dataset has them); a clip's tokens are its whole transcript,
+            which the crop may cut.
     """
 
     per_epoch = True  # a batch depends on the epoch: Loader and BatchedDataset pass it to gather
@@ -85,12 +87,12 @@ class AudioClips(Reopens):
         self.sample_rate, self.channels = m.audio["sample_rate"], m.audio["channels"]
         self.frames = max(1, round(self.seconds * self.sample_rate))
         names = [c.name for c in m.columns]
-        extra = self.columns if self.columns is not None else [n for n in ("label", "key") if n in names]
-        missing = [n for n in extra if n not in names or n in ("audio", "tokens")]
+        extra = self.columns if self.columns is not None else [n for n in names if n != "audio"]
+        missing = [n for n in extra if n not in names or n == "audio"]
         if missing:
-            raise ConfigError(f"{self.root}: columns {missing} are not ones a crop carries (it has {names}; "
-                              "tokens would not match a crop)")
-        self._more = ColumnGather(reader, extra) if extra else None  # label, key: as an MMapDataset's batch
+            raise ConfigError(f"{self.root}: AudioClips cannot carry columns {missing} beside its crops (the "
+                              f"dataset has {names}; audio is the crop itself)")
+        self._more = ColumnGather(reader, extra) if extra else None  # label, tokens, key: as an MMapDataset's batch
         self._values = [reader.column(k, "audio").values for k in range(len(m.shards))]
         self._regions = None  # where each shard's values lie, for the native copies: made at the first batch
         starts = [np.asarray(reader.column(k, "audio").offsets, np.int64) // self.channels for k in range(len(m.shards))]
@@ -125,7 +127,7 @@ class AudioClips(Reopens):
         starts = self.offsets(ids, epoch)
         lens[:] = np.minimum(self._lengths[ids], self.frames)
         first = (self._starts[ids] + starts) * c  # in values
-        more = (lambda: self._more.gather(ids, buffers)) if self._more else dict  # label, key: while the crops copy
+        more = (lambda: self._more.gather(ids, buffers)) if self._more else dict  # the other columns: while the crops copy
         if native.LIB is not None and n:  # each crop a canvas slot of F x 1 "pixels" of C values, zeros after it
             if self._regions is None:
                 self._regions = native.regions(self._values)

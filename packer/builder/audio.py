@@ -1,12 +1,15 @@
-"""Audio clips as an audio build packs them (FORMAT.md section 4, "Audio samples"): decoded once
-by libsndfile (`soundfile`) in blocks, mixed to the channels asked, resampled by soxr (its HQ
-mode) where the file's rate differs, and stored as int16 PCM or float32; and the scan of a
-folder of audio files, with class folders, sidecar transcripts (`<stem>.txt`) or a transcript
-table (LJSpeech's `metadata.csv`, Common Voice's TSV: `packer.builder.transcripts`).
+"""Audio clips as an audio build packs them (FORMAT.md section 4, "Audio samples"): decoded by
+libsndfile (`soundfile`), mixed to the channels asked, resampled by soxr (its HQ mode) where the
+file's rate differs, and stored as int16 PCM or float32 in [-1, 1); and the scan of a folder of
+audio files, with class folders, sidecar transcripts (`<stem>.txt`) or a transcript table
+(LJSpeech's `metadata.csv`, Common Voice's TSV: `packer.builder.transcripts`).
 
-A file is read in blocks of BLOCK_FRAMES and given up once it passes --max-seconds: a header
-that claims 2**31 frames costs what the file holds, never what it claims. `soundfile` and `soxr`
-come with the `audio` extra; reading a packed audio dataset needs neither.
+A file goes through in blocks of BLOCK_FRAMES: each block decoded, mixed, resampled (one soxr
+stream, whose output equals `soxr.resample` of the whole clip bit for bit) and converted into
+the stored clip, so a worker holds the stored clip and a block, never the decoded float32 source
+and its copies. A file is given up once it passes --max-seconds: a header that claims 2**31
+frames costs what the file holds, never what it claims. `soundfile` and `soxr` come with the
+`audio` extra; reading a packed audio dataset needs neither.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import math
 import os
 import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,23 +26,38 @@ import numpy as np
 from packer.errors import ConfigError, SourceError
 
 EXTS = frozenset({".wav", ".flac", ".ogg", ".oga", ".mp3", ".opus", ".aiff", ".aif"})
-# frames read at a time: a multiple of every MPEG audio frame (384, 576, 1152 samples), because
-# libsndfile's MP3 decode of a read that ends inside one differs from a whole-file read in the
-# last bits of the floats around it
+MPEG = frozenset({"MPEG_LAYER_I", "MPEG_LAYER_II", "MPEG_LAYER_III"})  # libsndfile's MP3 subtypes
+# frames decoded, mixed, resampled and stored at a time: 288 KB of float32 mono, 576 KB stereo.
+# Any size gives the same bytes (FLAC, Vorbis, Opus, WAV, ADPCM, ALAC and MP3 read in blocks of 7
+# to 73,728 frames equal a whole read; soxr's stream equals its one-shot resample)
 BLOCK_FRAMES = 1152 * 64
-DEFAULT_MAX_SECONDS = 600.0  # 10 min: 230 MB of float32 stereo at 48 kHz while it is decoded
+DEFAULT_MAX_SECONDS = 600.0  # 10 min: 19 MB of int16 mono at 16 kHz, the clip a worker holds
 DTYPES = {"int16": "<i2", "float32": "<f4"}
 INT16_SCALE = 32768.0  # libsndfile's: float = int16 / 32768
+FLOAT_TOP = np.float32(1 - 2**-24)  # the largest float32 below 1: a float32 clip lies in [-1, 1)
 INSTALL = 'pip install "mmpack[audio]" (soundfile and soxr)'
+
+_clipped = 0  # values of this process's packed clips not stored as decoded: `clipped()`
+
+
+def clipped() -> int:
+    """Values (samples x channels) of the clips decoded in this process so far that were NaN or
+    infinite in the file, or past the stored range after mixing and resampling; read before and
+    after a shard for its count (`build.audio_clipped`)."""
+    return _clipped
 
 
 def require() -> None:
-    """ConfigError naming the install command when the audio extra is missing."""
+    """ConfigError naming the install command when the audio extra is missing, or when soundfile
+    lacks the binding of libsndfile that MP3s are read through (`_mpeg_reader`)."""
     try:
-        import soundfile  # noqa: F401
+        import soundfile
         import soxr  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"an audio build needs {exc.name}: {INSTALL}") from None
+    if not hasattr(soundfile, "_ffi") or not hasattr(getattr(soundfile, "_snd", None), "sf_readf_float"):
+        raise ConfigError(f"soundfile {getattr(soundfile, '__version__', '?')} lacks the libsndfile binding an audio "
+                          "build reads MP3 through (soundfile._snd, as 0.12 to 0.14 have it): install one that has it")
 
 
 @dataclass(frozen=True)
@@ -61,38 +80,92 @@ def decode_audio(source, spec: AudioSpec) -> np.ndarray:
     channels that cannot be mixed to the ones asked."""
     import soundfile as sf
 
+    global _clipped
     try:
         with quiet(), sf.SoundFile(source) as f:
-            rate, channels, claimed, subtype = f.samplerate, f.channels, f.frames, f.subtype
+            rate, claimed, subtype = f.samplerate, f.frames, f.subtype
             _check_whole(f, source)
-            _check_channels(channels, spec.channels)
-            data = _read_blocks(f, rate, spec.max_seconds)
+            _check_channels(f.channels, spec.channels)
+            clip = Clip(spec, _out_frames(min(claimed, math.ceil(spec.max_seconds * rate) + 1), rate, spec.sample_rate))
+            frames = convert(_blocks(f, rate, spec.max_seconds), rate, spec, clip)
     except (sf.LibsndfileError, RuntimeError, ValueError, TypeError, OSError) as exc:
         raise SourceError(f"unreadable audio ({_why(exc)})") from None
-    if len(data) == 0:
+    if frames == 0:
         raise SourceError("no audio (0 frames)")
-    if subtype not in ("MPEG_LAYER_I", "MPEG_LAYER_II", "MPEG_LAYER_III") and 0 < claimed and len(data) < claimed:
-        raise SourceError(f"truncated: its header says {claimed:,} frames, the file holds {len(data):,}")
-    clip = convert(data, rate, spec)
-    if len(clip) == 0:
-        raise SourceError(f"no audio at {spec.sample_rate:,} Hz: its {len(data)} frame(s) at {rate:,} Hz resample to none")
-    return clip
+    if subtype not in MPEG and 0 < claimed and frames < claimed:
+        raise SourceError(f"truncated: its header says {claimed:,} frames, the file holds {frames:,}")
+    if clip.frames == 0:
+        raise SourceError(f"no audio at {spec.sample_rate:,} Hz: its {frames} frame(s) at {rate:,} Hz resample to none")
+    _clipped += clip.clipped
+    return clip.array()
 
 
-def convert(data: np.ndarray, rate: int, spec: AudioSpec) -> np.ndarray:
-    """Decoded float32 frames [T, C] at `rate` as the spec stores them: the mean of the channels
-    for mono (a mono file copied to both for stereo), resampled by soxr HQ, then int16 as
-    clip(round(x * 32768)) or float32 as they are."""
-    if data.shape[1] != spec.channels:
-        data = data.mean(axis=1, keepdims=True, dtype=np.float32) if spec.channels == 1 else np.repeat(data, 2, axis=1)
+def convert(blocks: Iterator[np.ndarray], rate: int, spec: AudioSpec, clip: Clip) -> int:
+    """Decoded float32 blocks [n, C] at `rate`, in order, into `clip` as the spec stores them: NaN
+    as 0 and +-Inf as +-1 (one would spread over the clip in the resampler); the mean of the
+    channels for mono (a mono file copied to both for stereo); resampled by one soxr HQ stream;
+    then int16 as clip(round(x * 32768)), or float32 clipped to [-1, 1). Returns the frames read."""
+    stream = None
     if rate != spec.sample_rate:
         import soxr
 
-        data = soxr.resample(np.ascontiguousarray(data), rate, spec.sample_rate, quality="HQ")
-    if spec.dtype == "<i2":
-        data = np.clip(np.rint(data * INT16_SCALE), -32768, 32767).astype("<i2")
-    data = data.astype(spec.dtype, copy=False)
-    return np.ascontiguousarray(data[:, 0] if spec.channels == 1 else data)
+        stream = soxr.ResampleStream(rate, spec.sample_rate, spec.channels, dtype="float32", quality="HQ")
+    frames = 0
+    for block in blocks:
+        frames += len(block)
+        clip.clipped += _finite(block)
+        if block.shape[1] != spec.channels:
+            block = block.mean(axis=1, keepdims=True, dtype=np.float32) if spec.channels == 1 else np.repeat(block, 2, axis=1)
+        clip.add(stream.resample_chunk(np.ascontiguousarray(block)) if stream else block)
+    if stream is not None:  # the resampler's tail: what it holds back for the samples after
+        clip.add(stream.resample_chunk(np.zeros((0, spec.channels), np.float32), last=True))
+    return frames
+
+
+def _finite(block: np.ndarray) -> int:
+    """NaN as 0 and +-Inf as +-1, in place (a float file can hold them); how many there were."""
+    bad = block.size - int(np.count_nonzero(np.isfinite(block)))
+    if bad:
+        np.nan_to_num(block, copy=False, nan=0.0, posinf=1.0, neginf=-1.0)
+    return bad
+
+
+class Clip:
+    """A clip as it is stored, filled a block at a time: one array sized from the file's header
+    (its pages resident only as they are written, so a lying header costs nothing), grown
+    where the file holds more (an MP3's header length is an estimate)."""
+
+    def __init__(self, spec: AudioSpec, frames: int):
+        self.dtype, self.frames, self.clipped = spec.dtype, 0, 0
+        self.data = np.empty((max(frames, 1), spec.channels), spec.dtype)
+
+    def add(self, x: np.ndarray) -> None:
+        """float32 frames [n, C] at the dataset's rate, converted (`convert`) onto the end."""
+        end = self.frames + len(x)
+        if end > len(self.data):
+            grown = np.empty((max(end, 2 * len(self.data)), self.data.shape[1]), self.dtype)
+            grown[:self.frames] = self.data[:self.frames]
+            self.data = grown
+        out = self.data[self.frames:end]
+        if self.dtype == "<i2":
+            x = np.rint(x * INT16_SCALE)
+            self.clipped += int(np.count_nonzero(x < -32768) + np.count_nonzero(x > 32767))
+            np.clip(x, -32768, 32767, out=x)
+            out[:] = x
+        else:
+            self.clipped += int(np.count_nonzero(x < -1) + np.count_nonzero(x > FLOAT_TOP))
+            np.clip(x, -1, FLOAT_TOP, out=out)
+        self.frames = end
+
+    def array(self) -> np.ndarray:
+        """[T] for mono, [T, C] otherwise (a view: the pages past T were never written)."""
+        data = self.data[:self.frames]
+        return data.reshape(-1) if data.shape[1] == 1 else data
+
+
+def _out_frames(frames: int, rate: int, sample_rate: int) -> int:
+    """The frames `frames` at `rate` come to at `sample_rate`, and one (soxr rounds)."""
+    return -(-frames * sample_rate // rate) + 1
 
 
 _SHOULD_BE = re.compile(r"^\s*(\w+)\s*:\s*(\d+)\s*\(should be (\d+)\)", re.M)
@@ -137,22 +210,42 @@ def _check_channels(have: int, want: int) -> None:
                           "--channels 1 (their mean), or convert it first")
 
 
-def _read_blocks(f, rate: int, max_seconds: float) -> np.ndarray:
-    """Every frame of an open file as float32 [T, C], read a block at a time, and never more
-    than max_seconds of it (SourceError past that)."""
+def _blocks(f, rate: int, max_seconds: float) -> Iterator[np.ndarray]:
+    """Every frame of an open file as float32 blocks [n, C], and never more than max_seconds of
+    them (SourceError past that)."""
     limit = math.ceil(max_seconds * rate)
-    blocks, frames = [], 0
-    while True:
-        block = f.read(frames=BLOCK_FRAMES, dtype="float32", always_2d=True)
-        if not len(block):
-            break
+    read = _mpeg_reader(f) if f.subtype in MPEG else lambda: f.read(BLOCK_FRAMES, dtype="float32", always_2d=True)
+    frames = 0
+    while len(block := read()):
         frames += len(block)
         if frames > limit:
             length = f"{f.frames / rate:,.2f} s by its header" if f.frames > limit else f"over {max_seconds:g} s"
             raise SourceError(f"longer than --max-seconds {max_seconds:g} ({length}); pass a larger --max-seconds "
                               "to keep it")
-        blocks.append(block)
-    return np.concatenate(blocks) if blocks else np.zeros((0, f.channels), np.float32)
+        yield block
+
+
+def _mpeg_reader(f) -> Callable[[], np.ndarray]:
+    """The next block of an MP3, read by libsndfile's own sf_readf_float on soundfile's handle.
+    `SoundFile.read` seeks after every read (to keep its position), and libsndfile's MP3 seek
+    restarts mpg123 without its bit reservoir: about two MPEG frames of zeros or garbage after
+    every block (up to 14,449 int16 steps: 6 of the 20 `bench.sounds.mp3_clips` at 73,728 frames
+    a block). Read without it, after one seek to frame 0 as `soundfile.read`
+    does (mpg123's state after it: at 8-24 kHz the floats differ in their last bits without),
+    the blocks equal `soundfile.read`'s whole decode bit for bit at any block size."""
+    from soundfile import _ffi, _snd  # soundfile's own binding of libsndfile (checked by `require`)
+
+    f.seek(0)
+
+    def read() -> np.ndarray:
+        block = np.empty((BLOCK_FRAMES, f.channels), np.float32)
+        n = _snd.sf_readf_float(f._file, _ffi.cast("float *", block.ctypes.data), BLOCK_FRAMES)
+        error = _snd.sf_error(f._file)
+        if error:
+            raise RuntimeError(_ffi.string(_snd.sf_error_number(error)).decode("utf-8", "replace"))
+        return block[:n]
+
+    return read
 
 
 def _why(exc: BaseException) -> str:

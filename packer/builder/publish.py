@@ -68,10 +68,11 @@ def commit_staged(out: Path, *, seconds: float | None = None, workers: int | str
         raise SourceError(f"{doc['params']['raw']}: nothing packed, all {len(skipped)} records skipped{first}")
     counts = {"found": packed + len(skipped), "packed": packed, "skipped": len(skipped)}
     _check_skip_rate(doc, skipped, counts, max_skipped)
-    flat = sum(r.flattened for r in results)
+    flat, audio_clipped = sum(r.flattened for r in results), sum(r.audio_clipped for r in results)
     build_info = {**{k: v for k, v in doc["params"].items() if k != "tokenizer_sha256"},
                   **({"input": doc["input"]} if doc.get("input") else {}),
                   **({"flattened": flat} if flat else {}),
+                  **({"audio_clipped": audio_clipped} if audio_clipped else {}),
                   "seconds": round(seconds, 3) if seconds is not None else None,
                   "workers": workers, "cores_used": cores, "disk_wait": round(disk_wait, 3) if disk_wait is not None else None,
                   "created_unix": round(time.time(), 3),

@@ -28,7 +28,7 @@ from packer.dataset import format as fmt
 from packer.dataset import writer
 from packer.errors import SourceError
 from packer.dataset.outdir import write_atomic
-from packer.builder.audio import AudioSpec, decode_audio
+from packer.builder.audio import AudioSpec, clipped, decode_audio
 from packer.builder.forms.read import caption_of, image_source
 from packer.builder.images import decode_image, flattened, pixel_limit
 from packer.builder.plan import ShardTask, Span
@@ -98,6 +98,7 @@ class ShardResult:
     items: int
     reused: bool = False
     flattened: int = 0  # its images whose transparency was dropped (`images.flattened`)
+    audio_clipped: int = 0  # its clips' values not stored as decoded (`audio.clipped`)
 
 
 # -- progress: a sink set per process (a callback in the build process, a queue in workers) ---
@@ -132,7 +133,8 @@ def sidecar_path(staging: Path, index: int) -> Path:
 
 def _write_sidecar(ctx: ShardContext, result: ShardResult) -> None:
     doc = {"fingerprint": ctx.fingerprint, "shard": asdict(result.shard),
-           "skipped": [asdict(s) for s in result.skipped], "items": result.items, "flattened": result.flattened}
+           "skipped": [asdict(s) for s in result.skipped], "items": result.items, "flattened": result.flattened,
+           "audio_clipped": result.audio_clipped}
     write_atomic(sidecar_path(ctx.staging, result.shard.index), json.dumps(doc))
 
 
@@ -149,7 +151,7 @@ def read_sidecar(staging: Path, index: int, fingerprint: str, generation: str) -
         files = tuple(fmt.FileEntry(f["path"], f["size_bytes"], f["checksum"], f["algo"]) for f in s["files"])
         shard = fmt.Shard(s["index"], s["num_samples"], files)
         return ShardResult(shard, tuple(fmt.Skip(**k) for k in doc["skipped"]), doc["items"], reused=True,
-                           flattened=doc.get("flattened", 0))
+                           flattened=doc.get("flattened", 0), audio_clipped=doc.get("audio_clipped", 0))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -211,9 +213,9 @@ def run_shard(ctx: ShardContext, task: ShardTask, records: list[tuple[Span, Reco
         if done is not None:
             Ticker().tick(done.items, flush=True)
             return done
-        before = flattened()
+        before, clipped_before = flattened(), clipped()
         shard, skipped, items = _fill(ctx, task, records, crashed)
-        result = finish(ctx, task.index, shard, skipped, items, flattened() - before)
+        result = finish(ctx, task.index, shard, skipped, items, flattened() - before, clipped() - clipped_before)
     Ticker().tick(0, flush=True)  # the shard's fsyncs, in the build's disk wait
     return result
 
@@ -287,7 +289,7 @@ def probe(ctx: ShardContext, records: list[tuple[Span, Record]], lo: int, hi: in
 
 
 def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: list, items: int,
-           flat: int = 0) -> ShardResult:
+           flat: int = 0, audio_clipped: int = 0) -> ShardResult:
     """Close a shard whose samples are all added (or drop it: every record skipped), then its
     sidecar: from here on it is whole and reusable."""
     try:
@@ -299,7 +301,7 @@ def finish(ctx: ShardContext, index: int, shard: writer.ShardWriter, skipped: li
     except BaseException:
         shard.abort()
         raise
-    result = ShardResult(done, tuple(skipped), items, flattened=flat)
+    result = ShardResult(done, tuple(skipped), items, flattened=flat, audio_clipped=audio_clipped)
     _write_sidecar(ctx, result)
     return result
 

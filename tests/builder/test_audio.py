@@ -1,7 +1,9 @@
 """Audio builds end to end through the real CLI, on real recordings (bench.sounds: speech and
 sounds from Debian packages, music from the pygame wheel; WAV, FLAC, Ogg Vorbis, MP3 at 8 to 96
-kHz): every packed clip equals soundfile + soxr of its file, transcripts are tokenized, and
-hostile files are skips with reasons, never a hang or an allocation of what a header claims."""
+kHz): every packed clip equals soundfile + soxr of its whole file (MP3s longer than two decode
+blocks included), float32 within [-1, 1) with what was clipped counted, a worker's memory grows
+by the stored clip only, transcripts are tokenized, and hostile files are skips with reasons,
+never a hang or an allocation of what a header claims."""
 
 from __future__ import annotations
 
@@ -24,16 +26,23 @@ from tests.trees import one_line_error
 ROOT = Path(__file__).resolve().parents[2]
 
 
+FLOAT_TOP = np.float32(1 - 2**-24)  # the largest float32 below 1
+
+
 def reference(path: Path, rate: int, channels: int = 1, dtype: str = "int16") -> np.ndarray:
-    """What the issue asks a packed clip to equal: soundfile's float32 decode, the channels'
-    mean (or a mono file copied to both), soxr's HQ resample, then int16 at libsndfile's scale."""
+    """What FORMAT.md asks a packed clip to equal: soundfile's whole float32 decode (NaN as 0,
+    +-Inf as +-1), the channels' mean (or a mono file copied to both), soxr's HQ resample of the
+    whole clip, then int16 at libsndfile's scale or float32 clipped to [-1, 1)."""
     data, native = sf.read(path, dtype="float32", always_2d=True)
+    data = np.nan_to_num(data, nan=0.0, posinf=1.0, neginf=-1.0)
     if data.shape[1] != channels:
         data = data.mean(axis=1, keepdims=True, dtype=np.float32) if channels == 1 else np.repeat(data, 2, axis=1)
     if native != rate:
         data = soxr.resample(data, native, rate, quality="HQ")
     if dtype == "int16":
         data = np.clip(np.rint(data * 32768.0), -32768, 32767).astype(np.int16)
+    else:
+        data = np.clip(data, -1, FLOAT_TOP)
     return data[:, 0] if channels == 1 else data
 
 
@@ -73,6 +82,79 @@ def test_float32_clips_are_the_decoded_resampled_frames_bit_for_bit(audio_raw, t
         assert np.array_equal(sample["audio"].numpy(), want), sample["key"]
         stereo += not np.array_equal(want[:, 0], want[:, 1])
     assert stereo  # real stereo files kept both channels (a mono one: copied to both)
+
+
+@pytest.fixture(scope="module")
+def mp3_raw(tmp_path_factory) -> Path:
+    """20 Common Voice-like MP3s of the ALSA voices, each longer than two of the packer's blocks."""
+    raw = tmp_path_factory.mktemp("mp3") / "raw"
+    sounds.mp3_clips(raw, 20, seed=0)
+    return raw
+
+
+def test_mp3s_are_decoded_without_seams_at_block_ends(mp3_raw, tmp_path):
+    """Each packed MP3 is within one int16 step of soundfile's whole decode resampled by soxr
+    (read a block at a time through SoundFile.read, 6 of these 20 held a jump of up to 14,449
+    steps at 16 kHz, 0.44 of full scale, right after a block's end)."""
+    from packer.builder.audio import BLOCK_FRAMES
+
+    files = sorted(mp3_raw.iterdir())
+    assert len(files) == 20 and all(sf.info(p).frames > 2 * BLOCK_FRAMES for p in files)
+    assert {sf.info(p).samplerate for p in files} == {24000, 48000} and {sf.info(p).channels for p in files} == {1, 2}
+    out = tmp_path / "out"
+    assert main(["build", str(mp3_raw), str(out), "--sample-rate", "16000", "-q"]) == 0
+    ds = MMapDataset(out)
+    assert len(ds) == 20
+    for sample in ds:
+        want, got = reference(mp3_raw / sample["key"], 16000), sample["audio"].numpy()
+        assert got.shape == want.shape and np.abs(got.astype(np.int32) - want).max() <= 1, sample["key"]
+
+
+def test_float32_clips_lie_in_minus_one_to_one_with_nan_as_zero_and_are_counted(tmp_path):
+    """A float WAV holding NaN, +-Inf and a voice at 4x full scale: stored float32 lies in [-1, 1)
+    (NaN as 0, Inf as full scale, before the resampler spreads them), int16 likewise, and the
+    manifest counts the values changed (`build.audio_clipped`)."""
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    voice, rate = sf.read(sounds.speech()[0], dtype="float32")
+    loud = voice * 4
+    loud[[100, 5000, 20000]], loud[[300, 40000]], loud[7000] = np.nan, np.inf, -np.inf
+    sf.write(raw / "loud.wav", loud, rate, subtype="FLOAT")
+    sf.write(raw / "quiet.wav", voice / 4, rate, subtype="FLOAT")
+    for dtype in ("float32", "int16"):
+        out = tmp_path / dtype
+        assert main(["build", str(raw), str(out), "--sample-rate", "16000", "--dtype", dtype, "-q"]) == 0
+        m, ds = load_manifest(out), MMapDataset(out)
+        for sample in ds:
+            got, want = sample["audio"].numpy(), reference(raw / sample["key"], 16000, dtype=dtype)
+            assert np.array_equal(got, want), (dtype, sample["key"])
+            if dtype == "float32":
+                assert np.isfinite(got).all() and got.min() >= -1 and got.max() < 1
+        clean = soxr.resample(np.nan_to_num(loud, nan=0.0, posinf=1.0, neginf=-1.0), rate, 16000, quality="HQ")
+        values, (lo, hi) = (np.rint(clean * 32768.0), (-32768, 32767)) if dtype == "int16" else (clean, (-1, FLOAT_TOP))
+        over = np.count_nonzero(values < lo) + np.count_nonzero(values > hi)
+        assert over > 100 and m.build["audio_clipped"] == 6 + over, dtype  # the 6 NaN and Inf, then the voice's peaks
+
+
+def test_a_long_clip_costs_a_worker_its_stored_bytes_not_its_decoded_copies(tmp_path):
+    """The peak RSS of the build's worker grows by about the stored clip from a 1-minute to a
+    4-minute clip (48 kHz FLAC stored as 16 kHz int16: 5.8 MB more), not by the float32 source
+    and its resampled copies (67 MB more, read whole)."""
+    code = ("import packer._one_blas_thread, resource, sys; from packer.builder.pool import start_method; "
+            "from packer.cli import main; assert start_method(False) == 'fork'; rc = main(sys.argv[1:]); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(rc)")
+    peak = {}
+    for seconds in (60, 240):  # a forked worker, reaped by the build: RUSAGE_CHILDREN holds its peak
+        raw = tmp_path / f"raw{seconds}"
+        raw.mkdir()
+        sounds.long_clip(raw / "talk.flac", seconds)
+        res = subprocess.run([sys.executable, "-c", code, "build", str(raw), str(tmp_path / f"out{seconds}"),
+                              "--sample-rate", "16000", "--workers", "1", "-q"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT)
+        assert res.returncode == 0, res.stderr
+        peak[seconds] = int(res.stdout.split()[-1]) * 1024
+    stored = (240 - 60) * 16000 * 2
+    assert peak[240] - peak[60] < 2.5 * stored, f"{(peak[240] - peak[60]) / 1e6:.1f} MB for {stored / 1e6:.1f} MB stored"
 
 
 def _flac_claiming(path: Path, frames: int) -> None:
@@ -253,6 +335,10 @@ def test_audio_flags_and_missing_pieces_are_one_line_errors(tmp_path, image_raw,
     for bad, words in (({"sample_rate": 16000.5}, "not a whole number"), ({"max_seconds": 0}, "more than 0")):
         with pytest.raises(ConfigError, match=words):
             BuildConfig(raw=audio_raw, out=tmp_path / "e", **bad)
+    monkeypatch.delattr(sf, "_snd")  # a soundfile without the binding MP3s are read through
+    err = one_line_error(capsys, ["build", str(audio_raw), str(tmp_path / "d"), "--sample-rate", "16000"])
+    assert "lacks the libsndfile binding" in err
+    monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "soxr", None)  # the audio extra not installed
     err = one_line_error(capsys, ["build", str(audio_raw), str(tmp_path / "d"), "--sample-rate", "16000"])
     assert 'pip install "mmpack[audio]"' in err

@@ -1,7 +1,8 @@
 """Reading an audio dataset: whole clips padded to the batch's longest with `audio_lengths`
 (mono [B, T], stereo [B, T, C]), and AudioClips' crops: a crop is the same slice of the packed
 clip, drawn from (seed, epoch, clip) alone, so thread, worker and rank counts change nothing.
-The resume contract runs on both (tests/contract.py)."""
+A crop carries its clip's other columns, a transcript's tokens whole. The resume contract runs on
+both (tests/contract.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench import sounds
 from loaders import AudioClips, BatchedDataset, Loader, Mixture, MMapDataset, StatefulDataLoader, to_float
 from packer.cli import main
 from packer.errors import ConfigError
@@ -102,11 +104,40 @@ def test_a_stereo_crop_and_to_float(stereo):
     assert one["audio"].shape == (4000, 2) and isinstance(one["key"], str)
 
 
+@pytest.fixture(scope="module")
+def transcribed(tmp_path_factory, minilm):
+    """Spoken clips with their transcripts (sidecar .txt), tokenized: columns audio, tokens, key."""
+    raw = sounds.make_audio_folders(tmp_path_factory.mktemp("raw") / "spoken", 12, seed=3, transcripts=True)
+    out = raw.parent / "out"
+    assert main(["build", str(raw), str(out), "--sample-rate", "8000", "--tokenizer", str(minilm), "-q"]) == 0
+    return out
+
+
+def test_a_crop_carries_its_clips_whole_transcript(transcribed):
+    """A transcribed dataset's tokens come beside each crop, whole (as MMapDataset has them; the
+    crop may cut the words), padded with their lengths; asked for, any column comes."""
+    ds = MMapDataset(transcribed)
+    keys = {ds[i]["key"]: i for i in range(len(ds))}
+    clips = AudioClips(transcribed, 0.5, seed=2)
+    seen = set()
+    for batch in Loader(clips, 5, seed=1):
+        assert set(batch) == {"audio", "audio_lengths", "tokens", "tokens_lengths", "key"}
+        for i, key in enumerate(batch["key"]):
+            tokens, n = ds[keys[key]]["tokens"], int(batch["tokens_lengths"][i])
+            assert n == len(tokens) > 0 and torch.equal(batch["tokens"][i, :n], tokens), key
+            assert not batch["tokens"][i, n:].any()
+            seen.add(key)
+    assert seen == set(keys)
+    one = AudioClips(transcribed, 0.5, columns=["tokens"])[3]
+    assert set(one) == {"audio", "audio_lengths", "tokens", "tokens_lengths"}
+    assert torch.equal(one["tokens"][:int(one["tokens_lengths"])], ds[3]["tokens"])
+
+
 def test_audio_clips_refuse_what_they_cannot_crop(built):
     with pytest.raises(ConfigError, match="holds images, not audio"):
         AudioClips(built["images"], 1.0)
-    with pytest.raises(ConfigError, match="tokens would not match a crop"):
-        AudioClips(built["audio"], 1.0, columns=["tokens"])
+    with pytest.raises(ConfigError, match=r"cannot carry columns \['tokens', 'audio'\]"):  # none; the crop
+        AudioClips(built["audio"], 1.0, columns=["tokens", "audio"])
     with pytest.raises(ConfigError, match="not AudioClips"):  # its gather is told no epoch
         Mixture([AudioClips(built["audio"], 1.0), AudioClips(built["audio"], 2.0)], [1, 1])
     with pytest.raises(ValueError):
