@@ -184,6 +184,7 @@ def info(path: str | Path) -> dict:
         "images": _image_policy(m),
         "input": m.build.get("input"),
         "flattened": m.build.get("flattened", 0),
+        "audio_clipped": m.build.get("audio_clipped", 0),
         "skipped": [{"key": k.key, "stage": k.stage, "reason": k.reason} for k in m.skipped],
         **extra,
     }

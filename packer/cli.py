@@ -188,6 +188,10 @@ def _input_notes(build: dict) -> list[str]:
         n = build["flattened"]
         notes.append(f"{n:,} image{'s' if n != 1 else ''} had transparency, dropped as Pillow's convert('RGB') does; "
                      "--background R,G,B composites them over a colour instead")
+    if build.get("audio_clipped"):
+        n = build["audio_clipped"]
+        notes.append(f"{n:,} audio value{'s' if n != 1 else ''} past full scale clipped, or NaN stored as 0 "
+                     "(FORMAT.md, \"Audio samples\")")
     return notes
 
 
@@ -256,7 +260,7 @@ def _cmd_info(args) -> int:
         print(f"audio     {a['sample_rate']:,} Hz, {a['channels']} channel{'s' if a['channels'] > 1 else ''}, "
               f"{'int16' if a['dtype'] == '<i2' else 'float32'}; " + (f"{a['seconds'] / 3600:,.2f} h" if a['seconds'] >= 3600
               else f"{a['seconds']:,.1f} s") + " in all")
-    for line in _input_notes({"input": d["input"], "flattened": d["flattened"]}):
+    for line in _input_notes({"input": d["input"], "flattened": d["flattened"], "audio_clipped": d["audio_clipped"]}):
         print(f"          {line}")
     if d["classes"] is not None:
         shown = ", ".join(d["classes"][:10]) + (" ..." if len(d["classes"]) > 10 else "")
