@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.6.0"
+__version__ = "0.7.0"
 
 _EXPORTS = {
     **{name: "api" for name in ("build", "commit", "push", "pull", "verify", "info", "show", "merge", "pack",

@@ -180,6 +180,7 @@ def info(path: str | Path) -> dict:
         "empty_classes": empty_classes(reader) if reader is not None else None,
         "counts": m.counts,
         "tokenizer": m.tokenizer,
+        "chat_template": m.build.get("chat_template"),
         "audio": _audio(m),
         "images": _image_policy(m),
         "input": m.build.get("input"),

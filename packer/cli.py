@@ -270,6 +270,10 @@ def _cmd_info(args) -> int:
     if d["tokenizer"]:
         t = d["tokenizer"]
         print(f"tokenizer {t['path']} (sha256 {t['sha256'][:12]}, vocab {t['vocab_size']:,}, {t['dtype']}, eos {t['eos_id']})")
+    if d["chat_template"]:
+        t = d["chat_template"]
+        masks = "{% generation %} blocks" if t["generation_blocks"] else "each assistant turn and its end"
+        print(f"template  {t['path']} (sha256 {t['sha256'][:12]}; loss mask: {masks})")
     c = d["counts"]
     print(f"records   found {c['found']:,} = packed {c['packed']:,} + skipped {c['skipped']:,}")
     if args.skipped:

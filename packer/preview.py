@@ -53,12 +53,21 @@ def samples(reader: DatasetReader, ids: list[int]) -> list[dict]:
             label = int(reader.sample(i, "label"))
             row["label"] = label
             row["class"] = m.classes[label] if m.classes is not None and 0 <= label < len(m.classes) else None
-        if "tokens" in names:
-            tokens = np.asarray(reader.sample(i, "tokens"))
+        token_column = next((c for c in ("tokens", "chosen_tokens") if c in names), None)
+        if token_column:
+            tokens = np.asarray(reader.sample(i, token_column))
             row["num_tokens"] = int(tokens.size)
             row["text"] = decode(tokens) if decode else None
+        mask = next((c for c in ("loss_mask", "chosen_loss_mask") if c in names), None)
+        if mask:  # a conversation: the tokens its loss is taken on
+            row["trained_tokens"] = int(np.asarray(reader.sample(i, mask)).sum())
         if "image" in names:
             row["image"] = np.asarray(reader.sample(i, "image"))
+        elif "images" in names:  # a conversation's images: the first drawn, all counted
+            images = np.asarray(reader.sample(i, "images"))
+            row["num_images"] = len(images)
+            if len(images):
+                row["image"] = images[0]
         if "audio" in names:
             clip = np.asarray(reader.sample(i, "audio"))
             row["audio"], row["seconds"] = clip, len(clip) / m.audio["sample_rate"]
@@ -93,6 +102,10 @@ def line(row: dict) -> str:
         parts.append(f"{w}x{h}")
     if "seconds" in row:
         parts.append(f"{row['seconds']:.2f} s")
+    if "num_images" in row:
+        parts.append(f"{row['num_images']} image{'s' if row['num_images'] != 1 else ''}")
+    if "trained_tokens" in row:
+        parts.append(f"{row['trained_tokens']} of its tokens trained on")
     if "num_tokens" in row:
         text = row.get("text")
         shown = f"{text[:TEXT_CHARS]!r}{'...' if len(text) > TEXT_CHARS else ''}" if text is not None else \
@@ -106,7 +119,8 @@ def draw(rows: list[dict], png: str | Path) -> Path:
     caption); clips as waveforms under their key, class and transcript."""
     from PIL import Image, ImageDraw, ImageFont
 
-    if not rows or ("image" not in rows[0] and "audio" not in rows[0]):
+    rows = [row for row in rows if "image" in row or "audio" in row]  # conversations without an image: listed only
+    if not rows:
         raise ConfigError(f"--png {png}: a dataset of text has nothing to draw; its samples are listed instead")
     try:
         font = ImageFont.load_default(size=12)

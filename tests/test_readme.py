@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import data
+from bench import chat_templates, data, dialogue
 from packer.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +51,8 @@ finally:
 @pytest.fixture(scope="module")
 def readme_dir(tmp_path_factory, image_raw, text_raw, audio_raw, minilm):
     """A working dir with the datasets the README's blocks open: out/ (images), text-out/ (text),
-    prose-out/ (text), data/train (keep-aspect images), speech-out/ (audio at 16 kHz)."""
+    prose-out/ (text), data/train (keep-aspect images), speech-out/ (audio at 16 kHz), chat-out/
+    (conversations)."""
     work = tmp_path_factory.mktemp("readme")
     assert main(["build", str(audio_raw), str(work / "speech-out"), "--sample-rate", "16000", "-q"]) == 0
     assert main(["build", str(image_raw), str(work / "out"), "--image-size", "48", "-q"]) == 0
@@ -60,6 +61,11 @@ def readme_dir(tmp_path_factory, image_raw, text_raw, audio_raw, minilm):
     (work / "prose").mkdir()
     (work / "prose" / "lines.jsonl").write_text("".join(json.dumps({"text": line}) + "\n" for line in data.caption_lines(300)))
     assert main(["build", str(work / "prose"), str(work / "prose-out"), "--tokenizer", str(minilm), "-q"]) == 0
+    dialogue.write_minimind(work / "chat" / "sft.jsonl", 40, seed=0)
+    template = work / "chatml.jinja"
+    template.write_text(chat_templates.MINIMIND)
+    assert main(["build", str(work / "chat"), str(work / "chat-out"), "--tokenizer", str(dialogue.chat_tokenizer()),
+                 "--chat-template", str(template), "-q"]) == 0
     return work
 
 
@@ -67,7 +73,7 @@ def test_the_readme_has_the_blocks_a_user_needs():
     text = "\n".join(BLOCKS)
     for needed in ("load_state_dict", "set_epoch", "StatefulDataLoader", "TokenWindows", "PackedDocuments",
                    "cu_seqlens", "Mixture", "normalize", "train_transform", "eval_transform", "image_size",
-                   "AudioClips", "audio_lengths"):
+                   "AudioClips", "audio_lengths", "labels"):
         assert needed in text, needed
 
 

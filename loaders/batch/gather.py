@@ -375,7 +375,8 @@ class ColumnGather:
             if col.string:
                 out[col.name] = gather_strings(arrays, shard, rows, col.encoding, f"{self.reader.root}: column {col.name}")
             elif col.ragged:
-                out.update(gather_ragged(col.name, arrays, shard, rows, buffers, self.padding_value, col.shape[1:]))
+                pad = self.padding_value if col.name.endswith("tokens") else 0  # a mask, a clip: zeros after it
+                out.update(gather_ragged(col.name, arrays, shard, rows, buffers, pad, col.shape[1:]))
             else:
                 buf = buffers[col.name][:n]
                 dst = buf.numpy()

@@ -13,7 +13,8 @@ document is never split to fill a row (that only happens when it does not fit an
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -22,7 +23,9 @@ import torch
 
 from packer.dataset.reader import DatasetReader
 
+from loaders.views.conversations import Conversations
 from loaders.views.dataset import resolve_root
+from packer.errors import ConfigError
 from loaders.batch.buffers import Memory, empty
 from loaders.batch.ragged import ranges
 
@@ -143,9 +146,11 @@ class PackedDocuments:
     """
 
     def __init__(self, root: str | Path, seq_len: int, *, column: str = "tokens", policy: Policy = "best-fit",
-                 truncate: bool = False, padding_value: int = 0):
+                 truncate: bool = False, padding_value: int = 0,
+                 image_tokens: int | Callable[[int, int], int] | None = None):
         self.root, self.seq_len, self.column = resolve_root(root), seq_len, column
         self.policy, self.truncate, self.padding_value = policy, truncate, padding_value
+        self.image_tokens = image_tokens
         self.generation: str | None = None  # set at open: a pickled copy re-opens this very build
         self._open()
 
@@ -159,8 +164,19 @@ class PackedDocuments:
         counts = [len(o) - 1 for o in offsets]
         lengths = np.concatenate([np.diff(o) for o in offsets]) if offsets else np.zeros(0, np.int64)
         self._doc_shard = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+        self._doc_row = np.arange(len(lengths), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
         self._doc_start = np.concatenate([o[:-1] for o in offsets]) if offsets else np.zeros(0, np.int64)
-        self.packing = pk = pack_documents(lengths, self.seq_len, policy=self.policy, truncate=self.truncate)
+        chat = self.column == "tokens" and any(c.name == "loss_mask" for c in reader.manifest.columns)
+        self._chat = Conversations(reader, lengths, self.seq_len, truncate=self.truncate,
+                                   image_tokens=self.image_tokens) if chat else None
+        if self.image_tokens is not None and not chat:
+            raise ConfigError(f"{self.root}: image_tokens= is for conversations with images (packer build "
+                              "--chat-template); this dataset has no loss_mask column")
+        pk = pack_documents(self._chat.effective if chat else lengths, self.seq_len, policy=self.policy,
+                            truncate=self.truncate and not chat)
+        if chat and self._chat.has_images:  # whole conversations, placed by their tokens and images: copied by tokens
+            pk = replace(pk, length=lengths[pk.doc])
+        self.packing = pk
         # per piece, what every batch would otherwise recompute: where it starts in its row, in
         # its shard's flat tokens, and which shard that is; per row, its real tokens
         per_row = np.diff(pk.row_ptr)
@@ -171,11 +187,12 @@ class PackedDocuments:
         self._shard = self._doc_shard[pk.doc]
         self._row_used = pk.row_tokens()
         self.num_tokens = int(lengths.sum())
-        self.num_truncated_tokens = self.packing.truncated_tokens
+        self.num_truncated_tokens = self._chat.dropped_tokens if chat else self.packing.truncated_tokens
+        self.num_dropped = self._chat.dropped if chat else 0  # conversations longer than a row, left out
         self._max_pieces = int(np.diff(self.packing.row_ptr).max(initial=1))
         self._arange = np.arange(self.seq_len, dtype=np.int64)
         self.source_id = (f"{reader.content_id}:packed:{self.column}:{self.seq_len}:{self.policy}:"
-                          f"{int(self.truncate)}")
+                          f"{int(self.truncate)}" + (f":{self.image_tokens}" if self.image_tokens is not None else ""))
 
     @property
     def padding_fraction(self) -> float:
@@ -185,7 +202,8 @@ class PackedDocuments:
 
     def __getstate__(self) -> dict:
         return {"root": self.root, "seq_len": self.seq_len, "column": self.column, "policy": self.policy,
-                "truncate": self.truncate, "padding_value": self.padding_value, "generation": self.generation}
+                "truncate": self.truncate, "padding_value": self.padding_value, "generation": self.generation,
+                "image_tokens": self.image_tokens}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
@@ -196,7 +214,8 @@ class PackedDocuments:
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         L = self.seq_len
-        return {"tokens": empty((batch_size, L), np.int64, memory),
+        labels = {"labels": empty((batch_size, L), np.int64, memory)} if self._chat is not None else {}
+        return {**labels, "tokens": empty((batch_size, L), np.int64, memory),
                 "position_ids": empty((batch_size, L), np.int64, memory),
                 "lengths": empty((batch_size,), np.int64, memory),
                 # a row has at most _max_pieces pieces and one padding segment
@@ -239,4 +258,13 @@ class PackedDocuments:
         cu = buffers["cu_seqlens"][:len(bounds) + 1]
         c = cu.numpy()
         c[0], c[1:] = 0, bounds
-        return {"tokens": tokens, "position_ids": positions, "lengths": out_lengths, "cu_seqlens": cu}
+        out = {"tokens": tokens, "position_ids": positions, "lengths": out_lengths, "cu_seqlens": cu}
+        if self._chat is None:
+            return out
+        labels = buffers["labels"][:B]
+        self._chat.labels(t, dst, src, length, shard, labels.numpy().reshape(-1))
+        out["labels"] = labels
+        if self._chat.has_images:
+            batch_rows = np.repeat(np.arange(B, dtype=np.int64), per_row)
+            out |= self._chat.images(pk.doc[p], self._doc_shard, self._doc_row, batch_rows, self._within[p])
+        return out

@@ -59,6 +59,9 @@ class BuildConfig:
                                   "SxS (default 224); 'keep' for each image's own size", metavar="S")
     tokenizer: Path | None = flag(bytes=ALWAYS, help="Hugging Face tokenizer.json (required for text and pairs)",
                                   type=Path, metavar="PATH")  # recorded as its file's sha256
+    chat_template: Path | None = flag(bytes=UNLESS_DEFAULT, help="the model's chat template: a Jinja file, or its "
+                                      "tokenizer_config.json (required to pack conversations: records of messages, "
+                                      "LLaVA's JSON, DPO pairs)", type=Path, metavar="FILE")  # recorded as its sha256
     text_key: str = flag("text", bytes=ALWAYS, append=True,
                          help="JSONL key / Parquet column holding the text (default text)", metavar="KEY")
     append_eos: str | None = flag(bytes=ALWAYS, append=True, help="append the tokenizer's end token (or token ID) to "
@@ -250,10 +253,11 @@ class BuildConfig:
     def num_workers(self) -> int:
         return self.workers or available_cores()
 
-    def params(self, kind: str, tokenizer: TokenizerSpec | None) -> dict:
+    def params(self, kind: str, tokenizer: TokenizerSpec | None, template=None) -> dict:
         """The flags the dataset's bytes depend on, by their recorded names and values: what the
         fingerprint hashes and the manifest's `build` records (not workers, engine or part)."""
         recorded = {"raw": ("raw", printable(str(self.raw.resolve()))), "kind": ("kind", kind),
+                    "chat_template": ("chat_template", template.manifest() if template is not None else None),
                     "classes": ("classes", list(read_names(self.classes)) if self.classes else None),
                     "tokenizer": ("tokenizer_sha256", tokenizer.sha256 if tokenizer else None),
                     "background": ("background", list(self.background) if self.background else None),
@@ -294,6 +298,9 @@ class BuildConfig:
         None for images and audio without, whose builds refuse text flags."""
         if kind == "audio" and self.no_text:
             transcribed = False
+        if kind == "chat" and self.tokenizer is None:
+            raise ConfigError(f"--tokenizer PATH/tokenizer.json is required to pack the conversations of RAW {self.raw}: "
+                              "the model's tokenizer, whose special tokens its chat template writes")
         if kind == "images" or (kind == "audio" and not transcribed):
             text_flags = [flag for flag, given in (("--tokenizer", self.tokenizer is not None),
                                                     ("--text-key", self.text_key != "text"),
@@ -319,8 +326,26 @@ class BuildConfig:
         keep_tokenizer(spec, tok)
         return tok, spec
 
-    def columns(self, kind: str, tokenizer: TokenizerSpec | None, *, labeled: bool) -> tuple[fmt.Column, ...]:
-        """The columns this build writes."""
+    def template_for(self, kind: str):
+        """A chat build's template (`packer.builder.chat.template.TemplateSpec`); None for other
+        kinds, which refuse the flag."""
+        if kind != "chat":
+            if self.chat_template is not None:
+                raise ConfigError(f"--chat-template: RAW {self.raw} holds {kind}, not conversations; drop the flag, or "
+                                  "pass --kind chat")
+            return None
+        if self.chat_template is None:
+            raise ConfigError(f"--chat-template FILE is required to pack the conversations of RAW {self.raw}: the "
+                              "model's tokenizer_config.json (its chat_template), or the template as a .jinja file")
+        from packer.builder.chat.template import load_spec
+
+        return load_spec(self.chat_template, self.tokenizer)
+
+    def columns(self, kind: str, tokenizer: TokenizerSpec | None, *, labeled: bool,
+                chat: dict | None = None) -> tuple[fmt.Column, ...]:
+        """The columns this build writes (`chat`: a chat build's fields, `packer.builder.chat.scan`)."""
+        if kind == "chat":
+            return self._chat_columns(tokenizer, chat or {})
         size = None if self.keep_aspect else self.image_size
         store, _ = codec.parse_store(self.store)
         if store != "pixels" and kind not in ("images", "pairs"):
@@ -339,6 +364,23 @@ class BuildConfig:
         if kind == "pairs":  # a record with a caption and a label keeps both
             return (image, fmt.Column("label", "<i8", ()), tokens, key) if labeled else (image, tokens, key)
         return (tokens, key)
+
+
+    def _chat_columns(self, tokenizer: TokenizerSpec, chat: dict) -> tuple[fmt.Column, ...]:
+        key = fmt.Column("key", "|u1", (None,), encoding="utf-8")
+        if chat.get("pairs"):
+            return (*(fmt.Column(f"{side}_{name}", dtype, (None,)) for side in ("chosen", "rejected")
+                      for name, dtype in (("tokens", tokenizer.dtype), ("loss_mask", "|u1"))), key)
+        columns = (fmt.Column("tokens", tokenizer.dtype, (None,)), fmt.Column("loss_mask", "|u1", (None,)))
+        if not chat.get("image"):
+            return (*columns, key)
+        if self.keep_aspect or self.image_size is None or codec.parse_store(self.store)[0] != "pixels":
+            raise ConfigError(f"RAW {self.raw}'s conversations have images: they are packed at one --image-size S "
+                              "(S x S centre crops, as pixels); --keep-aspect, --image-size keep and --store jpeg are "
+                              "not supported for them yet")
+        size = self.image_size
+        return (*columns, fmt.Column("images", "|u1", (None, size, size, 3)),
+                fmt.Column("image_positions", "<i8", (None,)), key)
 
 
 def parse_shard_size(text: str) -> tuple[int | None, int | None]:

@@ -131,13 +131,18 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
             frames = header_frames(record.path, audio.sample_rate, audio.max_seconds)
             cutter.add(Span(i), 1, frames * frame + _SAMPLE_OVERHEAD)
     else:
+        # a conversation's loss mask is a byte a token; its image (where it has one) S x S x 3 bytes
+        itemsize = token_itemsize + (found.kind == "chat")
+        extra = image_size * image_size * 3 if found.kind == "chat" and (found.fields or {}).get("image") else 0
         for i, record in enumerate(found.records):
             ext = os.path.splitext(record.path)[1].lower()
             try:
                 if ext == JSONL:
-                    _plan_jsonl(cutter, i, record, token_itemsize, text_key, max_doc_bytes)
+                    _plan_jsonl(cutter, i, record, itemsize, text_key, max_doc_bytes, extra)
                 elif ext == PARQUET:
-                    _plan_parquet(cutter, i, record, token_itemsize, text_key)
+                    _plan_parquet(cutter, i, record, itemsize, text_key, extra)
+                elif ext == ".json" and found.kind == "chat":
+                    _plan_json(cutter, i, record, itemsize, text_key, max_doc_bytes, extra)
                 else:
                     size = found.stats[record.path][0]  # the scan's stat, as the fingerprint's
                     cutter.add(Span(i), 1, _text_bytes(size, token_itemsize))
@@ -195,9 +200,11 @@ def _text_bytes(raw_bytes: int, token_itemsize: int) -> int:
     return raw_bytes * token_itemsize // TEXT_BYTES_PER_TOKEN + _SAMPLE_OVERHEAD
 
 
-def _plan_jsonl(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str, max_bytes: int) -> None:
+def _plan_jsonl(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str, max_bytes: int,
+                extra: int = 0) -> None:
     """Line ranges of one JSONL file, cut where the current shard fills (one pass, a line at a
-    time, in memory bounded by `max_bytes`)."""
+    time, in memory bounded by `max_bytes`); `extra`: bytes a line's sample holds besides its
+    tokens (a conversation's image)."""
     start = pos = rows = nbytes = 0
     first_line = line = 1
     key = _KeyProbe(text_key)
@@ -205,7 +212,7 @@ def _plan_jsonl(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key
         for raw, size in read_lines(f, max_bytes):
             pos += size
             rows += 1
-            nbytes += _text_bytes(size, itemsize)
+            nbytes += _text_bytes(size, itemsize) + extra
             line += 1
             if raw is not None:
                 key.look(raw)
@@ -249,7 +256,35 @@ class _KeyProbe:
                               "the text")
 
 
-def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str) -> None:
+def _plan_json(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str, max_bytes: int,
+               extra: int = 0) -> None:
+    """Element ranges of one JSON list, as `_plan_jsonl` cuts lines: a span's start and stop
+    are elements' byte offsets, its `first_line` the 0-based place of its first element."""
+    from packer.builder.forms import jsonarray
+
+    start, rows, nbytes, first, place = 0, 0, 0, 0, -1
+    key = _KeyProbe(text_key)
+    with open(record.path, "rb") as f:
+        try:
+            for place, (at, size, raw) in enumerate(jsonarray.elements(f, limit=max_bytes)):
+                if rows == 0 and place:
+                    start, first = at, place
+                rows += 1
+                nbytes += _text_bytes(size, itemsize) + extra
+                if raw is not None:
+                    key.look(raw)
+                if cutter.fills(rows, nbytes):
+                    cutter.add(Span(i, 1, start, at + size, first), rows, nbytes)
+                    rows = nbytes = 0
+        except SourceError as exc:  # past the first element: the worker that reads there says so
+            if place < 0:
+                raise _Unusable(str(exc)) from None
+    key.check(record)
+    if rows:
+        cutter.add(Span(i) if start == 0 else Span(i, 1, start, None, first), rows, nbytes)
+
+
+def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int, text_key: str, extra: int = 0) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -265,7 +300,8 @@ def _plan_parquet(cutter: _Cutter, i: int, record: Record, itemsize: int, text_k
     total = meta.num_rows
     if total == 0:
         raise _Unusable("no rows")
-    per_row = max(1, _text_bytes(sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)), itemsize) // total)
+    per_row = max(1, _text_bytes(sum(meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)),
+                                 itemsize) // total) + extra
     row = 0
     while row < total:
         take = cutter.fitting(total - row, per_row)

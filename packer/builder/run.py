@@ -128,8 +128,10 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     audio = config.audio_spec(found.kind)
     tok = config.tokenizer_for(found.kind, found.why, transcribed=found.fields is not None)
     tokenizer = tok[1] if tok else None
-    params = config.params(found.kind, tokenizer)
-    columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None)
+    template = config.template_for(found.kind)
+    params = config.params(found.kind, tokenizer, template)
+    columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None,
+                             chat=dict(found.fields) if found.kind == "chat" else None)
     if base is not None:
         append.check_compatible(config, base, params, columns, tokenizer)
         append.check_classes(config, base, found)
@@ -137,7 +139,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     first = max((s.index for s in base.shards), default=-1) + 1 if base else 0
     the_plan = plan(found, image_size=config.image_size, max_side=config.side_cap, token_itemsize=itemsize,
                     shard_rows=config.shard_rows, shard_bytes=config.shard_bytes, first_index=first,
-                    text_key=config.text_key, max_doc_bytes=config.max_doc_bytes, audio=audio,
+                    text_key=_record_key(config, found), max_doc_bytes=config.max_doc_bytes, audio=audio,
                     image_share=codec.JPEG_SHARE if codec.parse_store(config.store)[0] == codec.JPEG else 1.0)
     skipped = (*found.skipped, *the_plan.skipped)
     if config.strict and skipped:
@@ -164,8 +166,16 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
                      (existing.root, base.inputs) if base is not None and base.inputs else None)
     ctx = ShardContext(config, doc["generation"], fingerprint, found.kind, columns, tokenizer, found.form,
                        dict(found.fields) if found.fields else None, audio=audio,
-                       max_image_pixels=pixel_limit(config.max_pixels))
+                       max_image_pixels=pixel_limit(config.max_pixels), chat=template)
     return Prepared(config, found, the_plan, ctx, base, published)
+
+
+def _record_key(config: BuildConfig, found: Scan) -> str:
+    """The field every record of a text or chat build has (checked while planning): --text-key,
+    or a chat build's messages field (a pair's "chosen")."""
+    if found.kind != "chat":
+        return config.text_key
+    return found.fields.get("messages") or "chosen"
 
 
 # -- run: the shard tasks, here, in a pool, or on Ray --------------------------------------------

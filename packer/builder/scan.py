@@ -20,6 +20,7 @@ from pathlib import Path
 from packer.builder.records import (CAPTION_EXTS, IMAGE_EXTS, JSONL, MULTI_DOC_EXTS, PARQUET, TEXT_EXTS, TXT, Record,
                                     Scan, T)
 from packer.builder import forms
+from packer.builder.chat import scan as chat_scan
 from packer.builder.audio_scan import is_audio, scan_audio
 from packer.builder.forms.fields import FieldOptions
 from packer.errors import ConfigError, SourceError
@@ -157,6 +158,14 @@ def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], st
                 classes: tuple[str, ...] | None, options: FieldOptions, form: str | None) -> Scan:
     if kind == "audio" and form not in (None, "folder"):
         raise ConfigError(f"--kind audio reads a folder of audio files, not {forms.NAMES[form]}; drop --input")
+    if form in (None, "chat") and kind in (None, "chat"):
+        chat_fields = chat_scan.detect(files, options.max_doc_bytes)
+        if chat_fields is not None or kind == "chat":
+            if chat_fields is None:
+                raise SourceError(f"{raw}: --kind chat, but no record of its JSONL, JSON or Parquet files holds "
+                                  "messages ('messages' or 'conversations': a list of {role, content}) or a "
+                                  "preference pair ('chosen', 'rejected')")
+            return replace(chat_scan.scan(raw, files, skipped, chat_fields, options.max_doc_bytes), stats=stats)
     form = form or (None if kind in ("text", "audio") else forms.detect(files, options)) or "folder"
     if form != "folder":
         if classes is not None:

@@ -29,6 +29,7 @@ from packer.dataset import writer
 from packer.errors import SourceError
 from packer.dataset.outdir import write_atomic
 from packer.builder.audio import AudioSpec, clipped, decode_audio
+from packer.builder.chat.template import TemplateSpec
 from packer.builder.forms.read import caption_of, image_source
 from packer.builder.images import decode_image, flattened, pixel_limit
 from packer.builder.plan import ShardTask, Span
@@ -57,6 +58,7 @@ class ShardContext:
     # workers start from a forkserver and would otherwise decode with Pillow's default
     max_image_pixels: int | None = field(default_factory=pixel_limit)
     audio: AudioSpec | None = None  # an audio build's rate, channels and dtype
+    chat: TemplateSpec | None = None  # a chat build's template
 
     def decode(self, record: Record):
         """A record's pixels, as this build decodes them (read-only), wherever its bytes are;
@@ -314,7 +316,8 @@ def check_strict(ctx: ShardContext, skip: fmt.Skip) -> None:
 CRASHED = {"images": ("decode", "the decoder crashed (its process died) on this file"),
            "audio": ("decode", "the decoder crashed (its process died) on this file"),
            "pairs": ("decode", "its process died reading, decoding or tokenizing this pair"),
-           "text": ("tokenize", "the tokenizer crashed (its process died) on this document")}
+           "text": ("tokenize", "the tokenizer crashed (its process died) on this document"),
+           "chat": ("chat", "its process died rendering, tokenizing or decoding this conversation")}
 
 
 def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, busy=None,
@@ -324,6 +327,9 @@ def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, b
     busy(lo, hi): see `tokenized`. `stop`: no item from that place on."""
     records = read_ahead(records, lambda item: item[1])
     stage, reason = CRASHED[ctx.kind]
+    if ctx.kind == "chat":
+        yield from _chat_samples(ctx, records, ticker, skip, busy, stop)
+        return
     if ctx.kind == "images" or (ctx.kind == "audio" and ctx.tokenizer is None):
         sample = _image_sample if ctx.kind == "images" else _audio_item
         for n, (_, record) in enumerate(islice(records, stop)):
@@ -351,6 +357,30 @@ def _samples(ctx: ShardContext, records, ticker: Ticker, skip=lambda n: False, b
                 return
 
     yield from tokenized(items(), ctx.tokenizer, ticker.tick, busy)
+
+
+def _chat_samples(ctx: ShardContext, records, ticker: Ticker, skip, busy, stop: int | None) -> Iterator:
+    """A chat shard's samples: each record of its spans rendered, tokenized (and its images
+    decoded) one at a time, a record at place n skipped untried where skip(n)."""
+    from packer.builder.chat.read import records as chat_records
+    from packer.builder.chat.sample import ChatPacker
+
+    packer = ChatPacker(ctx)
+    stage, reason = CRASHED["chat"]
+    n = 0
+    for span, record in records:
+        folder = os.path.dirname(record.path)
+        for item in chat_records(record, span, ctx.config.max_doc_bytes):
+            if n == stop:
+                return
+            if busy is not None:
+                busy(n, n + 1)
+            if isinstance(item, fmt.Skip):
+                yield item
+            else:
+                yield fmt.Skip(item[0], stage, reason) if skip(n) else packer.sample(*item, folder)
+            n += 1
+            ticker.tick()
 
 
 def _image_sample(ctx: ShardContext, record: Record):

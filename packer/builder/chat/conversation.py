@@ -38,7 +38,9 @@ def field_of(record: dict) -> str | None:
 
 
 def is_pair(record: dict) -> bool:
-    return all(f in record for f in PAIR_FIELDS)
+    """A preference pair: `chosen` and `rejected` (each a whole conversation, as Minimind writes
+    them, or the answers to a `prompt`)."""
+    return "chosen" in record and "rejected" in record
 
 
 def image_paths(record: dict) -> tuple[str, ...]:
@@ -68,9 +70,9 @@ def conversation(record: dict) -> Conversation:
 
 
 def pair(record: dict) -> tuple[Conversation, Conversation]:
-    """A DPO record's chosen and rejected conversations: its prompt (a string, or messages)
-    followed by each answer (a string, or messages)."""
-    prompt = _turns(record["prompt"], "user", "prompt")
+    """A DPO record's chosen and rejected conversations: its prompt (a string, or messages; none:
+    each side is a whole conversation) followed by each answer (a string, or messages)."""
+    prompt = _turns(record["prompt"], "user", "prompt") if "prompt" in record else []
     images = image_paths(record)
     out = []
     for name in ("chosen", "rejected"):

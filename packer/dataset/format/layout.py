@@ -13,11 +13,11 @@ if TYPE_CHECKING:
 
 # -- 1. Identity and versioning ------------------------------------------------------------
 FORMAT_NAME = "mmpack"
-FORMAT_VERSION = (4, 2)  # (major, minor): minor bumps are additive, a newer major is refused.
+FORMAT_VERSION = (4, 3)  # (major, minor): minor bumps are additive, a newer major is refused.
 # What a writer writes: the oldest version that has what the dataset uses, so a dataset of a kind
 # 4.0 knew is the same bytes as before, and opens in a 4.0 reader; 4.1 added audio, 4.2 the JPEG
-# lane (a column of encoding "jpeg")
-KIND_VERSIONS = {"audio": (4, 1)}
+# lane (a column of encoding "jpeg"), 4.3 conversations (tokens with their loss mask)
+KIND_VERSIONS = {"audio": (4, 1), "chat": (4, 3)}
 ENCODING_VERSIONS = {"jpeg": (4, 2)}
 BASE_VERSION = (4, 0)
 
@@ -37,7 +37,7 @@ STAGING_DIR = ".staging"
 INPUTS_NAME = "inputs.jsonl"  # in a generation dir: one [key, size_bytes, mtime_ns] line per RAW file
 LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OUT
 READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
-KINDS = ("images", "pairs", "text", "audio")
+KINDS = ("images", "pairs", "text", "audio", "chat")
 _GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 

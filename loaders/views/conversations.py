@@ -1,0 +1,80 @@
+"""What `PackedDocuments` adds for a dataset of conversations (`packer build ... --chat-template`):
+each row's `labels` (the token where its loss mask is 1, -100 elsewhere and in the padding, as
+Hugging Face models take them), whole conversations (one longer than `seq_len` is split, or
+dropped and counted with `truncate=True`), and, where the conversations have images, each
+image counted as `image_tokens` tokens toward `seq_len` (the placeholder's own token and
+N - 1 more: a row fits after the model puts N embeddings in its place), and carried in the
+batch in row order with where it goes (`images`, `image_rows`, `image_positions`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from loaders.batch.ragged import ranges
+from packer.errors import ConfigError
+
+IGNORE = -100  # the label Hugging Face's losses skip
+
+
+class Conversations:
+    """A chat dataset's masks and images, by document (conversation), for a packing."""
+
+    def __init__(self, reader, lengths: np.ndarray, seq_len: int, *, truncate: bool,
+                 image_tokens: int | Callable[[int, int], int] | None):
+        shards = range(len(reader.manifest.shards))
+        self.masks = [reader.column(k, "loss_mask").values for k in shards]
+        names = {c.name for c in reader.manifest.columns}
+        self.has_images = "images" in names
+        if image_tokens is not None and not self.has_images:
+            raise ConfigError(f"{reader.root}: image_tokens= counts images toward seq_len, and its conversations "
+                              "have none")
+        effective = np.asarray(lengths, np.int64).copy()
+        if self.has_images:
+            self._images = [reader.column(k, "images") for k in shards]
+            self._positions = [reader.column(k, "image_positions") for k in shards]
+            counts = np.concatenate([np.diff(np.asarray(p.offsets, np.int64)) for p in self._positions])
+            self.first_image = np.concatenate([[0], np.cumsum(counts)])
+            size = reader.manifest.column("images").shape[1:3]
+            per_image = image_tokens(*size) if callable(image_tokens) else (image_tokens or 1)
+            effective += counts * (int(per_image) - 1)
+        # whole conversations: with images (an image cannot be cut from its text) or truncate=True,
+        # one longer than a row is dropped, and counted
+        over = effective > seq_len if (truncate or self.has_images) else np.zeros(len(effective), bool)
+        self.dropped = int(over.sum())
+        self.dropped_tokens = int(np.asarray(lengths)[over].sum())
+        effective[over] = 0
+        self.effective = effective
+
+    def labels(self, t: np.ndarray, dst: np.ndarray, src: np.ndarray, length: np.ndarray, shard: np.ndarray,
+               out: np.ndarray) -> None:
+        """Each piece's labels (its tokens where its mask is 1, else -100) into the flat `out`,
+        already -100 in the padding."""
+        out.fill(IGNORE)
+        for k in np.unique(shard).tolist():
+            sel = np.flatnonzero(shard == k)
+            to, frm = ranges(dst[sel], length[sel]), ranges(src[sel], length[sel])
+            kept = np.asarray(self.masks[k][frm], dtype=bool)
+            out[to[kept]] = t[to[kept]]
+
+    def images(self, docs: np.ndarray, doc_shard: np.ndarray, doc_row: np.ndarray, rows: np.ndarray,
+               within: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch's images, row after row (each row's conversations in their order), the row
+        (in the batch) each belongs to and its placeholder's place in that row's tokens."""
+        pixels, where_row, where = [], [], []
+        for d, row, offset in zip(docs.tolist(), rows.tolist(), within.tolist()):
+            k, r = int(doc_shard[d]), int(doc_row[d])
+            pos = self._positions[k].sample(r)
+            if len(pos):
+                pixels.append(self._images[k].sample(r))
+                where_row.append(np.full(len(pos), row, np.int64))
+                where.append(np.asarray(pos, np.int64) + offset)
+        if not pixels:
+            shape = (0, *self._images[0].sample(0).shape[1:]) if self._images else (0, 0, 0, 3)
+            return {"images": torch.zeros(shape, dtype=torch.uint8), "image_rows": torch.zeros(0, dtype=torch.int64),
+                    "image_positions": torch.zeros(0, dtype=torch.int64)}
+        return {"images": torch.from_numpy(np.concatenate(pixels)),
+                "image_rows": torch.from_numpy(np.concatenate(where_row)),
+                "image_positions": torch.from_numpy(np.concatenate(where))}

@@ -1,0 +1,197 @@
+"""Conversations built through the CLI as users have them: Minimind's chat JSONL, a Hugging Face
+Parquet table of messages, LLaVA's JSON list with images, Minimind's DPO pairs. Tokens equal
+transformers' `apply_chat_template`, masks its assistant mask where the template has generation
+blocks, every image at its placeholder; packed rows lose no token, label exactly the masked
+tokens and never let attention cross two conversations; hostile records are skips; found =
+packed + skipped; a JSON list streams in bounded memory."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from bench import dialogue
+from loaders import Loader, MMapDataset, PackedDocuments
+from packer.builder.chat.conversation import conversation
+from packer.builder.images import decode_image
+from packer.cli import main
+
+from .test_chat_template import _hf, models  # noqa: F401 - models: a fixture
+
+transformers = pytest.importorskip("transformers")
+
+
+def _build(raw, out, model, *more):
+    assert main(["build", str(raw), str(out), "--tokenizer", str(model / "tokenizer.json"), "--chat-template",
+                 str(model / "tokenizer_config.json"), "-q", *map(str, more)]) == 0
+    ds = MMapDataset(out)
+    c = ds.manifest.counts
+    assert c["found"] == c["packed"] + c["skipped"]
+    return ds
+
+
+def _messages(line: str) -> list[dict]:
+    return conversation(json.loads(line)).messages
+
+
+@pytest.mark.parametrize("name", ["minimind", "qwen2.5-generation"])
+def test_minimind_jsonl_tokens_and_masks_equal_transformers(models, tmp_path, name):  # noqa: F811
+    raw = tmp_path / "raw"
+    dialogue.write_minimind(raw / "sft.jsonl", 60, seed=5)
+    ds = _build(raw, tmp_path / "out", models[name], "--workers", "2", "--shard-size", "8KB")
+    assert len(ds.manifest.shards) > 1 and ds.manifest.kind == "chat" and ds.manifest.version == "4.3"
+    hf = _hf(models[name])
+    lines = (raw / "sft.jsonl").read_text().splitlines()
+    blocks = ds.manifest.build["chat_template"]["generation_blocks"]
+    assert blocks == (name == "qwen2.5-generation")
+    for i in range(len(ds)):
+        sample = ds[i]
+        n = int(sample["key"].rsplit(":", 1)[1])
+        want = hf.apply_chat_template(_messages(lines[n - 1]), tokenize=True, return_dict=True,
+                                      return_assistant_tokens_mask=blocks)
+        assert sample["tokens"].tolist() == want["input_ids"]
+        assert len(sample["loss_mask"]) == len(sample["tokens"])
+        if blocks:
+            assert sample["loss_mask"].tolist() == want["assistant_masks"]
+        said = hf.decode(sample["tokens"][sample["loss_mask"].bool()].tolist())  # what the loss is taken on
+        messages = _messages(lines[n - 1])
+        answers = [m["content"] for m in messages if m["role"] == "assistant"]
+        for m in messages:
+            if m["role"] == "assistant":
+                assert m["content"] in said
+            elif not any(m["content"] in a for a in answers):
+                assert m["content"] not in said
+
+
+def test_a_parquet_table_of_messages_builds_as_its_jsonl(models, tmp_path):  # noqa: F811
+    import datasets
+
+    datasets.disable_progress_bars()
+    raw = tmp_path / "jsonl"
+    dialogue.write_minimind(raw / "train.jsonl", 30, seed=6)
+    rows = [json.loads(x)["conversations"] for x in (raw / "train.jsonl").read_text().splitlines()]
+    pq = tmp_path / "parquet" / "data"
+    pq.mkdir(parents=True)
+    datasets.Dataset.from_dict({"messages": rows}).to_parquet(str(pq / "train-00000-of-00001.parquet"))
+    a, b = _build(raw, tmp_path / "a", models["minimind"]), _build(tmp_path / "parquet", tmp_path / "b",
+                                                                  models["minimind"])
+    assert [a[i]["tokens"].tolist() for i in range(len(a))] == [b[i]["tokens"].tolist() for i in range(len(b))]
+    assert [a[i]["loss_mask"].tolist() for i in range(len(a))] == [b[i]["loss_mask"].tolist() for i in range(len(b))]
+
+
+@pytest.fixture(scope="module")
+def llava(models, tmp_path_factory):  # noqa: F811
+    """LLaVA's layout, plus hostile records: a missing image, more placeholders than images, a
+    path out of RAW, an unknown role; and an image no record names."""
+    raw = dialogue.write_llava(tmp_path_factory.mktemp("llava") / "raw", 24, seed=7)
+    records = json.loads((raw / "data.json").read_text())
+    records += [{"id": "x1", "image": "images/missing.jpg", "conversations": records[0]["conversations"]},
+                {"id": "x2", "image": records[1]["image"],
+                 "conversations": [{"from": "human", "value": "<image> <image> two?"}, {"from": "gpt", "value": "no"}]},
+                {"id": "x3", "image": "../outside.jpg", "conversations": records[0]["conversations"]},
+                {"id": "x4", "image": records[2]["image"],
+                 "conversations": [{"from": "narrator", "value": "once"}, {"from": "gpt", "value": "upon"}]}]
+    (raw / "data.json").write_text(json.dumps(records, indent=1))
+    (raw / "images" / "unnamed.jpg").write_bytes((raw / records[0]["image"]).read_bytes())
+    (raw.parent / "outside.jpg").write_bytes((raw / records[0]["image"]).read_bytes())  # a real file, out of RAW
+    out = tmp_path_factory.mktemp("llava-out") / "out"
+    _build(raw, out, models["minimind"], "--image-size", "32", "--shard-size", "16KB")
+    return raw, out
+
+
+def test_llava_json_keeps_every_image_at_its_placeholder(llava, models):  # noqa: F811
+    raw, out = llava
+    ds = MMapDataset(out)
+    records = json.loads((raw / "data.json").read_text())
+    image_id = _hf(models["minimind"]).convert_tokens_to_ids("<image>")
+    assert len(ds) == 24
+    for i in range(len(ds)):
+        s = ds[i]
+        record = records[int(s["key"].rsplit(":", 1)[1])]
+        assert s["images"].shape == (1, 32, 32, 3)
+        assert np.array_equal(s["images"][0].numpy(), decode_image(raw / record["image"], 32))
+        assert s["tokens"][s["image_positions"]].tolist() == [image_id]
+    skipped = {s.key: s.reason for s in ds.manifest.skipped}
+    assert "no such file" in skipped["data.json:24"] and "2 <image> placeholder(s) for 1 image" in skipped["data.json:25"]
+    assert "outside RAW" in skipped["data.json:26"] and "unknown role 'narrator'" in skipped["data.json:27"]
+    assert skipped["images/unnamed.jpg"] == "an image no conversation names"
+
+
+def test_packed_conversations_label_the_masked_tokens_and_keep_images_in_their_rows(llava, models):  # noqa: F811
+    raw, out = llava
+    ds = MMapDataset(out)
+    packed = PackedDocuments(out, 256, image_tokens=8)
+    total = sum(len(ds[i]["tokens"]) for i in range(len(ds)))
+    seen = real = 0
+    for batch in Loader(packed, 3, order="sequential"):
+        t, labels, cu = batch["tokens"], batch["labels"], batch["cu_seqlens"].tolist()
+        flat_t, flat_l = t.reshape(-1), labels.reshape(-1)
+        real += int(batch["lengths"].sum())
+        seen += int((flat_l != -100).sum())
+        for r in range(len(t)):  # padding: -100; a row with its images' 7 more tokens each fits
+            n = int(batch["lengths"][r])
+            assert (labels[r, n:] == -100).all()
+            assert n + 7 * int((batch["image_rows"] == r).sum()) <= 256
+        for a, b in zip(cu, cu[1:]):  # a segment is one conversation, or the padding
+            segment = flat_t[a:b]
+            assert (segment == 1).sum() <= 0 or segment[0] == 1 or (flat_l[a:b] == -100).all()
+        assert (t[batch["image_rows"], batch["image_positions"]] == t[batch["image_rows"],
+                                                                     batch["image_positions"]][0]).all()
+    assert real + packed.num_truncated_tokens == total
+    assert seen == sum(int(ds[i]["loss_mask"].sum()) for i in range(len(ds)) if ds[i]["tokens"].numel() + 7 <= 256)
+
+
+def test_dpo_pairs_build_and_batch_together(models, tmp_path):  # noqa: F811
+    raw = tmp_path / "raw"
+    dialogue.write_pairs(raw / "dpo.jsonl", 20, seed=8)
+    ds = _build(raw, tmp_path / "out", models["minimind"])
+    assert list(ds.columns) == ["chosen_tokens", "chosen_loss_mask", "rejected_tokens", "rejected_loss_mask", "key"]
+    hf = _hf(models["minimind"])
+    lines = (raw / "dpo.jsonl").read_text().splitlines()
+    for i in range(len(ds)):
+        record = json.loads(lines[int(ds[i]["key"].rsplit(":", 1)[1]) - 1])
+        for side in ("chosen", "rejected"):
+            assert ds[i][f"{side}_tokens"].tolist() == hf.apply_chat_template(record[side], tokenize=True,
+                                                                               return_dict=True)["input_ids"]
+            said = hf.decode(ds[i][f"{side}_tokens"][ds[i][f"{side}_loss_mask"].bool()].tolist())
+            assert record[side][-1]["content"] in said and record[side][0]["content"] not in said
+    batch = next(iter(Loader(ds, 4)))
+    assert batch["chosen_tokens"].shape[0] == batch["rejected_tokens"].shape[0] == 4
+
+
+def test_a_json_list_of_conversations_streams_in_bounded_memory(tmp_path):
+    """Planning a chat JSON list and reading its records, as a build does: a list 16 times longer
+    costs about the same memory (the whole list parsed at once would cost it many times over)."""
+    code = """
+import json, resource, sys
+from pathlib import Path
+from packer.builder.chat.read import records
+from packer.builder.plan import plan
+from packer.builder.records import Record, Scan
+path = Path(sys.argv[1])
+convs = [[{"role": "user", "content": "x" * 300}, {"role": "assistant", "content": "y" * 300}]] * int(sys.argv[2])
+with open(path, "w") as f:
+    f.write("[")
+    for i, c in enumerate(convs):
+        f.write(("," if i else "") + json.dumps({"conversations": c}))
+    f.write("]")
+del convs
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+found = Scan("chat", (Record("c.json", str(path)),), (), fields={"messages": "conversations", "image": None})
+tasks = plan(found, image_size=None, token_itemsize=2, shard_rows=None, shard_bytes=4 << 20,
+             text_key="conversations").tasks
+n = sum(1 for t in tasks for s in t.spans for _ in records(found.records[0], s, 1 << 20))
+print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
+"""
+    grown = {}
+    for count in (4_000, 64_000):
+        out = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{count}.json"), str(count)],
+                             capture_output=True, text=True, check=True).stdout.split()
+        assert int(out[0]) == count
+        grown[count] = int(out[1])  # KiB
+    size = (tmp_path / "64000.json").stat().st_size
+    assert size > 38e6 and grown[64_000] * 1024 < size / 8, (grown, size)
