@@ -35,9 +35,11 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
             size_bytes += entry.size_bytes
             if on_progress:
                 on_progress(files, total)
+        mapped = {}
         for column in manifest.columns:
-            arrays = map_column(root / shard.dir, column, shard.num_samples)  # headers, offsets, shapes
+            mapped[column.name] = arrays = map_column(root / shard.dir, column, shard.num_samples)  # headers, ...
             _check_values(root / shard.dir, manifest, column, arrays)
+        _check_conversations(root / shard.dir, mapped)
     return {"files": files, "size_bytes": size_bytes, "num_samples": manifest.num_samples}
 
 
@@ -59,7 +61,7 @@ def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, a
             raise IntegrityError(f"{path}: label {low if low < 0 else high} is outside the "
                                  f"{len(manifest.classes)} classes")
     vocab = (manifest.tokenizer or {}).get("vocab_size")
-    if column.name == "tokens" and isinstance(vocab, int) and values.size:
+    if column.name.endswith("tokens") and isinstance(vocab, int) and values.size:
         eos = (manifest.tokenizer or {}).get("eos_id")
         top = max(vocab, eos + 1 if isinstance(eos, int) else 0)
         if int(values.max()) >= top:
@@ -69,3 +71,27 @@ def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, a
     if column.encoded:  # each image decodes to its shape
         for row in range(len(arrays.offsets) - 1):
             arrays.sample(row)
+
+
+def _check_conversations(shard_dir: Path, mapped: dict) -> None:
+    """A chat shard's masks and image places (FORMAT.md 4, "Conversations"): a mask of 0s and 1s
+    at its tokens' offsets; an image's placeholder inside its conversation, one per image."""
+    for name, arrays in mapped.items():
+        if not name.endswith("loss_mask"):
+            continue
+        path = shard_dir / f"{name}.npy"
+        tokens = mapped.get(name.replace("loss_mask", "tokens"))
+        if tokens is None or not np.array_equal(np.asarray(arrays.offsets), np.asarray(tokens.offsets)):
+            raise IntegrityError(f"{path}: its offsets are not its tokens' (one mask byte a token)")
+        if arrays.values.size and int(np.asarray(arrays.values).max()) > 1:
+            raise IntegrityError(f"{path}: a loss mask byte other than 0 or 1")
+    if "image_positions" in mapped:
+        positions, images, tokens = mapped["image_positions"], mapped["images"], mapped["tokens"]
+        path = shard_dir / "image_positions.npy"
+        counts = np.diff(np.asarray(positions.offsets))
+        if not np.array_equal(counts, np.asarray(images.shapes)[:, 0]):
+            raise IntegrityError(f"{path}: a conversation's image places do not count its images")
+        lengths = np.repeat(np.diff(np.asarray(tokens.offsets)), counts)
+        values = np.asarray(positions.values)
+        if values.size and ((values < 0) | (values >= lengths)).any():
+            raise IntegrityError(f"{path}: an image placeholder outside its conversation's tokens")

@@ -195,3 +195,20 @@ print(n, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)
         grown[count] = int(out[1])  # KiB
     size = (tmp_path / "64000.json").stat().st_size
     assert size > 38e6 and grown[64_000] * 1024 < size / 8, (grown, size)
+
+
+@pytest.mark.parametrize("column, value, words", [("loss_mask", 2, "a loss mask byte other than 0 or 1"),
+                                                  ("image_positions", 10 ** 6, "outside its conversation's tokens")])
+def test_verify_finds_a_mask_or_an_image_place_a_writer_got_wrong(llava, tmp_path, capsys, column, value, words):
+    import shutil
+
+    from ..loaders.test_jpeg_lane import _published
+
+    out = tmp_path / "out"
+    shutil.copytree(llava[1], out)
+    path = next(out.glob(f"g-*/shard-00000/{column}.npy"))
+    values = np.load(path, mmap_mode="r+")
+    values[0] = value
+    values.flush()
+    _published(out, path)  # as a writer that wrote those bytes would have published them
+    assert main(["verify", str(out)]) == 1 and words in capsys.readouterr().err
