@@ -73,3 +73,24 @@ def test_column_bytes_never_changed_across_versions(kind):
         files[version] = {"/".join(f.path.split("/")[-2:]): (root / f.path).read_bytes()
                           for s in m.shards for f in s.files}
     assert all(files[v] == files[VERSIONS[0]] for v in VERSIONS)
+
+
+def test_the_chat_golden_opens_verifies_and_is_reproduced_byte_for_byte(tmp_path, capsys):
+    """4.3's conversations (tests/data/golden/v4.3-chat, written by mmpack 0.7 from raw-chat with
+    chat-tokenizer.json and chatml.jinja): read as recorded, and written again the same."""
+    root = GOLDEN / "v4.3-chat"
+    ds = MMapDataset(root)
+    assert ds.manifest.version == "4.3" and ds.manifest.kind == "chat"
+    assert [{"key": s["key"], "tokens": s["tokens"].tolist(), "loss_mask": s["loss_mask"].tolist()}
+            for s in (ds[i] for i in range(len(ds)))] == EXPECTED["chat"]["samples"]
+    assert main(["verify", str(root)]) == 0 and "ok:" in capsys.readouterr().out
+    raw = tmp_path / "raw"
+    shutil.copytree(GOLDEN / "raw-chat", raw)
+    out = tmp_path / "out"
+    assert main(["build", str(raw), str(out), "-q", "--workers", "1", "--tokenizer", str(GOLDEN / "chat-tokenizer.json"),
+                 "--chat-template", str(GOLDEN / "chatml.jinja"), "--shard-size", "2"]) == 0
+    mine, golden = tree(out), tree(root)
+    for t in (mine, golden):
+        t["files"].pop("inputs.jsonl")
+        t["manifest"]["tokenizer"] = {k: v for k, v in t["manifest"]["tokenizer"].items() if k != "path"}
+    assert mine == golden
