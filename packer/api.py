@@ -1,5 +1,6 @@
 """What the `packer` command does, as Python functions: `build`, `commit`, `push`, `pull`,
-`verify`, `info`, `show`, `merge`, `pack`, `unpack` and `sizes`, each with the command's options as
+`verify`, `info`, `show`, `merge`, `pack`, `unpack` and `sizes`, and `map` (a function over items,
+into a dataset; `packer.Writer` writes one a sample at a time), each with the command's options as
 keywords (the flags' names in snake case, their values as the flags take them or as Python
 values) and URLs wherever the command takes them. The CLI (`packer.cli`) parses flags into these
 calls and prints what they return; they print nothing.
@@ -72,6 +73,29 @@ build.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     return_annotation="Manifest | PartReport")
 if build.__doc__:  # None under python -OO
     build.__doc__ += "".join(f"\n    {f.name}: {f.metadata['help']}" for f in BuildConfig.options())
+
+
+def map(fn, inputs, out: str | Path, *, workers: int | None = None, columns: dict[str, str] | None = None,
+        shard_size: str | int = "256MB", chunk: int = 64, overwrite: bool = False, zstd: int | None = None,
+        on_progress: Progress | None = None) -> fmt.Manifest:
+    """`fn` over `inputs` (any sequence of picklable items: paths, rows, ids) in `workers`
+    processes, its samples written as the dataset `out` (a dir, or a URL: built in a local dir,
+    then pushed). `fn(item)` returns a sample dict, a list of them, or None (a skip); an
+    exception is a skip with its reason (`packer info --skipped`). Output order is input order,
+    the bytes the same at any worker count; run again after a kill, it goes on where it stopped.
+    `columns`: specs such as {"feat": "float16[*, 768]"} (`packer.samples.schema`), else the
+    first sample's. `chunk`: items a task (a task's shards are its own)."""
+    from packer import remote
+    from packer.samples.mapping import run
+
+    local = where_built(out)
+    manifest = run(fn, inputs, local, workers=workers, columns=columns, shard_size=shard_size, chunk=chunk,
+                   overwrite=overwrite, on_progress=on_progress)
+    if remote.is_url(out):
+        push(local, str(out), zstd=zstd)
+    elif zstd is not None:
+        raise ConfigError(f"{out}: zstd compresses what a map pushes to a URL; for a local dataset, packer pack it")
+    return manifest
 
 
 def where_built(out: str | Path) -> Path:

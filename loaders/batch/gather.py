@@ -366,7 +366,11 @@ class ColumnGather:
         for f in pending:
             f.result()
         self._drop_rows()  # copied: a batch's rows hold room in the cache only while it is gathered
-        return {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
+        out = {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
+        for c in self.columns:
+            if c.bfloat16:  # its bits were gathered as int16
+                out[c.name] = out[c.name].view(torch.bfloat16)
+        return out
 
     def _small(self, rest, shard, rows, buffers, n: int, out: dict) -> None:
         """The columns gathered in this thread: labels, strings, ragged 1-D."""

@@ -24,7 +24,8 @@ AUDIO_BUFFER_BYTES = 256 << 20  # ... an audio column's: a batch of 64 clips of 
 def frames_of(column) -> int | None:
     """Values per step of a column ragged along its first axis only ([T] tokens or mono audio,
     [T, C] audio): batched padded along T with `{name}_lengths`; None for any other column."""
-    if not column.ragged or column.encoding or column.shape[0] is not None or None in column.shape[1:]:
+    if not column.ragged or column.encoding not in (None, "bfloat16") or column.shape[0] is not None or \
+            None in column.shape[1:]:
         return None
     return math.prod(column.shape[1:])
 SHORT_PIECES = 256  # ragged samples up to this long on average are gathered vectorised, longer ones one by one

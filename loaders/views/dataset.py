@@ -162,7 +162,7 @@ class MMapDataset(torch.utils.data.Dataset):
             if col.string:
                 out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
             else:
-                out[name] = _tensor(value)
+                out[name] = _tensor(value).view(torch.bfloat16) if col.bfloat16 else _tensor(value)
         if self._cache is not None and self._cache.limit is not None:
             self.reader.release(shard)  # under a limit a sample's shard stays pinned only while it is read
         return out

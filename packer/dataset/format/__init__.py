@@ -12,8 +12,8 @@ from packer.dataset.format.checksum import (BLOCK_BYTES, FileChecksum, block_dig
 from packer.dataset.format.layout import (BASE_VERSION, KIND_VERSIONS, written_version,
                                           CHECKSUM, FORMAT_NAME, FORMAT_VERSION, INPUTS_NAME, KINDS, LOCK_NAME,
                                           MANIFEST_NAME, READABLE_MAJORS, READERS_LOCK, STAGING_DIR, check_version,
-                                          column_file_names, generation_name, is_generation, shard_dir_name,
-                                          shard_path)
+                                          column_file_names, generation_name, is_column_name, is_generation,
+                                          shard_dir_name, shard_path)
 from packer.dataset.format.manifest import (AUDIO_DTYPES, MAX_CHANNELS, MAX_SAMPLE_RATE, audio_column, check_audio,
                                             DTYPES, ENCODINGS, HEX_DIGITS, LEGACY_CHECKSUMS, MAX_DIM, MAX_NDIM,
                                             Column, FileEntry, Manifest, Shard, Skip, columns_text, printable)
@@ -26,7 +26,7 @@ __all__ = [
     "new_checksum", "rows_per_block",
     "BASE_VERSION", "KIND_VERSIONS", "written_version", "CHECKSUM", "FORMAT_NAME", "FORMAT_VERSION", "INPUTS_NAME", "KINDS", "LOCK_NAME", "MANIFEST_NAME",
     "READABLE_MAJORS", "READERS_LOCK", "STAGING_DIR", "check_version", "column_file_names", "generation_name",
-    "is_generation", "shard_dir_name", "shard_path",
+    "is_column_name", "is_generation", "shard_dir_name", "shard_path",
     "AUDIO_DTYPES", "MAX_CHANNELS", "MAX_SAMPLE_RATE", "audio_column", "check_audio", "DTYPES", "ENCODINGS", "HEX_DIGITS", "LEGACY_CHECKSUMS", "MAX_DIM", "MAX_NDIM", "Column", "FileEntry",
     "Manifest", "Shard", "Skip", "columns_text", "printable",
     "NPY_HEADER_BYTES", "NPY_MAGIC", "OFFSETS_DTYPE", "SHAPES_DTYPE", "choose_token_dtype", "npy_header",

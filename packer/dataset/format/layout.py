@@ -16,9 +16,10 @@ FORMAT_NAME = "mmpack"
 FORMAT_VERSION = (4, 3)  # (major, minor): minor bumps are additive, a newer major is refused.
 # What a writer writes: the oldest version that has what the dataset uses, so a dataset of a kind
 # 4.0 knew is the same bytes as before, and opens in a 4.0 reader; 4.1 added audio, 4.2 the JPEG
-# lane (a column of encoding "jpeg"), 4.3 conversations (tokens with their loss mask)
-KIND_VERSIONS = {"audio": (4, 1), "chat": (4, 3)}
-ENCODING_VERSIONS = {"jpeg": (4, 2)}
+# lane (a column of encoding "jpeg"), 4.3 conversations (tokens with their loss mask) and the
+# columns a user writes (packer.Writer, packer.map), with bfloat16 among them
+KIND_VERSIONS = {"audio": (4, 1), "chat": (4, 3), "columns": (4, 3)}
+ENCODING_VERSIONS = {"jpeg": (4, 2), "bfloat16": (4, 3)}
 BASE_VERSION = (4, 0)
 
 
@@ -37,9 +38,14 @@ STAGING_DIR = ".staging"
 INPUTS_NAME = "inputs.jsonl"  # in a generation dir: one [key, size_bytes, mtime_ns] line per RAW file
 LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OUT
 READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
-KINDS = ("images", "pairs", "text", "audio", "chat")
+KINDS = ("images", "pairs", "text", "audio", "chat", "columns")
 _GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def is_column_name(name: str) -> bool:
+    """A column's name: [A-Za-z_][A-Za-z0-9_]*, at most 64 characters (its files are named by it)."""
+    return isinstance(name, str) and _NAME.fullmatch(name) is not None
 
 
 def generation_name(fingerprint: str) -> str:

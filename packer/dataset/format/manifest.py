@@ -21,7 +21,9 @@ from packer.errors import ColumnError, ManifestError
 # A manifest may come from a stranger: every field is checked before anything is mapped or
 # allocated, and every problem is a ManifestError naming the field (never a Python exception).
 DTYPES = frozenset({"|u1", "|i1", "|b1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"})
-ENCODINGS = (None, "utf-8", "jpeg")  # "jpeg" (4.2): an image column stored as JPEG bytes (section 4)
+# "jpeg" (4.2): an image column stored as JPEG bytes (section 4); "bfloat16" (4.3): a column of
+# bfloat16 numbers' bits (<i2)
+ENCODINGS = (None, "utf-8", "jpeg", "bfloat16")
 MAX_DIM = 1 << 31  # per-sample dimensions
 MAX_NDIM = 8
 
@@ -54,7 +56,14 @@ class Column:
         if self.encoded and (self.dtype != "|u1" or len(shape) != 3 or shape[2] != 3 or (shape[0] is None) != (
                 shape[1] is None)):
             raise ManifestError(f"column {self.name}: a jpeg column is |u1 [S, S, 3] or [null, null, 3]")
+        if self.encoding == "bfloat16" and self.dtype != "<i2":
+            raise ManifestError(f"column {self.name}: a bfloat16 column is stored as <i2 (its numbers' bits)")
         object.__setattr__(self, "shape", tuple(shape))
+
+    @property
+    def bfloat16(self) -> bool:
+        """bfloat16 numbers, stored as their 16 bits (<i2); read as bfloat16."""
+        return self.encoding == "bfloat16"
 
     @property
     def string(self) -> bool:
@@ -278,8 +287,9 @@ def audio_column(dtype: str, channels: int) -> Column:
 
 def check_audio(kind: str, audio, columns: tuple[Column, ...]) -> None:
     """An audio dataset's `audio` object (FORMAT.md section 5): its rate, channels and dtype,
-    and an `audio` column that matches them; no other kind has one."""
-    if kind != "audio":
+    and an `audio` column that matches them; no other kind has one, but a `columns` dataset
+    with an `audio` column (4.3)."""
+    if kind != "audio" and not (kind == "columns" and audio is not None):
         if audio is not None:
             raise ManifestError(f"a {kind} dataset has no audio object")
         return
