@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 
 from packer.builder.audio import EXTS
-from packer.builder.forms import manifest
+from packer.builder.forms import extra, manifest
 from packer.builder.records import Record, Scan
 from packer.dataset.format import Skip, printable
 from packer.errors import ConfigError, SourceError
@@ -39,7 +39,8 @@ def is_audio(rel: str) -> bool:
 
 
 def scan_audio(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], known: tuple[str, ...] | None,
-               split: str | None, max_bytes: int, no_text: bool = False, *, quoted_tsv: bool = False) -> Scan:
+               split: str | None, max_bytes: int, no_text: bool = False, *, quoted_tsv: bool = False,
+               kept: tuple = ()) -> Scan:
     """The records of a folder of audio files (see the module docstring); `known`: the classes
     of the dataset an --append adds to; `no_text`: transcripts left out (skips); `quoted_tsv`: a
     TSV's double quotes are CSV quoting (else text, as Common Voice writes its sentences)."""
@@ -47,8 +48,12 @@ def scan_audio(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], kno
     tables, other = ([], []) if no_text else _tables(files, split, raw)
     skipped += [Skip(rel, "scan", f"the transcript table of another split, not --split {split}") for rel in other]
     texts: dict[str, str] = {}  # audio rel -> transcript, from the table
+    rows: dict[str, dict] = {}  # audio rel -> its table row
     for rel in tables:
-        _read_table(rel, by_rel[rel], by_rel, texts, skipped, max_bytes, quoted_tsv)
+        _read_table(rel, by_rel[rel], by_rel, texts, skipped, max_bytes, quoted_tsv, rows)
+    if kept and not tables:
+        raise ConfigError(f"--fields: RAW {raw} has audio files without a table (Common Voice's TSV, a CSV or "
+                          "JSONL with a header) whose rows hold fields to keep")
     stems = {os.path.splitext(rel)[0]: rel for rel, _ in files if os.path.splitext(rel)[1].lower() in EXTS}
     sidecars = {rel for rel, _ in files if rel.endswith(".txt") and rel[:-4] in stems and rel not in tables}
     if no_text:
@@ -79,8 +84,16 @@ def scan_audio(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], kno
             skipped.append(Skip(rel, "scan", f"audio without a transcript ({where})"))
         else:
             sidecar = f"{os.path.splitext(rel)[0]}.txt"
+            values = extra.values(rows.get(rel, {}), kept) if kept else ()
+            if isinstance(values, str):
+                skipped.append(Skip(rel, "scan", values))
+                continue
             records.append(Record(rel, path, label=index[rel.split("/", 1)[0]] if labelled else None,
-                                  caption=by_rel[sidecar] if sidecar in sidecars else None, text=texts.get(rel)))
+                                  caption=by_rel[sidecar] if sidecar in sidecars else None, text=texts.get(rel),
+                                  extra=values))
+    typed, extras = extra.typed(records, kept)
+    records = [r for r in typed if isinstance(r, Record)]
+    skipped += [r for r in typed if isinstance(r, Skip)]
     if not records:
         first = f" (first skip: {skipped[0].key}: {skipped[0].reason})" if skipped else ""
         raise SourceError(f"{raw}: no audio file to pack{first}")
@@ -88,7 +101,8 @@ def scan_audio(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], kno
         f" with transcripts ({', '.join(tables) or '<stem>.txt'})" if transcribed else "")
     return Scan("audio", tuple(records), tuple(sorted(skipped, key=lambda s: s.key)),
                 tuple(map(printable, names)) if labelled else None, why=shape,
-                fields={"text": "transcript"} if transcribed else None, sources=tuple(by_rel[t] for t in tables))
+                fields={"text": "transcript"} if transcribed else None, sources=tuple(by_rel[t] for t in tables),
+                extras=extras)
 
 
 def _tables(files: list[tuple[str, str]], split: str | None, raw: Path) -> tuple[list[str], list[str]]:
@@ -130,23 +144,23 @@ def _fields(path: str, rel: str) -> tuple[str, str] | None:
 
 
 def _read_table(rel: str, path: str, by_rel: dict, texts: dict, skipped: list[Skip], max_bytes: int,
-                quoted_tsv: bool) -> None:
-    """The transcripts a table gives, by the rel path of the audio each row names; a row naming
-    no audio file of RAW, or one named before, is a skip."""
+                quoted_tsv: bool, kept_rows: dict) -> None:
+    """The transcripts a table gives, by the rel path of the audio each row names, and its row
+    (`kept_rows`, for --fields); a row naming no audio file of RAW, or one named before, is a skip."""
     folder = os.path.dirname(rel)
     if os.path.basename(rel) == LJSPEECH:
         rows = _ljspeech_rows(path, rel)
         where = ("wavs",)
     else:
         fields = _fields(path, rel)
-        rows = ((at, row if not isinstance(row, dict) else (row.get(fields[0]), row.get(fields[1])))
+        rows = ((at, row if not isinstance(row, dict) else (row.get(fields[0]), row.get(fields[1]), row))
                 for at, row in manifest.rows(path, rel, max_bytes, quoted_tsv=quoted_tsv))
         where = ("", "clips")
     for at, row in rows:
         if isinstance(row, Skip):
             skipped.append(row)
             continue
-        name, text = row
+        name, text, values = row if len(row) == 3 else (*row, {})
         if not isinstance(name, str) or not isinstance(text, str) or not name.strip():
             skipped.append(Skip(f"{rel}:{at}", "scan", "a row without a file name and its text"))
             continue
@@ -160,6 +174,7 @@ def _read_table(rel: str, path: str, by_rel: dict, texts: dict, skipped: list[Sk
             skipped.append(Skip(f"{rel}:{at}", "scan", f"names {found} a second time (its first row is kept)"))
         else:
             texts[found] = text
+            kept_rows[found] = values
 
 
 def _ljspeech_rows(path: str, rel: str):

@@ -20,6 +20,7 @@ from packer.builder.audio import DTYPES as AUDIO_DTYPES
 from packer.builder.audio import require as require_audio
 from packer.builder.forms import FORMS
 from packer.builder.forms.fields import FieldOptions
+from packer.builder.forms.extra import parse as parse_fields
 from packer.builder.forms.labels import read_names
 from packer.builder.images import DEFAULT_MAX_PIXELS
 from packer.dataset import codec
@@ -120,6 +121,9 @@ class BuildConfig:
                                  metavar="FILE")  # recorded as given
     quoted_tsv: bool = flag(False, bytes=UNLESS_DEFAULT, help="read .tsv tables with CSV quoting (a field in double "
                             "quotes may hold tabs); by default a TSV's quotes are text, as Common Voice writes them")
+    fields: str | None = flag(bytes=UNLESS_DEFAULT, help="keep these fields of each record as columns (a manifest's, "
+                              "a Parquet row's, a tar sample's .json keys, a Common Voice row's), NAME=DEFAULT for a "
+                              "default where a record lacks it: speaker,age=0,url=", metavar="NAME[=DEFAULT],...")
     allow_outside: bool = flag(False, bytes=UNLESS_DEFAULT, help="pack files a manifest names outside RAW (absolute "
                                "paths, '..', links out of RAW); by default each is a skip")
     no_text: bool = flag(False, bytes=UNLESS_DEFAULT, help="pack the images of an input that has captions without "
@@ -237,7 +241,7 @@ class BuildConfig:
                             no_text=self.no_text, classes=read_names(self.classes) if self.classes else None,
                             split=self.split, max_doc_bytes=self.max_doc_bytes,
                             manifest=None if self.manifest is None else str(self.manifest), quoted_tsv=self.quoted_tsv,
-                            allow_outside=self.allow_outside)
+                            allow_outside=self.allow_outside, fields=parse_fields(self.fields))
 
     @staticmethod
     def options() -> tuple:
@@ -342,8 +346,14 @@ class BuildConfig:
         return load_spec(self.chat_template, self.tokenizer)
 
     def columns(self, kind: str, tokenizer: TokenizerSpec | None, *, labeled: bool,
-                chat: dict | None = None) -> tuple[fmt.Column, ...]:
-        """The columns this build writes (`chat`: a chat build's fields, `packer.builder.chat.scan`)."""
+                chat: dict | None = None, extras: tuple = ()) -> tuple[fmt.Column, ...]:
+        """The columns this build writes (`chat`: a chat build's fields, `packer.builder.chat.scan`;
+        `extras`: --fields' columns, before the key)."""
+        columns = self._columns(kind, tokenizer, labeled=labeled, chat=chat)
+        return (*columns[:-1], *extras, columns[-1]) if extras else columns
+
+    def _columns(self, kind: str, tokenizer: TokenizerSpec | None, *, labeled: bool,
+                 chat: dict | None = None) -> tuple[fmt.Column, ...]:
         if kind == "chat":
             return self._chat_columns(tokenizer, chat or {})
         size = None if self.keep_aspect else self.image_size

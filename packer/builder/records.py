@@ -33,6 +33,7 @@ class Record:
     at: tuple[int, int] | None = None  # a tar member's (data offset, size); a Parquet row's (row group, row in it)
     text: str | None = None
     text_at: tuple[int, int, str] | None = None  # a tar member's (data offset, size, extension)
+    extra: tuple = ()  # --fields: (name, value) of each field kept, as its column stores it
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,4 @@ class Scan:
     fields: Mapping[str, str | None] | None = None  # a form's field of each role (image, text, label, id)
     sources: tuple[str, ...] = ()  # the files a form's records come from (manifests, tars, Parquet files)
     ignored: tuple[str, ...] = ()  # fields the input has that the build does not pack (said in its summary)
+    extras: tuple = ()  # --fields' columns (`packer.builder.forms.extra`)

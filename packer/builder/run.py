@@ -130,8 +130,11 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     tokenizer = tok[1] if tok else None
     template = config.template_for(found.kind)
     params = config.params(found.kind, tokenizer, template)
+    if config.fields and not found.extras and found.records:
+        raise ConfigError(f"--fields: RAW {config.raw} is {found.why}, whose records have no fields to keep (a "
+                          "manifest's, a Parquet row's, a tar sample's .json, a Common Voice row's)")
     columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None,
-                             chat=dict(found.fields) if found.kind == "chat" else None)
+                             chat=dict(found.fields) if found.kind == "chat" else None, extras=found.extras)
     if base is not None:
         append.check_compatible(config, base, params, columns, tokenizer)
         append.check_classes(config, base, found)

@@ -175,7 +175,7 @@ def _scan_files(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], st
     audio = sum(is_audio(rel) for rel, _ in files)
     if kind == "audio" or (kind is None and audio and audio >= sum(_ext(rel) in IMAGE_EXTS for rel, _ in files)):
         found = scan_audio(raw, files, skipped, classes, options.split, options.max_doc_bytes, options.no_text,
-                           quoted_tsv=options.quoted_tsv)
+                           quoted_tsv=options.quoted_tsv, kept=options.fields)
         return replace(found, stats=stats, why=found.why if kind is None else f"forced with --kind ({found.why})")
     files = _without_audio(files, skipped, kind)
     if not files:

@@ -392,8 +392,8 @@ def _image_sample(ctx: ShardContext, record: Record):
 
 
 def image_fields(record: Record) -> dict:
-    """Label (not in a flat folder's dataset) and key of an image record."""
-    key = {"key": key_bytes(record.key)}
+    """Label (not in a flat folder's dataset), --fields' values and key of an image record."""
+    key = {**dict(record.extra), "key": key_bytes(record.key)}
     return key if record.label is None else {"label": np.int64(record.label), **key}
 
 
@@ -408,7 +408,8 @@ def _audio_item(ctx: ShardContext, record: Record):
         clip = decode_audio(record.path, ctx.audio)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
-    fields = {"audio": clip} if record.label is None else {"audio": clip, "label": np.int64(record.label)}
+    fields = {"audio": clip, **dict(record.extra)} if record.label is None else {
+        "audio": clip, "label": np.int64(record.label), **dict(record.extra)}
     return (Document(record.key, transcript), fields) if ctx.tokenizer is not None else {
         **fields, "key": key_bytes(record.key)}
 
@@ -422,5 +423,5 @@ def _pair_item(ctx: ShardContext, record: Record):
         pixels = ctx.decode(record)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
-    return Document(record.key, caption), {"image": pixels} if record.label is None else {
-        "image": pixels, "label": np.int64(record.label)}
+    return Document(record.key, caption), {"image": pixels, **dict(record.extra)} if record.label is None else {
+        "image": pixels, "label": np.int64(record.label), **dict(record.extra)}

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from packer.builder.audio import EXTS as AUDIO_EXTS
-from packer.builder.forms import labels, manifest, parquet, splits, tar
+from packer.builder.forms import extra, labels, manifest, parquet, splits, tar
 from packer.builder.forms.fields import FieldOptions, describe
 from packer.builder.records import IMAGE_EXTS, Record, Scan
 from packer.dataset.format import Skip
@@ -86,6 +86,7 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
         items, classes = labels.assign(items, met, names, f"{where}: the labels ({fields['label']})")
     else:
         classes = None
+    items, extras = extra.typed(items, options.fields)
     records = _unique([r for r in items if isinstance(r, Record)], skipped)
     skipped += [s for s in items if isinstance(s, Skip)]
     if form == "manifest":
@@ -95,7 +96,7 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
     why = f"{NAMES[form]} ({describe(fields)})"
     return Scan("pairs" if fields["text"] else "images", tuple(records), tuple(sorted(skipped, key=lambda s: s.key)),
                 classes, stats, why, form=form, fields=fields, sources=tuple(p for _, p in mine),
-                ignored=tuple(ignored))
+                ignored=tuple(i for i in ignored if i not in {f.name for f in options.fields}), extras=extras)
 
 
 def manifest_named(raw: Path, files: list[tuple[str, str]], given: str | None) -> str | None:
@@ -153,7 +154,7 @@ def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: 
     if form == "tar":
         fields, ignored = tar.fields_of(mine, options)
         for rel, path in mine:
-            items.extend(tar.records(path, rel, fields, met, options.image))
+            items.extend(tar.records(path, rel, fields, met, options.image, options.fields))
         return fields, ignored, items, met
     if form == "parquet":
         fields = ignored = None
@@ -168,7 +169,7 @@ def _read(form: str, mine: list[tuple[str, str]], options: FieldOptions, stats: 
             elif parquet.class_names(pfile, fields["label"]) != names:  # a label would name another class
                 raise ConfigError(f"{rel}: its ClassLabel names are not {first}'s: its labels would name other "
                                   "classes; build the two apart")
-            items.extend(parquet.records(pfile, path, rel, fields, met))
+            items.extend(parquet.records(pfile, path, rel, fields, met, options.fields))
         if fields is None:
             raise SourceError(f"{mine[0][0]}: no readable Parquet file ({items[0].reason})")
         return {**fields, "class_names": names}, ignored, items, met

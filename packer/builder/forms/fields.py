@@ -36,6 +36,7 @@ class FieldOptions:
     manifest: str | None = None  # --manifest FILE: the one manifest to read
     quoted_tsv: bool = False  # a TSV's double quotes are CSV quoting, not text
     allow_outside: bool = False  # a manifest may name files outside RAW
+    fields: tuple = ()  # --fields: the records' other fields kept (`extra.Field`s)
 
     def named(self, role: str) -> str | None:
         value = getattr(self, role)

@@ -20,7 +20,7 @@ import os
 import stat
 from collections.abc import Iterator
 
-from packer.builder.forms import jsonarray
+from packer.builder.forms import extra, jsonarray
 from packer.builder.forms.fields import SPELLINGS, FieldOptions, choose
 from packer.builder.records import IMAGE_EXTS, Record
 from packer.builder.text import read_lines, too_long
@@ -217,10 +217,15 @@ def records(path: str, rel: str, fields: dict, options: FieldOptions, met: dict,
             yield Skip(key, "scan", f"{name}: outside RAW (an absolute path, '..' or a link out of it); pass "
                                     "--allow-outside to pack the files a manifest names outside RAW")
             continue
+        kept = extra.values(row, options.fields)
+        if isinstance(kept, str):
+            yield Skip(key, "scan", kept)
+            continue
         stats[image] = (st.st_size, st.st_mtime_ns)
         label = row.get(fields["label"]) if fields["label"] else None
         text = row.get(fields["text"]) if fields["text"] else None
-        yield Record(key, image, label=None if label is None else met.setdefault(label, len(met)), text=text)
+        yield Record(key, image, label=None if label is None else met.setdefault(label, len(met)), text=text,
+                     extra=kept)
 
 
 def _problem(row: dict, fields: dict) -> str | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+from packer.builder.forms import extra
 from packer.builder.forms.fields import FieldOptions, choose
 from packer.builder.forms.labels import problem as label_problem
 from packer.builder.records import Record
@@ -97,13 +98,18 @@ def class_names(pfile, label: str | None) -> tuple[str, ...] | None:
     return tuple(map(str, names)) if isinstance(names, list) and names else None
 
 
-def records(pfile, path: str, rel: str, fields: dict, met: dict) -> Iterator[Record | Skip]:
-    """A record per row of one file, its label (and id) read a row group at a time; a row whose
-    label is null or negative (the Hub's "no label") is a skip."""
+def records(pfile, path: str, rel: str, fields: dict, met: dict, kept: tuple = ()) -> Iterator[Record | Skip]:
+    """A record per row of one file, its label (and id, and the --fields `kept`) read a row group
+    at a time; a row whose label is null or negative (the Hub's "no label") is a skip."""
     import pyarrow as pa
 
     label, key_col = fields["label"], fields["id"]
-    columns = [c for c in (label, key_col) if c]
+    names = pfile.schema_arrow.names
+    missing = [f.name for f in kept if f.name not in names and f.default is None]
+    if missing:
+        raise ConfigError(f"--fields: {rel} has no column {missing[0]!r} (its columns: "
+                          f"{', '.join(map(repr, names[:12]))}); name one it has, or give a default ({missing[0]}=...)")
+    columns = [c for c in (label, key_col, *(f.name for f in kept if f.name in names)) if c]
     row = 0
     for g in range(pfile.metadata.num_row_groups):
         n = pfile.metadata.row_group(g).num_rows
@@ -115,6 +121,8 @@ def records(pfile, path: str, rel: str, fields: dict, met: dict) -> Iterator[Rec
             continue
         labels = table.column(label).to_pylist() if label else [None] * n
         ids = table.column(key_col).to_pylist() if key_col else [None] * n
+        present = [f.name for f in kept if f.name in names]
+        rows = table.select(present).to_pylist() if present else [{}] * n
         for i in range(n):
             key = f"{rel}:{ids[i]}" if ids[i] is not None else f"{rel}:{row + i}"
             value = labels[i]
@@ -125,5 +133,10 @@ def records(pfile, path: str, rel: str, fields: dict, met: dict) -> Iterator[Rec
             if why:
                 yield Skip(key, "scan", why)
                 continue
-            yield Record(key, path, label=None if label is None else met.setdefault(value, len(met)), at=(g, i))
+            values = extra.values(rows[i], kept)
+            if isinstance(values, str):
+                yield Skip(key, "scan", values)
+                continue
+            yield Record(key, path, label=None if label is None else met.setdefault(value, len(met)), at=(g, i),
+                         extra=values)
         row += n

@@ -17,6 +17,7 @@ import tarfile
 from collections.abc import Iterator
 from typing import NamedTuple
 
+from packer.builder.forms import extra
 from packer.builder.forms.fields import FieldOptions, choose
 from packer.builder.records import Record
 from packer.dataset.format import Skip, printable
@@ -315,10 +316,12 @@ def _json_caption(path: str, member: tarfile.TarInfo, options: FieldOptions) -> 
     return f"json:{key}" if key else None
 
 
-def records(path: str, rel: str, fields: dict, labels: dict, image_key: str | None = None) -> Iterator[Record | Skip]:
+def records(path: str, rel: str, fields: dict, labels: dict, image_key: str | None = None,
+            kept: tuple = ()) -> Iterator[Record | Skip]:
     """A record per sample of one tar, the label read from its member (`labels`: label text ->
     the class it names, filled as labels are met), or a Skip saying why it is none. Its image
-    is the member `image_key` names, else its first of IMAGE_MEMBERS (a shard may mix them)."""
+    is the member `image_key` names, else its first of IMAGE_MEMBERS (a shard may mix them);
+    `kept`: --fields, read from its `.json` member."""
     text, label = fields["text"], fields["label"]
     text_ext = text.split(":")[0] if text else None
     with open(path, "rb") as f:
@@ -347,7 +350,26 @@ def records(path: str, rel: str, fields: dict, labels: dict, image_key: str | No
                     yield Skip(name, "scan", f"no .{label} member that holds a label (a short line of text)")
                     continue
                 item["label"] = labels.setdefault(value, len(labels))
+            if kept:
+                values = extra.values(_json_member(f, members.get("json")), kept)
+                if isinstance(values, str):
+                    yield Skip(name, "scan", values)
+                    continue
+                item["extra"] = values
             yield Record(**item)
+
+
+def _json_member(f, member) -> dict:
+    """A sample's `.json` member as a dict ({} when it has none, or one that is not a JSON object)."""
+    import json
+
+    if member is None or member.size > JSON_BYTES:
+        return {}
+    try:
+        doc = json.loads(os.pread(f.fileno(), member.size, member.offset_data))
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
 
 
 def _label_text(f, member: tarfile.TarInfo | None) -> str | None:
