@@ -97,6 +97,44 @@ def train_transform(images: torch.Tensor, sizes=None, size: int = 224, scale=(0.
     return _transform(images, rows, cols, size, flips, dtype, mean, std, channels_last)
 
 
+def move_boxes(targets: torch.Tensor, crops, flips, size: int, lengths=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Detection boxes moved as `train_transform` moves the pixels under them: float [B, N, 4]
+    (x1, y1, x2, y2) in each sample's own pixels, its `crops` int [B, 4] (top, left, height,
+    width) resized to size x size and `flips` bool [B] -> the boxes in the output's pixels,
+    clipped to it, and bool [B, N] `keep`: a box that still has area in the crop (and, with
+    `lengths` int [B], is one of the sample's, not padding). All on `targets`' device, batched."""
+    crops = torch.as_tensor(crops).to(targets.device, targets.dtype)
+    top, left, h, w = crops.unbind(1)
+    scale = torch.stack([size / w, size / h, size / w, size / h], 1)[:, None, :]
+    moved = (targets - torch.stack([left, top, left, top], 1)[:, None, :]) * scale
+    moved = moved.clamp(0, size)
+    flips = torch.as_tensor(flips, dtype=torch.bool).to(targets.device)[:, None]
+    x1, y1, x2, y2 = moved.unbind(2)
+    moved = torch.stack([torch.where(flips, size - x2, x1), y1, torch.where(flips, size - x1, x2), y2], 2)
+    keep = (moved[..., 2] > moved[..., 0]) & (moved[..., 3] > moved[..., 1])
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths).to(targets.device)
+        keep &= torch.arange(targets.shape[1], device=targets.device)[None, :] < lengths[:, None]
+    return moved, keep
+
+
+def detection_transform(images: torch.Tensor, sizes, boxes: torch.Tensor, lengths=None, size: int = 512,
+                        scale=(0.3, 1.0), ratio=(3 / 4, 4 / 3), flip: float = 0.5,
+                        generator: torch.Generator | None = None, dtype=torch.float32, mean=IMAGENET_MEAN,
+                        std=IMAGENET_STD) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`train_transform` of a detection batch (a keep-aspect canvas and `image_size`, `boxes`
+    [B, N, 4] and `boxes_lengths` as Loader gives a COCO build) with its boxes moved with the
+    pixels (`move_boxes`): (images [B, 3, size, size], boxes [B, N, 4] in the output's pixels,
+    keep bool [B, N])."""
+    sizes = _sizes(images, sizes)
+    crops = rrc_boxes(sizes, scale, ratio, generator)
+    dev = generator.device if generator is not None else torch.device("cpu")
+    flips = torch.rand(len(sizes), generator=generator, device=dev) < flip
+    x = train_transform(images, sizes, size, boxes=crops, flips=flips, dtype=dtype, mean=mean, std=std)
+    moved, keep = move_boxes(boxes.to(torch.float32), crops, flips, size, lengths)
+    return x, moved, keep
+
+
 def eval_transform(images: torch.Tensor, sizes=None, size: int = 224, resize: int = 256, dtype=torch.float32,
                    mean=IMAGENET_MEAN, std=IMAGENET_STD, channels_last: bool = False) -> torch.Tensor:
     """uint8 canvas [B, H, W, 3] (+ `sizes`) -> `dtype` [B, 3, size, size]: torchvision's

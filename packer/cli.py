@@ -177,6 +177,12 @@ def _summary(manifest: fmt.Manifest, out: Path, seconds: float, *, quiet: bool, 
     )
 
 
+_BOX_NOTES = {"clipped": "clipped to their image", "dropped_no_area": "dropped (no area in their image)",
+              "dropped_unknown_image": "dropped (of an image the annotation does not list)",
+              "dropped_unknown_category": "dropped (of a category the annotation does not list)",
+              "dropped_malformed": "dropped (not a bbox of 4 numbers)"}
+
+
 def _input_notes(build: dict) -> list[str]:
     """What the build left out of its input, and the images whose transparency it dropped."""
     notes = []
@@ -188,6 +194,9 @@ def _input_notes(build: dict) -> list[str]:
         n = build["flattened"]
         notes.append(f"{n:,} image{'s' if n != 1 else ''} had transparency, dropped as Pillow's convert('RGB') does; "
                      "--background R,G,B composites them over a colour instead")
+    counted = (build.get("input") or {}).get("notes")
+    if counted:  # what an annotation got wrong (COCO's boxes)
+        notes.append("boxes: " + "; ".join(f"{n:,} {_BOX_NOTES.get(k, k)}" for k, n in counted.items()))
     if build.get("audio_clipped"):
         n = build["audio_clipped"]
         notes.append(f"{n:,} audio value{'s' if n != 1 else ''} past full scale clipped, or NaN stored as 0 "

@@ -103,7 +103,8 @@ class BuildConfig:
                                        metavar="SIZE")  # parsed into shard_rows / shard_bytes
     input: str | None = flag(bytes=UNLESS_DEFAULT, help="the input form, detected unless given: folder, parquet "
                              "(Hugging Face image datasets), tar (WebDataset shards), manifest (JSONL / JSON / CSV / "
-                             "TSV / Parquet naming image files)", choices=FORMS)
+                             "TSV / Parquet naming image files), coco (annotations/instances_*.json: images with their "
+                             "boxes)", choices=FORMS)
     image_key: str | None = flag(bytes=UNLESS_DEFAULT, help="the field, column or tar member extension "
                                  "holding the image (default: image, image_path, img, file_name, filepath, path; jpg, "
                                  "png, webp in a tar)", metavar="KEY")
@@ -241,7 +242,9 @@ class BuildConfig:
                             no_text=self.no_text, classes=read_names(self.classes) if self.classes else None,
                             split=self.split, max_doc_bytes=self.max_doc_bytes,
                             manifest=None if self.manifest is None else str(self.manifest), quoted_tsv=self.quoted_tsv,
-                            allow_outside=self.allow_outside, fields=parse_fields(self.fields))
+                            allow_outside=self.allow_outside, fields=parse_fields(self.fields),
+                            whole_images=(self.image_size, self.side_cap) if self.keep_aspect or self.image_size is None
+                            else None)
 
     @staticmethod
     def options() -> tuple:

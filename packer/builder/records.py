@@ -33,7 +33,8 @@ class Record:
     at: tuple[int, int] | None = None  # a tar member's (data offset, size); a Parquet row's (row group, row in it)
     text: str | None = None
     text_at: tuple[int, int, str] | None = None  # a tar member's (data offset, size, extension)
-    extra: tuple = ()  # --fields: (name, value) of each field kept, as its column stores it
+    extra: tuple = ()  # (name, value) of each other column it has (--fields', a COCO image's boxes), as stored
+    size: tuple[int, int] | None = None  # (width, height) its annotation gives (COCO): its file must be so
 
 
 @dataclass(frozen=True)
@@ -49,4 +50,5 @@ class Scan:
     fields: Mapping[str, str | None] | None = None  # a form's field of each role (image, text, label, id)
     sources: tuple[str, ...] = ()  # the files a form's records come from (manifests, tars, Parquet files)
     ignored: tuple[str, ...] = ()  # fields the input has that the build does not pack (said in its summary)
-    extras: tuple = ()  # --fields' columns (`packer.builder.forms.extra`)
+    extras: tuple = ()  # the records' other columns (--fields', `packer.builder.forms.extra`; COCO's boxes)
+    notes: Mapping[str, int] = field(default_factory=dict)  # what the input got wrong, counted (COCO's boxes)

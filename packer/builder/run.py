@@ -133,7 +133,7 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
     if config.fields and not found.extras and found.records:
         raise ConfigError(f"--fields: RAW {config.raw} is {found.why}, whose records have no fields to keep (a "
                           "manifest's, a Parquet row's, a tar sample's .json, a Common Voice row's)")
-    columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None,
+    columns = config.columns(found.kind, tokenizer, labeled=found.classes is not None and found.form != "coco",
                              chat=dict(found.fields) if found.kind == "chat" else None, extras=found.extras)
     if base is not None:
         append.check_compatible(config, base, params, columns, tokenizer)
@@ -160,7 +160,8 @@ def _scan_and_plan(config: BuildConfig) -> Prepared:
         "tokenizer": asdict(tokenizer) if tokenizer else None, "audio": audio.manifest() if audio else None,
         "skipped": [asdict(s) for s in skipped], "shards": [t.index for t in the_plan.tasks],
         "items": the_plan.items, "base": base_sha, "layout": found.why,
-        "input": {"form": found.form, "fields": dict(found.fields), "not_packed": list(found.ignored)}
+        "input": {"form": found.form, "fields": dict(found.fields), "not_packed": list(found.ignored),
+                  **({"notes": dict(found.notes)} if found.notes else {})}
         if found.form != "folder" else ({"form": "folder", "not_packed": list(found.ignored)} if found.ignored else None),
     }
     published = staging.claim(config, doc)

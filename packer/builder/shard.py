@@ -385,10 +385,28 @@ def _chat_samples(ctx: ShardContext, records, ticker: Ticker, skip, busy, stop: 
 
 def _image_sample(ctx: ShardContext, record: Record):
     try:
+        if record.size is not None:
+            check_annotated_size(record)
         pixels = ctx.decode(record)
     except SourceError as exc:
         return fmt.Skip(record.key, "decode", str(exc))
     return {"image": pixels, **image_fields(record)}
+
+
+def check_annotated_size(record: Record) -> None:
+    """SourceError where an image is not what its annotation's boxes were drawn on: another size,
+    or an EXIF orientation the build would turn it by."""
+    try:
+        with Image.open(record.path) as img:
+            size, orientation = img.size, img.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - one Pillow cannot open: the decode says why
+        return
+    if size != record.size:
+        raise SourceError(f"its file is {size[0]}x{size[1]}, its annotation says {record.size[0]}x{record.size[1]}: "
+                          "its boxes would not fit it")
+    if orientation not in (1, None):
+        raise SourceError(f"EXIF orientation {orientation}: its boxes are in the file's own orientation, which a build "
+                          "turns (strip the tag, or rotate the file and its boxes)")
 
 
 def image_fields(record: Record) -> dict:

@@ -55,7 +55,7 @@ def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, a
     classes, token ids fit the vocabulary, string columns and JPEG images decode."""
     path = shard_dir / fmt.column_file_names(column)["values"]
     values = arrays.values
-    if column.name == "label" and manifest.classes is not None and values.size:
+    if column.name in ("label", "box_labels") and manifest.classes is not None and values.size:
         low, high = int(values.min()), int(values.max())
         if low < 0 or high >= len(manifest.classes):
             raise IntegrityError(f"{path}: label {low if low < 0 else high} is outside the "

@@ -12,14 +12,15 @@ import os
 from pathlib import Path
 
 from packer.builder.audio import EXTS as AUDIO_EXTS
-from packer.builder.forms import extra, labels, manifest, parquet, splits, tar
+from packer.builder.forms import coco, extra, labels, manifest, parquet, splits, tar
 from packer.builder.forms.fields import FieldOptions, describe
 from packer.builder.records import IMAGE_EXTS, Record, Scan
 from packer.dataset.format import Skip
 from packer.errors import ConfigError, SourceError
 
-FORMS = ("folder", "parquet", "tar", "manifest")
-NAMES = {"parquet": "Hugging Face Parquet", "tar": "WebDataset tars", "manifest": "a manifest of image files"}
+FORMS = ("folder", "parquet", "tar", "manifest", "coco")
+NAMES = {"parquet": "Hugging Face Parquet", "tar": "WebDataset tars", "manifest": "a manifest of image files",
+         "coco": "COCO detection annotations"}
 PROBED = 4  # JSON / CSV / JSONL files looked into to tell a manifest from text
 INPUT_EXTS = IMAGE_EXTS | AUDIO_EXTS | {".txt", ".jsonl", ".json", ".csv", ".tsv", ".tar"}  # inputs besides Parquet
 
@@ -28,6 +29,8 @@ def detect(files: list[tuple[str, str]], options: FieldOptions) -> str | None:
     """The form RAW's files are in, when it is one of these (else None: a folder layout)."""
     if any(tar.is_tar(rel) for rel, _ in files):
         return "tar"
+    if coco.annotation_files(files):
+        return "coco"
     probed = 0
     unreadable = []
     for rel, path in files:
@@ -60,6 +63,8 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
                           "--input folder to read its files as text")
     if kind == "images":
         options = FieldOptions(**{**options.__dict__, "no_text": True})
+    if form == "coco":
+        return _scan_coco(raw, files, skipped, stats, options)
     probed: dict = {}  # a manifest's fields, by its path: probed once
     chosen = manifest_named(raw, files, options.manifest) if form == "manifest" else None
     mine = []
@@ -97,6 +102,29 @@ def scan(form: str, raw: Path, files: list[tuple[str, str]], skipped: list[Skip]
     return Scan("pairs" if fields["text"] else "images", tuple(records), tuple(sorted(skipped, key=lambda s: s.key)),
                 classes, stats, why, form=form, fields=fields, sources=tuple(p for _, p in mine),
                 ignored=tuple(i for i in ignored if i not in {f.name for f in options.fields}), extras=extras)
+
+
+def _scan_coco(raw: Path, files: list[tuple[str, str]], skipped: list[Skip], stats: dict,
+               options: FieldOptions) -> Scan:
+    """A COCO layout's images with their boxes (`coco`); the other files of RAW skips."""
+    if options.whole_images is None:
+        raise ConfigError(f"{raw}: COCO detection data is built as whole images, its boxes scaled with them: pass "
+                          "--keep-aspect (with --image-size S), or --image-size keep; a centre crop would cut boxes")
+    counts: dict = {}
+    items, names, used, sources = coco.scan(raw, files, options.split, *options.whole_images, counts)
+    listed = {r.path for r in items if isinstance(r, Record)}
+    for rel, path in files:
+        if rel in sources or path in listed:
+            continue
+        ext = os.path.splitext(rel)[1].lower()
+        skipped.append(Skip(rel, "scan", "an image the annotation does not list" if ext in IMAGE_EXTS else
+                            "neither an image the annotation lists nor the annotation"))
+    records = _unique([r for r in items if isinstance(r, Record)], skipped)
+    skipped += [s for s in items if isinstance(s, Skip)]
+    why = f"{NAMES['coco']} ({used}: {len(records):,} images, {len(names)} categories)"
+    return Scan("images", tuple(records), tuple(sorted(skipped, key=lambda s: s.key)), names, stats, why,
+                form="coco", fields={"image": "file_name", "label": "box_labels"}, sources=(str(raw / used),),
+                extras=coco.COLUMNS, notes={k: v for k, v in sorted(counts.items()) if v})
 
 
 def manifest_named(raw: Path, files: list[tuple[str, str]], given: str | None) -> str | None:

@@ -37,6 +37,7 @@ class FieldOptions:
     quoted_tsv: bool = False  # a TSV's double quotes are CSV quoting, not text
     allow_outside: bool = False  # a manifest may name files outside RAW
     fields: tuple = ()  # --fields: the records' other fields kept (`extra.Field`s)
+    whole_images: tuple[int | None, int | None] | None = None  # (S, max side) of a keep-aspect or 'keep' build
 
     def named(self, role: str) -> str | None:
         value = getattr(self, role)
