@@ -131,7 +131,10 @@ def test_bench_loaders_chat_quick_rows_padding_and_the_masks_compared(work, tmp_
     assert c["conversations"] > 40 and c["same_tokens"] == c["conversations"] and c["packed_only_tokens"] == 0
     assert c["baseline_only_text"] == "<think>\n\n</think>\n\n" and c["baseline_only_text_times"] == c["turns"]
     assert c["packed_epoch_labels"] == c["build_masked_tokens"] > 0  # no trained token lost or added by packing
-    assert report["build_s"] > 0 and report["summary"]["x_max_length"] > 0 and png.stat().st_size > 0
+    s = report["summary"]  # ratios from rounds alternating the rows
+    assert s["rounds"] == 2 and s["x_max_length_range"][0] <= s["x_max_length"] <= s["x_max_length_range"][1]
+    assert all(len(v) == 2 and min(v) > 0 for v in report["rounds"].values()) and set(report["rounds"]) == set(rows)
+    assert report["build_s"] > 0 and png.stat().st_size > 0
     table = capsys.readouterr().out
     assert "packed vs the Minimind-style Dataset" in table and "the masks differ" in table and "packer build" in table
 
