@@ -110,7 +110,8 @@ def model_folder(folder: Path) -> Path:
 
 class Tally:
     """What a row's batches held, over every pass: trained tokens (the rate's unit), the
-    batches' tokens, their padding, and conversations (PackedDocuments: pieces)."""
+    batches' tokens, their padding, and conversations (not counted in packed rows, where a long
+    one is in pieces)."""
 
     def __init__(self, pad_id: int | None = None):
         self.pad_id, self.trained, self.tokens, self.padding, self.conversations = pad_id, 0, 0, 0, 0
@@ -118,8 +119,7 @@ class Tally:
     def __call__(self, batch) -> int:
         if isinstance(batch, dict):  # PackedDocuments: `lengths` real tokens a row, a segment a piece
             lengths, tokens = batch["lengths"], batch["tokens"]
-            labels, padding = batch["labels"], tokens.numel() - int(lengths.sum())
-            conversations = len(batch["cu_seqlens"]) - 1 - int((lengths < tokens.shape[1]).sum())
+            labels, padding, conversations = batch["labels"], tokens.numel() - int(lengths.sum()), 0
         else:
             tokens, labels = batch
             padding, conversations = int((tokens == self.pad_id).sum()), len(tokens)
@@ -132,7 +132,7 @@ class Tally:
 
     def figures(self) -> dict:
         return {"padding_share": self.padding / max(self.tokens, 1),
-                "trained_per_conversation": self.trained / max(self.conversations, 1)}
+                "trained_per_conversation": self.trained / self.conversations if self.conversations else None}
 
 
 def _runs(flags: list[bool]) -> list[tuple[int, int]]:
@@ -198,14 +198,16 @@ def bench_chat(args) -> dict:
                                    "chat_template": model / "tokenizer_config.json"})
     tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
     bs, workers, results = args.chat, args.workers, []
+    masks = check_masks(out, MinimindStyleSFT(raw / "sft.jsonl", tok, pad=False), 200)
 
-    def run(name, family, make_iter, tally, threads, **kw):
+    def run(name, family, make_iter, tally, threads, per_conversation=None):
         r = {"system": name, "family": family, "kind": "chat", "threads": threads}
         try:
-            r.update(measure(make_iter, tally, passes=args.passes, **kw))
+            r.update(measure(make_iter, tally, passes=args.passes))
             r["trained_tokens_per_s"] = r.pop("samples_per_s")
             r["cpu_s_per_m_trained"] = 1000 * r.pop("cpu_s_per_1000")
             r.update(tally.figures())
+            r["trained_per_conversation"] = r["trained_per_conversation"] or per_conversation
             r["conversations_per_s"] = r["trained_tokens_per_s"] / max(r["trained_per_conversation"], 1e-9)
         except Exception as exc:  # noqa: BLE001 - a system that breaks is a row with its error
             r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -231,14 +233,14 @@ def bench_chat(args) -> dict:
     with Loader(packed, bs, seed=0) as loader:
         name = f"mmpack Loader(PackedDocuments(out, {MAX_LENGTH})), {loader.num_threads} thread(s)"
         passes_of[name] = lambda: itertools.chain.from_iterable(loader for _ in range(epochs))
-        run(name, "mmpack", passes_of[name], Tally(), loader.num_threads)
+        run(name, "mmpack", passes_of[name], Tally(), loader.num_threads, masks["build_masked_tokens"] / count)
         rounds = alternated(passes_of, tok.pad_token_id, 2 if args.quick else ROUNDS)
     del dataloaders  # their persistent workers end with them
     return {"command": f"bench loaders --chat {bs}" + (" --quick" if args.quick else ""), "kind": "chat",
             "machine": machine(), "load": load.report(), "batch_size": bs, "workers": workers,
             "max_length": MAX_LENGTH, "num_conversations": count, "build_s": build_s,
             "num_rows": len(packed), "build_padding_share": packed.padding_fraction,
-            "mask_check": check_masks(out, MinimindStyleSFT(raw / "sft.jsonl", tok, pad=False), 200),
+            "mask_check": masks,
             "results": results, "rounds": rounds, "summary": _summary(results, rounds), "baseline": MINIMIND_AT}
 
 
@@ -268,7 +270,10 @@ def _summary(results: list[dict], rounds: dict[str, list[float]]) -> dict | None
     def ratios(base: dict) -> list[float]:
         return sorted(p / b for p, b in zip(rounds[packed["system"]], rounds[base["system"]]))
     x, x_longest = ratios(fixed), ratios(longest)
+    whole = fixed["trained_per_conversation"] / packed["trained_per_conversation"]  # a conversation's labels: theirs / ours
     return {"x_max_length": statistics.median(x), "x_max_length_range": [x[0], x[-1]],
+            "x_conversations": statistics.median(x) * whole, "x_conversations_range": [x[0] * whole, x[-1] * whole],
+            "trained_per_conversation": [fixed["trained_per_conversation"], packed["trained_per_conversation"]],
             "x_longest": statistics.median(x_longest), "x_longest_range": [x_longest[0], x_longest[-1]],
             "rounds": len(x), "target_x": 50, "cpu_x_max_length": fixed["cpu_s_per_m_trained"] / max(
                 packed["cpu_s_per_m_trained"], 1e-9), "padding_packed": packed["padding_share"],
@@ -303,12 +308,16 @@ def chat_table(rep: dict) -> str:
                      f"{100 * s['padding_longest']:.0f}% to the batch's longest (>= 40%) and "
                      f"{100 * s['padding_max_length']:.0f}% to max_length: {'met' if s['met'] else 'NOT met'}; "
                      f"CPU seconds a trained token: the Minimind-style Dataset (max_length) {s['cpu_x_max_length']:,.0f}x "
-                     "the packed reader's (a figure other load on the machine moves less than a rate)")
+                     "the packed reader's (a figure other load on the machine moves less than a rate); in conversations "
+                     f"a second, {s['x_conversations']:,.1f}x ({s['x_conversations_range'][0]:,.1f}-"
+                     f"{s['x_conversations_range'][1]:,.1f}): Minimind's labels count "
+                     f"{s['trained_per_conversation'][0]:.1f} tokens a conversation (cut at max_length), ours "
+                     f"{s['trained_per_conversation'][1]:.1f} (whole)")
     lines += _mask_lines(rep["mask_check"])
     lines.append(f"one-time cost, in no rate: packer build {rep['build_s']:.1f} s for the {rep['num_conversations']:,} "
                  "conversations (template, tokenizer and masks, once)")
-    lines.append("trained tok/s: labels != -100 per second (each reader's own labels); conv/s: conversations (packed: "
-                 "pieces of them); padding: the share of the batches' tokens that is padding; CPUs/M: CPU seconds "
+    lines.append("trained tok/s: labels != -100 per second (each reader's own labels); conv/s: conversations a second "
+                 "(packed: its trained tokens over the build's per conversation); padding: the share of the batches' tokens that is padding; CPUs/M: CPU seconds "
                  f"per million trained tokens, DataLoader workers included; x base: vs the first row, as measured (each row "
                  f"its own moment; the ratios below alternate them); baseline: "
                  f"{rep['baseline']}, its workers kept between epochs (their start-up not timed)")
