@@ -1,7 +1,8 @@
 """`bench`: measured comparisons, one run each, as a table, `--json PATH` and `--plot PATH.png`.
 
     bench loaders  every loader on the same data vs the on-the-fly baseline, peers and memcpy
-                   (--audio: Loader(AudioClips) vs soundfile + soxr in DataLoader workers)
+                   (--audio: Loader(AudioClips) vs soundfile + soxr in DataLoader workers;
+                    --chat: Loader(PackedDocuments) vs a Minimind-style SFT Dataset: trained tokens/s, padding)
     bench sweep    DataLoader workers / Loader threads x batch size: throughput and the doctor's wait share, a plot
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
     bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
@@ -79,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                          "--threads-list, --passes, --cold)")
     lo.add_argument("--clips", type=int, default=2000, help="real audio clips to use with --audio")
     lo.add_argument("--seconds", type=float, default=3.0, help="crop length in seconds with --audio")
+    lo.add_argument("--chat", type=int, nargs="?", const=16, metavar="B", help="conversations instead, batch B (default "
+                    "16): a Minimind-style SFT Dataset in --workers DataLoader workers vs Loader(PackedDocuments)")
+    lo.add_argument("--conversations", type=int, default=3000, help="real conversations to use with --chat")
 
     sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput, and the share of a loop with a stand-in step "
                         "spent waiting (bench doctor's measure)")
@@ -193,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
-    if getattr(args, "audio", False) and (args.model or args.step_ms is not None):
-        ap.error("--audio measures the loaders alone: no --model or --step-ms with it")
+    if (getattr(args, "audio", False) or getattr(args, "chat", None)) and (args.model or args.step_ms is not None):
+        ap.error("--audio and --chat measure the loaders alone: no --model or --step-ms with them")
     if args.command == "doctor":
         return _doctor(args)
     if getattr(args, "plot", None):
@@ -207,6 +211,10 @@ def _main(argv: list[str] | None) -> int:
         from .audio_bench import audio_table, bench_audio, plot_audio
 
         result, text, plot = bench_audio(args), audio_table, plot_audio
+    elif args.command == "loaders" and args.chat:
+        from .chat_bench import bench_chat, chat_table, plot_chat
+
+        result, text, plot = bench_chat(args), chat_table, plot_chat
     elif args.command == "loaders":
         from .loaders_bench import bench_loaders
 

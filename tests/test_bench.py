@@ -109,6 +109,36 @@ def test_bench_loaders_audio_quick_rows_and_the_same_crops_as_on_the_fly(work, t
     assert (clips._lengths < clips.frames).any()  # and short clips padded
 
 
+def test_bench_loaders_chat_quick_rows_padding_and_the_masks_compared(work, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    out, png = tmp_path / "chat.json", tmp_path / "chat.png"
+    assert main(["loaders", "--chat", "8", "--quick", "--conversations", "64", "--passes", "1", "--work", str(work),
+                 "--json", str(out), "--plot", str(png)]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["system"]: r for r in report["results"]}
+    names = list(rows)
+    assert names[:2] == ["Minimind-style Dataset, pad to max_length 512, DataLoader 2 workers",
+                         "Minimind-style Dataset, pad to batch's longest, DataLoader 2 workers"]
+    assert len(names) == 3 and names[2].startswith("mmpack Loader(PackedDocuments(out, 512)), ")
+    for name, r in rows.items():
+        assert r["trained_tokens_per_s"] > 0 and r["conversations_per_s"] > 0 and r["cpu_s_per_m_trained"] > 0, name
+        assert 0 <= r["padding_share"] < 1, name
+    fixed, longest, packed = rows.values()
+    assert fixed["padding_share"] >= longest["padding_share"] > packed["padding_share"]  # max_length pads most
+    # the same conversations: the baseline's tokens are the build's, its mask the build's and the
+    # empty <think> block of each assistant turn, which ours leaves to the generation prompt
+    c = report["mask_check"]
+    assert c["conversations"] > 40 and c["same_tokens"] == c["conversations"] and c["packed_only_tokens"] == 0
+    assert c["baseline_only_text"] == "<think>\n\n</think>\n\n" and c["baseline_only_text_times"] == c["turns"]
+    assert c["packed_epoch_labels"] == c["build_masked_tokens"] > 0  # no trained token lost or added by packing
+    s = report["summary"]  # ratios from rounds alternating the rows
+    assert s["rounds"] == 2 and s["x_max_length_range"][0] <= s["x_max_length"] <= s["x_max_length_range"][1]
+    assert all(len(v) == 2 and min(v) > 0 for v in report["rounds"].values()) and set(report["rounds"]) == set(rows)
+    assert report["build_s"] > 0 and png.stat().st_size > 0
+    table = capsys.readouterr().out
+    assert "packed vs the Minimind-style Dataset" in table and "the masks differ" in table and "packer build" in table
+
+
 def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "sampler.json"
     assert main(["sampler", "--samples", "1e6,1e10", "--json", str(out)]) == 0

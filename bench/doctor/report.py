@@ -175,6 +175,20 @@ class PackedRun(_Trial):
 
 
 @dataclass(kw_only=True)
+class ChatPackedRun(_Trial):
+    """The first `conversations` of a chat Dataset's file packed (`chat.packed`), read by
+    Loader(PackedDocuments(seq_len)) in `rows`: its rate in conversations/s, the script's samples."""
+
+    conversations: int
+    seq_len: int
+    rows: int
+    batch_size: int  # the script's, as the Loader's
+    command: str  # `packer build` of the whole file
+    out: str
+    measured: Measured = flat()
+
+
+@dataclass(kw_only=True)
 class LoaderAlternatives:
     """A `loaders.Loader` as it is, and measured as it could be set."""
 
@@ -341,7 +355,7 @@ class Trials:
 
     workers_sweep: list[SweepRun] | None = None
     more_workers: SweepRun | None = None
-    packed: PackedRun | Failure | None = None
+    packed: PackedRun | ChatPackedRun | Failure | None = None
     persistent: PersistentRun | None = None
     loader_alternatives: LoaderAlternatives | None = None
 

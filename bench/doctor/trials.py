@@ -8,8 +8,9 @@ import os
 import tempfile
 from pathlib import Path
 
+from . import chat
 from .probes import ceiling
-from .report import Failure, LoaderAlternatives, PackedRun, PersistentRun, SweepRun, ThreadsRun
+from .report import ChatPackedRun, Failure, LoaderAlternatives, PackedRun, PersistentRun, SweepRun, ThreadsRun
 
 BUCKET_PADDING = 0.3  # a keep-aspect Loader's canvas this much padding: grouping by aspect is measured
 PACK_SAMPLE = 512  # files of an image folder packed to measure what packing gives
@@ -119,12 +120,16 @@ def _bucketed(loader):
         return Failure.of(exc)
 
 
-def packed(loader) -> PackedRun | Failure | None:
+def packed(loader) -> PackedRun | ChatPackedRun | Failure | None:
     """For a DataLoader over an image folder (ImageFolder's `root` and `samples`): up to
     PACK_SAMPLE of its files packed with `packer build` at the size its samples have, then
-    `loaders.Loader` over them alone, so the "pack the data" fix comes with a measured rate."""
+    `loaders.Loader` over them alone, so the "pack the data" fix comes with a measured rate.
+    Over conversations rendered with a chat template: `chat.packed`."""
     import torch
 
+    conversations = chat.packed(loader)
+    if conversations is not None:
+        return conversations
     samples = getattr(getattr(loader, "dataset", None), "samples", None)
     if not isinstance(loader, torch.utils.data.DataLoader) or not isinstance(samples, list) or not samples:
         return None

@@ -3,10 +3,11 @@ the report's figures; and the report said in a few lines, as `bench doctor` prin
 
 from __future__ import annotations
 
+from . import chat
 from .codec import from_json, to_json
 from .headline import said
-from .report import (Confirmed, Failure, Fix, LoaderAlternatives, OptimizerSteps, Probes, Replay, Report, Run, SampleCost,
-                     Trials)
+from .report import (ChatPackedRun, Confirmed, Failure, Fix, LoaderAlternatives, OptimizerSteps, Probes, Replay,
+                     Report, Run, SampleCost, Trials)
 
 DATA_BOUND = 0.10  # waiting more than this share of the loop: the data is what the step waits for
 AHEAD_OF_MODEL = 3.0  # a data-bound loader this much faster alone than the model: not its rate that waits
@@ -246,6 +247,8 @@ def _pack_fix(r: Report, cost: SampleCost) -> Fix | None:
     """Packing the data: measured on a sample of its files where that ran, else estimated."""
     fix, alone = "pack the data once (packer build RAW OUT) and read it with loaders.Loader", _alone(r)
     packed = (r.trials or Trials()).packed
+    if isinstance(packed, ChatPackedRun) and packed.samples_per_s and alone:
+        return chat.pack_fix(packed, alone)
     if packed and packed.samples_per_s and alone:
         rate = packed.samples_per_s
         if packed.root:  # the exact command, and the two lines of the script that change
