@@ -103,8 +103,18 @@ def request(make):
 
 
 def get(obs, store, key: str, **options):
-    """obstore's GET of `key` (a stream of its bytes once the answer's head is in), as `request` makes it."""
+    """obstore's GET of `key` (a stream of its bytes once the answer's head is in), as `request`
+    makes it: the head tried again, not the body (`read` reads both)."""
     return request(lambda: obs.get(store, key, **options))
+
+
+def read(obs, store, key: str, consume, **options):
+    """obstore's GET of `key` and `consume(stream)` of its body as one try, made again from its
+    start (`consume` begins anew: its sink's state is its own to reset) when the body is cut off
+    after the head (a connection closed, reset or silent mid-way), as a refused request is, until
+    the deadline: one cut body ended a run that the head's retries would have ridden out.
+    `consume`'s result."""
+    return request(lambda: consume(obs.get(store, key, **options)))
 
 
 def put(obs, store, key: str, data, **options):
