@@ -35,3 +35,46 @@ def test_a_body_cut_off_on_the_manifest_and_on_a_first_shard_is_read_again(s3, b
     finally:
         proxy.close()
 
+
+def test_after_a_storm_of_slowdowns_the_reader_is_paced_no_more(s3, built, tmp_path, monkeypatch):  # noqa: F811
+    """60% of the requests for a shard's files answered 503 SlowDown, then none (issue 61), with
+    many ranged GETs in flight: the epoch is whole, the rate no longer binds after the storm, and
+    no request waited on a start granted at a lower rate than the one it started under (the
+    requests waiting had been granted starts 1/rate apart at the storm's lowest rate, and kept
+    them however the rate grew: a request a second for as many seconds after a storm as requests
+    were waiting). How fast the rate is back is `bench remote --throttle`'s to show."""
+    import random
+
+    from packer.remote import pace as pacing
+    from packer.remote import transfer
+
+    from ..faulty_proxy import FaultyProxy
+
+    monkeypatch.setattr(pacing, "_pace", None)  # this process's, made anew for the count
+    monkeypatch.setattr(transfer, "RANGE_BYTES", 16384)  # many requests a shard, in flight at once
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    dice = random.Random(61)
+    storm = ["slowdown" if dice.random() < 0.6 else "ok" for _ in range(24)]
+    proxy = FaultyProxy(s3, storm, target="/shard-")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    rates, waits = [], [0.0]  # the rate after each answer; each wait for a start, in one piece
+    leave, enter = pacing.Pace._leave, pacing.Pace._enter
+
+    def counted(self, *, throttled: bool) -> None:
+        leave(self, throttled=throttled)
+        rates.append(self.rate)
+
+    def timed(self, sleep) -> None:
+        enter(self, lambda s: waits.append(s) or sleep(s))
+    monkeypatch.setattr(pacing.Pace, "_leave", counted)
+    monkeypatch.setattr(pacing.Pace, "_enter", timed)
+    try:
+        ds, local = MMapDataset(url, cache_dir=tmp_path / "storm"), MMapDataset(built["images"])
+        for a, b in zip(Loader(ds, 8, seed=4), Loader(local, 8, seed=4), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert proxy.used == storm and pacing.pace().throttled == storm.count("slowdown")
+        assert min(r for r in rates if r is not None) < 100 and rates[-1] is None  # slowed, then no longer
+        assert max(waits) <= getattr(pacing, "TICK_S", 0.05) + 1e-9, max(waits)
+    finally:
+        proxy.close()
