@@ -18,7 +18,8 @@ request whose line holds TEXT instead (the manifest's GET, a shard's), the other
     "ok"     passed on untouched (a place in the list)
 
 `refused = b"..."`: from then on, a request whose head holds those bytes (an access key's
-`Credential=KEY/`) is answered `403 ExpiredToken`, as S3 answers keys whose session ended.
+`Credential=KEY/`) is answered `refused_status` (400, as S3 answers it) `ExpiredToken`, as S3
+answers keys whose session ended.
 `outage(seconds)` stops the proxy as a restarting server does: every connection closed, new
 ones refused, then back on the same port. `used` lists the faults dealt so far; `gets` counts
 the GET requests for the target's paths that reached the proxy, faulty or not; `body_bytes`
@@ -49,6 +50,7 @@ class FaultyProxy:
         self._open: set[socket.socket] = set()
         self.gets = 0
         self.refused: bytes | None = None
+        self.refused_status = b"400 Bad Request"
         self.refusals = 0
         self._bodies = [0]
         threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
@@ -132,8 +134,9 @@ class FaultyProxy:
                         self.refusals += 1
                         body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ExpiredToken</Code>'
                                 b"<Message>The provided token has expired.</Message></Error>")
-                        client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
-                                       + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+                        client.sendall(b"HTTP/1.1 " + self.refused_status + b"\r\nContent-Type: application/xml\r\n"
+                                       b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+                                       + body)
                         return
                     if fault == "reset":
                         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -18,7 +18,9 @@ random time up to a doubling backoff (full jitter, so the ranks that met one bur
 back together; at most THROTTLED_WAIT_S for a throttled one, whose rate the pace slows already)
 and is made again by the same thread: a download in progress is never duplicated (the cache's
 lock holds other processes off the file meanwhile). The store client makes one try a call
-(`client.retry_config`): only here are tries counted.
+(`client.retry_config`): only here are tries counted. An answer that the keys expired is tried
+again where the keys are read again before each try (`credentials`), and final where they are
+not (keys in the environment never change within a process).
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ THROTTLED_WAIT_S = 1.0  # the longest wait before a throttled request is tried a
 # what a store says when it throttles: S3 503 SlowDown, Azure 503 ServerBusy, GCS and others 429
 THROTTLED_STATUS = (429, 503)
 THROTTLED = ("<Code>SlowDown<", "<Code>ServerBusy<", "<Code>TooManyRequests<", "<Code>RequestLimitExceeded<")
+# what S3 (and STS) say of keys past their end: keys read again (a profile a helper rewrites) mend it
+EXPIRED = ("<Code>ExpiredToken<", "<Code>ExpiredTokenException<", "<Code>RequestExpired<",
+           "<Code>TokenRefreshRequired<")
 # the answer's status in the client's message (never a number of the URL: a shard may be named 00503)
 _STATUS = re.compile(r"status code: (\d{3})")
 
@@ -83,9 +88,10 @@ class Pace:
         self.retries = 0  # tries made again, for any reason
         self.lowest = rate  # the lowest rate allowed since made (None: never limited)
 
-    def call(self, request, *, deadline_s: float, sleep=time.sleep):
+    def call(self, request, *, deadline_s: float, sleep=time.sleep, renewable: bool = True):
         """`request()` once it may start, made again after a throttling or passing failure until
-        `deadline_s` from now; its result, or the last failure raised."""
+        `deadline_s` from now; its result, or the last failure raised. `renewable`: the keys are
+        read again before a try (a profile's file), so an answer that they expired is tried again."""
         until = self._clock() + deadline_s
         backoff = BACKOFF_S[0]
         while True:
@@ -95,7 +101,7 @@ class Pace:
             except BaseException as exc:
                 kind = kind_of(exc)
                 self._leave(throttled=kind == "throttled")
-                if kind == "final" or self._clock() >= until:
+                if kind == "final" or (kind == "expired" and not renewable) or self._clock() >= until:
                     raise
                 most = min(backoff, THROTTLED_WAIT_S) if kind == "throttled" else backoff
                 wait = min(random.uniform(0, most), max(until - self._clock(), 0.0))
@@ -175,14 +181,17 @@ class Pace:
 
 
 def kind_of(exc: BaseException) -> str:
-    """"throttled", "final" (not found, refused credentials, a bad request, our own errors) or
-    "passing" (refused or reset connections, a body cut off, timeouts, other 5xx): what a try
-    again can mend."""
-    if isinstance(exc, (ConfigError, IntegrityError, KeyboardInterrupt, SystemExit, FileNotFoundError)) or \
-            "NotFound" in type(exc).__name__ or "PermissionDenied" in type(exc).__name__ or \
-            "Unauthenticated" in type(exc).__name__:
+    """"throttled", "expired" (keys past their end: keys read again mend it), "final" (not found,
+    refused credentials, a bad request, our own errors) or "passing" (refused or reset
+    connections, a body cut off, timeouts, other 5xx): what a try again can mend."""
+    if isinstance(exc, (ConfigError, IntegrityError, KeyboardInterrupt, SystemExit, FileNotFoundError)):
         return "final"
     text = str(exc).split("Debug source")[0]
+    if any(s in text for s in EXPIRED):  # (S3 says it with a 400 or a 403, whichever class the client gives it)
+        return "expired"
+    if "NotFound" in type(exc).__name__ or "PermissionDenied" in type(exc).__name__ or \
+            "Unauthenticated" in type(exc).__name__:
+        return "final"
     status = _STATUS.search(text)
     status = int(status.group(1)) if status else None
     if status in THROTTLED_STATUS or any(s in text for s in THROTTLED):

@@ -35,6 +35,24 @@ def test_what_a_store_says_is_read_from_its_status_not_from_the_url():
     assert kind_of(Answer("408 Request Timeout")) == "passing"
     assert kind_of(Exception("Generic S3 error: HTTP error: error sending request")) == "passing"
     assert kind_of(FileNotFoundError("x")) == "final" and kind_of(ConfigError("x")) == "final"
+    for code in ("ExpiredToken", "RequestExpired", "TokenRefreshRequired"):  # keys read again mend it, 400 or 403
+        assert kind_of(Answer("400 Bad Request", body=f"<Error><Code>{code}</Code></Error>")) == "expired"
+    assert kind_of(Answer("400 Bad Request", body="<Error><Code>InvalidArgument</Code></Error>")) == "final"
+
+
+def test_an_answer_that_the_keys_expired_is_tried_again_only_where_they_are_read_again():
+    clock, tries = Clock(), []
+
+    def expired():
+        tries.append(clock.now)
+        if len(tries) < 3:
+            raise Answer("400 Bad Request", body="<Error><Code>ExpiredToken</Code></Error>")
+        return "bytes"
+    assert Pace(clock=clock).call(expired, deadline_s=60, sleep=clock.sleep) == "bytes" and len(tries) == 3
+    tries.clear()
+    with pytest.raises(Answer):
+        Pace(clock=clock).call(expired, deadline_s=60, sleep=clock.sleep, renewable=False)
+    assert len(tries) == 1
 
 
 class Clock:

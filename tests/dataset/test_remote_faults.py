@@ -36,6 +36,60 @@ def test_a_body_cut_off_on_the_manifest_and_on_a_first_shard_is_read_again(s3, b
         proxy.close()
 
 
+def _profile(tmp_path, monkeypatch, keys: tuple[str, str]):
+    """No keys in the environment: a profile's credentials file holding `keys`, read again as it
+    changes (every 0.2 s at most); its path."""
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {keys[0]}\naws_secret_access_key = {keys[1]}\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("MMPACK_CREDENTIALS_REREAD_S", "0.2")
+    return creds
+
+
+def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_one_line(s3, built, tmp_path,  # noqa: F811
+                                                                                       monkeypatch):
+    """S3 answers 400 ExpiredToken to keys past their session's end. Keys from a profile: the
+    store refuses them before the helper has rewritten the file (it does so a second later); the
+    reader tries again, reads the new keys and the epoch is the local one (the 400 was final: one
+    line, 'Bad Request'). Keys in the environment cannot be read again: one line at the first
+    refusal that says so, not 120 s of tries."""
+    import threading
+
+    from bench.stores import KEY, SECRET
+    from packer.errors import ConfigError
+    from packer.remote import pace as pacing
+
+    from ..faulty_proxy import FaultyProxy
+    from .test_remote import ROTATED
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0  # (with the environment's keys)
+    proxy = FaultyProxy(s3, [], target="/")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        ds = MMapDataset(url, cache_dir=tmp_path / "env")  # the environment's keys: the manifest read
+        proxy.refused, tries = f"Credential={KEY}/".encode(), pacing.pace().retries
+        with pytest.raises(ConfigError, match="keys expired \\(ExpiredToken\\).*environment.*not read again") as got:
+            next(iter(Loader(ds, 8, seed=4)))
+        assert "\n" not in str(got.value) and proxy.refusals and pacing.pace().retries == tries  # at once: none again
+        proxy.refused = None
+        creds = _profile(tmp_path, monkeypatch, (KEY, SECRET))
+        local, ds = MMapDataset(built["images"]), MMapDataset(url, cache_dir=tmp_path / "profile")
+        proxy.refused = f"Credential={KEY}/".encode()  # expired, and the file not yet rewritten
+        renewed = threading.Timer(1.0, creds.write_text, [f"[default]\naws_access_key_id = {ROTATED[0]}\n"
+                                                          f"aws_secret_access_key = {ROTATED[1]}\n"])
+        renewed.start()
+        for a, b in zip(Loader(ds, 8, seed=4), Loader(local, 8, seed=4), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert proxy.refusals > 1
+    finally:
+        proxy.close()
+
+
+
 def test_after_a_storm_of_slowdowns_the_reader_is_paced_no_more(s3, built, tmp_path, monkeypatch):  # noqa: F811
     """60% of the requests for a shard's files answered 503 SlowDown, then none (issue 61), with
     many ranged GETs in flight: the epoch is whole, the rate no longer binds after the storm, and
