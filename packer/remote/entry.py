@@ -15,7 +15,7 @@ from packer.dataset.outdir import write_atomic
 from packer.errors import IntegrityError
 from packer.remote.cache import ShardCache
 from packer.remote.limits import check_limit
-from packer.remote.rows import Rows
+from packer.remote.rows import Rows, drop_dead
 from packer.remote import transfer
 from packer.remote.transfer import fetch_file, files_of, pull, read_published
 from packer.remote import placement
@@ -54,6 +54,9 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
     if limit is not None and limit < cache.index_bytes:
         check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)
     _open_entry(url, root, cache, manifest, packed)
+    if os.access(root, os.W_OK) and drop_dead(root)[1]:  # a killed reader's rows: its reservation leaves the ledger
+        with cache._accounting() as ledger:
+            ledger.recount()
     if limit is not None and limit < need and not Rows(cache).usable():
         # below a shard, only reads by rows serve (a Loader's or ds.batched's batches)
         check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)

@@ -13,7 +13,7 @@ import torch
 from loaders import Loader, MMapDataset
 from packer.cli import main
 
-from .test_remote import _url, endpoint, s3  # noqa: F401 - the server and its environment, fixtures
+from .test_remote import _url, endpoint, large_rows, s3  # noqa: F401 - the server, its environment, a dataset
 
 
 def test_a_body_cut_off_on_the_manifest_and_on_a_first_shard_is_read_again(s3, built, tmp_path, monkeypatch):  # noqa: F811
@@ -132,3 +132,25 @@ def test_after_a_storm_of_slowdowns_the_reader_is_paced_no_more(s3, built, tmp_p
         assert max(waits) <= getattr(pacing, "TICK_S", 0.05) + 1e-9, max(waits)
     finally:
         proxy.close()
+
+
+def test_a_reader_killed_while_reading_by_rows_leaves_no_scratch_past_the_next_open(s3, large_rows,  # noqa: F811
+                                                                                     tmp_path):
+    """A reader by rows killed (SIGKILL) mid-run left its scratch dir (a sparse file of each file
+    it read, at the file's full size) until a count of the entry that a reader with room never
+    makes: the next open of the entry removes it, and its bytes leave the ledger."""
+    from packer.remote.rows import SCRATCH
+
+    from .test_remote import _killed_reader, _shard_bytes
+
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    cache = tmp_path / "killed"
+    limit = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes + _shard_bytes(large_rows) * 3 // 10
+    pid = _killed_reader(url, cache, limit, 16, "random", 0.0)  # random at 30%: its batches by rows
+    left = [p for p in cache.rglob(f"{SCRATCH}/*") if p.name.startswith(f"{pid}-")]
+    assert left  # its dir and lock file
+    ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+    assert not [p for p in left if p.exists()]
+    with ds._cache._accounting() as ledger:
+        assert ledger.used == ds._cache.usage()  # (a recount would find the same)
