@@ -154,3 +154,66 @@ def test_a_reader_killed_while_reading_by_rows_leaves_no_scratch_past_the_next_o
     assert not [p for p in left if p.exists()]
     with ds._cache._accounting() as ledger:
         assert ledger.used == ds._cache.usage()  # (a recount would find the same)
+
+
+READ_ONLY = """
+import sys
+from loaders import MMapDataset
+from packer.errors import MmpackError
+try:
+    MMapDataset(sys.argv[1], cache_dir=sys.argv[2])
+except MmpackError as exc:
+    print('refused:', exc)
+"""
+
+
+def test_an_empty_read_only_cache_dir_is_one_line_naming_it(s3, built, tmp_path):  # noqa: F811
+    """A cache_dir on a read-only mount (an empty tmpfs, in a private mount namespace: root
+    writes through chmod) holds no copy to read and cannot take one: our one line naming the
+    dir and what to do, where it raised a raw OSError."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    mnt = tmp_path / "read-only"
+    mnt.mkdir()
+    shell = 'mount -t tmpfs -o ro,size=1m mmpack-cache "$1" && shift && exec "$@"'
+    root = Path(__file__).resolve().parents[2]
+    try:
+        res = subprocess.run(["unshare", "-rm", "sh", "-c", shell, "sh", str(mnt), sys.executable, "-c", READ_ONLY, url,
+                              str(mnt)], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+    except FileNotFoundError:
+        pytest.skip("needs unshare to mount a read-only tmpfs (test_an_unwritable_cache_dir_... covers the code)")
+    if "mount" in res.stderr and res.returncode != 0:
+        pytest.skip("needs user namespaces to mount a read-only tmpfs (test_an_unwritable_cache_dir_... covers the code)")
+    out = res.stdout.strip()
+    assert res.returncode == 0 and out.startswith("refused:") and out.count("\n") == 0, res.stdout + res.stderr
+    assert str(mnt) in out and "cannot be written" in out and "give a cache_dir" in out, out
+
+
+def test_an_unwritable_cache_dir_without_the_dataset_is_one_line_naming_it(s3, built, tmp_path, monkeypatch):  # noqa: F811
+    """The same refusal where no mount can be made: the dir's writes fail as a read-only file
+    system's do."""
+    import errno
+    from pathlib import Path
+
+    from packer.errors import ConfigError
+
+    url = _url(tmp_path, "images")
+    assert main(["push", str(built["images"]), url]) == 0
+    cache = tmp_path / "read-only"
+    cache.mkdir()
+    made = Path.mkdir
+
+    def mkdir(self, *args, **kwargs):
+        if str(self).startswith(str(cache)):
+            raise OSError(errno.EROFS, "Read-only file system", str(self))
+        return made(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
+    with pytest.raises(ConfigError, match="cannot be written \\(Read-only file system\\); give a cache_dir") as got:
+        MMapDataset(url, cache_dir=cache)
+    assert str(cache) in str(got.value) and "\n" not in str(got.value)
