@@ -147,6 +147,18 @@ class Rows:
                 self.block_list(next(iter(self.entries.values()))) is not None
         return self._usable
 
+    def why_not(self) -> str | None:
+        """Why this dataset is not read by rows, in words; None where it is (`usable`)."""
+        if self.usable():
+            return None
+        if not self.entries:
+            return "its samples are under 32 KiB each: a range is checked by its block of 64 KiB, which holds two or " \
+                "more, so each would bring its neighbours"
+        if not os.access(self.cache.root, os.W_OK):
+            return "its rows would be read into the cache dir, which this process cannot write"
+        return "the store holds no block lists beside its files (pushed by an older mmpack): push it again to read " \
+            "it by rows"
+
     def block_list(self, entry: fmt.FileEntry) -> bytes | None:
         """The block list of `entry`, checked against the manifest's checksum: from the cache,
         else the store (written into the cache); None where the store has none, or a damaged

@@ -217,3 +217,64 @@ def test_an_unwritable_cache_dir_without_the_dataset_is_one_line_naming_it(s3, b
     with pytest.raises(ConfigError, match="cannot be written \\(Read-only file system\\); give a cache_dir") as got:
         MMapDataset(url, cache_dir=cache)
     assert str(cache) in str(got.value) and "\n" not in str(got.value)
+
+
+
+@pytest.fixture(scope="module")
+def small_rows(tmp_path_factory):
+    """120 images of 16 px (rows of 768 bytes: no reads by rows) in 20 shards of 6, as a dataset
+    many times a batch's shards is."""
+    from bench import data
+
+    root = tmp_path_factory.mktemp("small-rows")
+    data.make_image_folders(root / "raw", 120, seed=3, max_side=64)
+    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", "16", "--shard-size", "6", "-q"]) == 0
+    return root / "out"
+
+
+def test_random_order_through_a_cache_too_small_for_its_shards_reads_by_rows_or_is_refused_before_a_batch(
+        s3, small_rows, large_rows, tmp_path, monkeypatch):  # noqa: F811
+    """A random order reads every shard all epoch long. Through a cache of 30% of the shards, with
+    samples under 32 KiB (no reads by rows), it fetched the dataset many times an epoch in
+    silence (13.6x at 64 px in issue 61): it is refused when the Loader is made, before a byte of
+    a shard comes, naming the limit that would hold, and at that limit an epoch fetches at most
+    1.5x the shards, counted at a proxy. Samples of 32 KiB or more (112 px) at 40%, where a
+    batch's shards fit and so came whole (4.3x, and a stall at 48 KiB): read by rows, about the
+    dataset once."""
+    import re
+
+    from packer.errors import ConfigError
+
+    from ..faulty_proxy import FaultyProxy
+    from .test_remote import _shard_bytes
+
+    for out, name in ((small_rows, "small"), (large_rows, "large")):
+        assert main(["push", str(out), _url(tmp_path, name)]) == 0
+    proxy = FaultyProxy(s3, [], target="/shard-")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+    try:
+        url, local, total = _url(tmp_path, "small"), MMapDataset(small_rows), _shard_bytes(small_rows)
+        fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes
+        ds = MMapDataset(url, cache_dir=tmp_path / "small", cache_limit=fixed + total * 3 // 10)
+        opened = proxy.body_bytes
+        with pytest.raises(ConfigError, match="a random order reads every shard") as got:
+            Loader(ds, 4, seed=1)
+        assert "\n" not in str(got.value) and "under 32 KiB" in str(got.value)
+        assert proxy.body_bytes == opened  # (the open's index files only: not a byte of a batch)
+        holds = int(re.search(r"raise cache_limit to ([0-9,]+) bytes", str(got.value)).group(1).replace(",", ""))
+        assert holds < fixed + total
+        ds = MMapDataset(url, cache_dir=tmp_path / "holds", cache_limit=holds)
+        before = proxy.body_bytes
+        for a, b in zip(Loader(ds, 4, seed=1), Loader(local, 4, seed=1), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert (proxy.body_bytes - before) / total <= 1.5, (proxy.body_bytes - before) / total
+
+        url, local, total = _url(tmp_path, "large"), MMapDataset(large_rows), _shard_bytes(large_rows)
+        fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes
+        ds, before = MMapDataset(url, cache_dir=tmp_path / "large", cache_limit=fixed + total * 4 // 10), proxy.body_bytes
+        for a, b in zip(Loader(ds, 4, seed=1), Loader(local, 4, seed=1), strict=True):
+            assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+        assert (proxy.body_bytes - before) / total <= 1.2 and ds.traffic["shard_downloads"] == 0
+    finally:
+        proxy.close()
+
