@@ -2,8 +2,9 @@
 small for what a reader must hold at once (the dataset's largest shard, a reader's mapped
 shards, one batch's shards), checked where each is known but always said the same way.
 
-When a Loader or `ds.batched` is made, its next pass is checked against the room each process
-has (`budgets`: the limit less the index files, over the node's ranks): a first batch that
+When a Loader, `ds.batched` or a StatefulDataLoader is made, its next pass is checked against
+the room each process has (`budgets`: the limit less the index files, over the node's ranks and
+the loader's worker processes, each of which maps its own batch's shards): a first batch that
 does not fit reads by rows (`packer.remote.rows`) where it can, else is refused
 (`check_room`); a random order whose shards the limit cannot hold, which would fetch them a
 shard at a time many times an epoch, reads by rows where it can, else is refused with the limit
@@ -36,12 +37,13 @@ def parse_limit(limit) -> int | None:
     return limit
 
 
-def check_limit(url: str, room: int, need: int, what: str, *, limit: int, advice: str = "") -> None:
+def check_limit(url: str, room: int, need: int, what: str, *, limit: int, advice: str = "",
+                sharers: str = "the node's other ranks") -> None:
     """A ConfigError when `need` bytes (`what` a reader holds at once) exceed `room`, the share
-    of the cache limit `limit` that is left for them."""
+    of the cache limit `limit` that is left for them (after the index files and `sharers`)."""
     if need > room:
-        left = "" if room == limit else f", and leaves {room:,} to this process (after the index files and the " \
-            "node's other ranks)"
+        left = "" if room == limit else f", and leaves {room:,} to this process (after the index files and " \
+            f"{sharers})"
         raise ConfigError(f"{url}: cache_limit {limit:,} bytes is too small: it must hold {need:,} bytes at once "
                           f"({what}){left}; raise cache_limit{advice}")
 
@@ -57,14 +59,27 @@ def local_ranks() -> int:
         return 1
 
 
+def processes(gather) -> int:
+    """The processes of this node that map shards of a limited cache at once, each its own
+    batch's: the node's ranks (LOCAL_WORLD_SIZE) times a loader's worker processes
+    (`gather.processes`, which StatefulDataLoader sets: two workers whose batches each held half
+    the limit waited 120 s on each other's pins, then failed)."""
+    return local_ranks() * max(1, getattr(gather, "processes", 1))
+
+
+def sharers(gather) -> str:
+    workers = max(1, getattr(gather, "processes", 1))
+    return "the node's other ranks" + (f" and this loader's {workers} worker processes" if workers > 1 else "")
+
+
 def budgets(gather) -> dict:
     """Bytes of shards each limited cache may hold for this process: its limit less its index
-    files, over the node's ranks."""
+    files, over the node's ranks and the loader's worker processes (`processes`)."""
     out = {}
     for r in gather.readers:
         cache = r.cache
         if cache is not None and cache.limit is not None:
-            out[id(cache)] = (cache.limit - cache.index_bytes) // local_ranks()
+            out[id(cache)] = (cache.limit - cache.index_bytes) // processes(gather)
     return out
 
 
@@ -136,8 +151,9 @@ def check_room(gather, batch_ids, num_batches: int, order: str | None = None, wi
         for key, nbytes in need.items():
             cache = _cache(gather, key)
             check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
-                        limit=cache.limit,
-                        advice=", or use a smaller batch" + (
+                        limit=cache.limit, sharers=sharers(gather),
+                        advice=", or use a smaller batch" + (" or fewer workers" if processes(gather) > local_ranks()
+                                                             else "") + (
                             ", or order='block' (its batches read a few shards once the dataset is many times its "
                             "window of 8,192 samples)" if order != "block" else
                             " (block order's batches read a few shards only on a dataset many times its window of "

@@ -7,8 +7,8 @@ first batches: what it starts with stays in the cache), lists their shards in or
 use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: all of it
 without a cache limit; under one, the next batch's shards and those of the few after it (at
 most PREFETCH_SHARDS, within PREFETCH_BATCHES batches), in at most half of what the limit leaves
-this process (the limit less the index files, shared by the node's ranks, LOCAL_WORLD_SIZE:
-`limits.budgets`).
+this process (the limit less the index files, shared by the node's ranks, LOCAL_WORLD_SIZE, and
+a loader's worker processes: `limits.budgets`).
 The rest of the room keeps shards read already, which an order that goes round reads again: a
 sequential scan at half the dataset's size fetches about half of it an epoch, where a window of
 the whole room fetched all of it. The same list orders eviction: a shard the list does not hold

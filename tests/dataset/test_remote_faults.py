@@ -278,3 +278,27 @@ def test_random_order_through_a_cache_too_small_for_its_shards_reads_by_rows_or_
     finally:
         proxy.close()
 
+
+def test_dataloader_workers_whose_batches_the_limit_cannot_hold_together_are_refused_when_it_is_made(
+        s3, small_rows, tmp_path, monkeypatch):  # noqa: F811
+    """Each worker of a StatefulDataLoader maps its own batch's shards: where one batch fits the
+    limit and two do not, the workers waited on each other's pins for 120 s, then failed. The
+    loader is refused when it is made, in one line naming the workers."""
+    from loaders import StatefulDataLoader
+    from packer.errors import ConfigError
+    from packer.remote import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "WAIT_FOR_ROOM_S", 3)  # (the wait there was, shortened)
+    url = _url(tmp_path, "images")
+    assert main(["push", str(small_rows), url]) == 0
+    local = MMapDataset(small_rows)
+    largest = max(s.size_bytes for s in local.manifest.shards)
+    fixed = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes
+    ds = MMapDataset(url, cache_dir=tmp_path / "two", cache_limit=fixed + largest * 3 // 2)
+    batches = ds.batched(6, shuffle=False)  # a shard a batch: one fits, two do not
+    first = next(iter(torch.utils.data.DataLoader(batches, batch_size=None)))  # in one process it is read
+    assert first["key"] == [local[i]["key"] for i in range(6)]
+    with pytest.raises(ConfigError, match="this loader's 2 worker processes.*or fewer workers") as got:
+        for _ in StatefulDataLoader(batches, num_workers=2, multiprocessing_context="fork", timeout=60):
+            pass
+    assert "\n" not in str(got.value)
