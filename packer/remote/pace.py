@@ -150,6 +150,8 @@ class Pace:
         at = max(self._grown_at, self._throttled_at)
         if now - at < STEP_S:
             return
+        while self._starts and self._starts[0] < now - 1.0:  # (after a pause: starts of long ago are not a rate)
+            self._starts.popleft()
         while now - at >= STEP_S and self.rate is not None:
             at += STEP_S
             self.rate *= RECOVERY if at - self._throttled_at >= QUIET_S else GROWTH
