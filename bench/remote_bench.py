@@ -78,7 +78,7 @@ def bench_remote(args) -> dict:
 
             keys = [f.path for s in local.manifest.shards for f in s.files if f.size_bytes <= 1 << 16]
             return {"command": "bench remote --throttle", "machine": machine(), "url": "a SeaweedFS server on loopback",
-                    "throttle": bench_throttle(endpoint, url, keys)}
+                    "throttle": bench_throttle(endpoint, url, keys, storm_s=6.0)}
         if getattr(args, "nodes", 0) and args.url is None:  # the multi-node job alone, on the small images
             from .nodes_bench import bench_nodes
 

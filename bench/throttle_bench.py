@@ -8,12 +8,19 @@ threads GET small objects as fast as they are answered, for `seconds` in all. Pe
 bins: the requests answered well a second; then the rate before the burst, the 503s the store
 had to answer (its load while it scales), and the seconds after the burst until the rate is
 back at 90% of the rate before it.
+
+Then a storm, paced: for `storm_s` seconds the proxy answers `storm_share` of the requests 503
+SlowDown whatever their rate, then none. A pace that halved at every throttling answer and grew
+1.25x a quiet quarter second sank to its floor (a request a second) within such a storm, and the
+starts it had granted at that rate held the requests back long after it (issue 61): the row
+says how soon the rate is back.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import statistics
 import threading
@@ -37,17 +44,28 @@ class Throttle:
         self.ok: list[float] = []
         self.refused: list[float] = []
         self.until, self.rate, self.next_free = 0.0, None, 0.0
+        self.share, self._dice = 0.0, random.Random(61)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def start_burst(self, rate: float, seconds: float) -> None:
         with self.lock:
             self.rate, self.until, self.next_free = rate, time.monotonic() + seconds, time.monotonic()
 
+    def start_storm(self, share: float, seconds: float) -> None:
+        """For `seconds` from now, `share` of the requests refused, whatever their rate."""
+        with self.lock:
+            self.rate, self.share, self.until = None, share, time.monotonic() + seconds
+
     def _admit(self) -> bool:
         now = time.monotonic()
         with self.lock:
             if now >= self.until:
                 return True
+            if self.rate is None:  # a storm
+                if self._dice.random() >= self.share:
+                    return True
+                self.refused.append(now)
+                return False
             if self.next_free <= now:  # one request each 1/rate s gets through, as a prefix being scaled serves some
                 self.next_free = max(self.next_free, now - 1.0 / self.rate) + 1.0 / self.rate
                 return True
@@ -112,7 +130,9 @@ def _length(head: bytes) -> int:
 
 
 def _way(paced: bool, endpoint: str, url: str, keys: list[str], threads: int, seconds: float, burst_at: float,
-         burst_s: float, burst_share: float) -> dict:
+         burst_s: float, burst_share: float, storm: bool = False) -> dict:
+    """One way's run; `storm`: `burst_share` of the requests refused whatever their rate (else
+    a burst: the store takes `burst_share` of the rate before it)."""
     from datetime import timedelta
 
     import obstore as obs
@@ -146,7 +166,10 @@ def _way(paced: bool, endpoint: str, url: str, keys: list[str], threads: int, se
             t.start()
         time.sleep(burst_at)
         before = _rate(throttle.ok, start + 1.0, start + burst_at)  # (the first second warms up connections)
-        throttle.start_burst(before * burst_share, burst_s)
+        if storm:
+            throttle.start_storm(burst_share, burst_s)
+        else:
+            throttle.start_burst(before * burst_share, burst_s)
         for t in pool:
             t.join()
         return _summary(throttle, start, seconds, burst_at, burst_s, before, pace._pace.report() if paced else None)
@@ -175,12 +198,19 @@ def _summary(throttle: Throttle, start: float, seconds: float, burst_at: float, 
 
 
 def bench_throttle(endpoint: str, url: str, keys: list[str], threads: int = 16, seconds: float = 14.0,
-                   burst_at: float = 4.0, burst_s: float = 2.0, burst_share: float = 0.1) -> dict:
-    """Both ways, one after the other, on the same server and objects (see the module)."""
+                   burst_at: float = 4.0, burst_s: float = 2.0, burst_share: float = 0.1, storm_s: float | None = None,
+                   storm_share: float = 0.6) -> dict:
+    """Both ways, one after the other, on the same server and objects, then (`storm_s`) the
+    storm, paced (see the module)."""
     ways = {name: _way(paced, endpoint, url, keys, threads, seconds, burst_at, burst_s, burst_share)
             for name, paced in (("paced", True), ("client retries", False))}
-    return {"threads": threads, "seconds": seconds, "burst_at_s": burst_at, "burst_s": burst_s,
-            "burst_share": burst_share, "bin_s": BIN_S, "ways": ways}
+    out = {"threads": threads, "seconds": seconds, "burst_at_s": burst_at, "burst_s": burst_s,
+           "burst_share": burst_share, "bin_s": BIN_S, "ways": ways}
+    if storm_s:  # as long after the storm as after the burst
+        out["storm"] = {"share": storm_share, "seconds": storm_s,
+                        **_way(True, endpoint, url, keys, threads, seconds + storm_s - burst_s, burst_at, storm_s,
+                               storm_share, storm=True)}
+    return out
 
 
 def throttle_table(r: dict) -> list[str]:
@@ -192,6 +222,14 @@ def throttle_table(r: dict) -> list[str]:
         after = "-" if w["rate_after"] is None else f"{w['rate_after']:,.0f}"
         rows.append(f"{name:>15} {w['rate_before']:>9,.0f} {w['rate_in_burst']:>10,.0f} {w['refused_503']:>7,} "
                     f"{back:>9} {after:>8}")
+    storm = r.get("storm")
+    if storm:
+        back = "never" if storm["recovered_after_s"] is None else f"{storm['recovered_after_s']:.2f}"
+        after = "-" if storm["rate_after"] is None else f"{storm['rate_after']:,.0f}"
+        rows += [f"then a storm: from {r['burst_at_s']:g} s the store answers {storm['share']:.0%} of the requests "
+                 f"503 SlowDown for {storm['seconds']:g} s, whatever their rate",
+                 f"{'paced, storm':>15} {storm['rate_before']:>9,.0f} {storm['rate_in_burst']:>10,.0f} "
+                 f"{storm['refused_503']:>7,} {back:>9} {after:>8}"]
     return rows
 
 
@@ -199,6 +237,11 @@ def plot_throttle(plt, r: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     for name, w in r["ways"].items():
         ax.plot([k * r["bin_s"] for k in range(len(w["bins_per_s"]))], w["bins_per_s"], label=name)
+    storm = r.get("storm")
+    if storm:
+        ax.plot([k * r["bin_s"] for k in range(len(storm["bins_per_s"]))], storm["bins_per_s"], label="paced, storm")
+        ax.axvspan(r["burst_at_s"] + r["burst_s"], r["burst_at_s"] + storm["seconds"], color="0.93",
+                   label=f"storm ({storm['share']:.0%} refused) goes on")
     ax.axvspan(r["burst_at_s"], r["burst_at_s"] + r["burst_s"], color="0.85", label="store throttling")
     ax.set_xlabel("seconds")
     ax.set_ylabel("requests answered well / s")

@@ -1,6 +1,7 @@
 """A loopback HTTP proxy in front of the test S3 server that spoils requests on purpose: each
 request for a path containing `target` takes the next fault of a list (other requests, and those
-after the list, pass through untouched):
+after the list, pass through untouched); a fault written "FAULT@TEXT" is taken by the first
+request whose line holds TEXT instead (the manifest's GET, a shard's), the others wait their turn:
 
     "reset"  the connection closed at once with a TCP reset, before any answer
     "503"    answered `503 Service Unavailable`, the connection closed
@@ -12,9 +13,13 @@ after the list, pass through untouched):
     "flip"   passed on, one byte of its answer's body flipped; never twice to one object (its
              path): a reader fetches a file again once on a mismatch, and an object whose bytes
              come wrong twice is a damaged one, which other tests damage at rest
+    "cut"    passed on, its answer's head and the first half of its body sent, then the
+             connection closed: a body cut off mid-way
+    "ok"     passed on untouched (a place in the list)
 
 `refused = b"..."`: from then on, a request whose head holds those bytes (an access key's
-`Credential=KEY/`) is answered `403 ExpiredToken`, as S3 answers keys whose session ended.
+`Credential=KEY/`) is answered `refused_status` (400, as S3 answers it) `ExpiredToken`, as S3
+answers keys whose session ended.
 `outage(seconds)` stops the proxy as a restarting server does: every connection closed, new
 ones refused, then back on the same port. `used` lists the faults dealt so far; `gets` counts
 the GET requests for the target's paths that reached the proxy, faulty or not; `body_bytes`
@@ -45,6 +50,7 @@ class FaultyProxy:
         self._open: set[socket.socket] = set()
         self.gets = 0
         self.refused: bytes | None = None
+        self.refused_status = b"400 Bad Request"
         self.refusals = 0
         self._bodies = [0]
         threading.Thread(target=self._accept, args=(self.server,), daemon=True).start()
@@ -88,14 +94,24 @@ class FaultyProxy:
         path = request_line.split(b" ")[1].split(b"?")[0] if b" " in request_line else request_line
         with self._lock:
             self.gets += request_line.startswith(b"GET ") and self.target in request_line
-            if self.target in request_line and self.faults:
-                if self.faults[0] == "flip" and path in self._flipped:
+            for i, fault in enumerate(self.faults):
+                name, _, where = fault.partition("@")
+                if where:
+                    if where.encode() not in request_line:
+                        continue
+                elif self.target not in request_line or i != self._first_plain():
+                    continue
+                if name == "flip" and path in self._flipped:
                     return "ok"  # kept for another object's request
-                self.used.append(self.faults.pop(0))
-                if self.used[-1] == "flip":
+                self.used.append(self.faults.pop(i))
+                if name == "flip":
                     self._flipped.add(path)
-                return self.used[-1]
+                return name
         return "ok"
+
+    def _first_plain(self) -> int:
+        """The place of the list's first fault without a target of its own (under the lock)."""
+        return next((i for i, f in enumerate(self.faults) if "@" not in f), -1)
 
     def _serve(self, client: socket.socket) -> None:
         upstream = socket.create_connection(self.upstream)
@@ -118,8 +134,9 @@ class FaultyProxy:
                         self.refusals += 1
                         body = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ExpiredToken</Code>'
                                 b"<Message>The provided token has expired.</Message></Error>")
-                        client.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
-                                       + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+                        client.sendall(b"HTTP/1.1 " + self.refused_status + b"\r\nContent-Type: application/xml\r\n"
+                                       b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+                                       + body)
                         return
                     if fault == "reset":
                         client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -161,9 +178,10 @@ def _length(head: bytes) -> int:
 
 
 def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque, bodies: list) -> None:
-    """The store's answers to the client, each one's body flipped at FLIP_AT, or made longer,
-    if its request's fault says so; `bodies[0]` counts their bytes."""
-    buf, body_left, flip_at, pad = b"", 0, -1, 0
+    """The store's answers to the client, each one's body flipped at FLIP_AT, made longer, or cut
+    off half-way (the connection closed), if its request's fault says so; `bodies[0]` counts
+    their bytes."""
+    buf, body_left, flip_at, pad, cut_at = b"", 0, -1, 0, -1
     try:
         while True:
             chunk = src.recv(65536)
@@ -174,6 +192,10 @@ def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque, b
             while buf:
                 if body_left:  # inside an answer's body
                     take = buf[:body_left]
+                    if 0 <= cut_at < len(take):  # half of it sent: the connection closes
+                        dst.sendall(bytes(out) + take[:cut_at])
+                        return
+                    cut_at -= len(take) if cut_at >= 0 else 0
                     if 0 <= flip_at < len(take):
                         take = bytearray(take)
                         take[flip_at] ^= 0xFF
@@ -195,6 +217,7 @@ def _answers(src: socket.socket, dst: socket.socket, flips: collections.deque, b
                 head, body_left = buf[:end], _length(buf[:end])
                 fault = flips.popleft() if flips else "ok"
                 flip_at = FLIP_AT if fault == "flip" and body_left > FLIP_AT else -1
+                cut_at = body_left // 2 if fault == "cut" and body_left > 1 else -1
                 if fault == "long" and body_left:
                     pad = LONG_BYTES
                     head = _with_length(head, body_left + pad)

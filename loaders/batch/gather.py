@@ -69,6 +69,7 @@ class ColumnGather:
         # whole ones do not fit the cache limit (`rows_pass`, set by `check_room`) and in a
         # pass's first batch (`cold`): it waits for its rows, not for every shard it touches
         self.rows_pass, self.cold = False, True
+        self.processes = 1  # the loader's worker processes, each mapping its own batch's shards (`limits.budgets`)
         self._rowed: dict[int, tuple] = {}  # shard -> (scratch dir, paths read by rows), this batch
         self._rows: dict = {}  # this process's `packer.remote.rows.Rows` of each reader
         self._ends = ends
@@ -87,11 +88,15 @@ class ColumnGather:
     def __getstate__(self) -> dict:
         """Without the maps and addresses found so far: pickled (to a DataLoader's spawned
         worker), the maps' bytes would go whole into the pickle, and their addresses mean
-        nothing in another process. The reader pickles as its path."""
-        return {"reader": self.readers, "names": [c.name for c in self.columns], "padding_value": self.padding_value}
+        nothing in another process. The reader pickles as its path; what the checks of a cache
+        limit decided (`packer.remote.limits`) goes with it: a spawned worker that lost
+        `rows_pass` fetched whole shards the limit could not hold."""
+        return {"reader": self.readers, "names": [c.name for c in self.columns], "padding_value": self.padding_value,
+                "rows_pass": self.rows_pass, "processes": self.processes}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["reader"], state["names"], state.get("padding_value", 0))
+        self.rows_pass, self.processes = state.get("rows_pass", False), state.get("processes", 1)
 
     def image_column(self) -> str:
         """The column whose samples have their own sizes (height, width, channels): what a batch

@@ -1,7 +1,8 @@
 """Datasets in object storage, one package with one interface: the URL (`url`), the client and
 its helper for forked processes (`client`, `helper`), whole files up and down (`transfer`:
 push, pull, a file fetched verified), the node's cache of a dataset (`entry`, `cache`, `ledger`,
-`limits`) and the fetch scheduling that fills it ahead of a pass's batches (`lookahead`).
+`limits`: what a limit must hold) and the fetch scheduling that fills it ahead of a pass's
+batches (`lookahead`).
 
 It imports the format (`packer.dataset`) and is never imported by it: a local dataset needs
 none of this. `loaders` opens URLs through it.
@@ -9,8 +10,8 @@ none of this. `loaders` opens URLs through it.
 
 from packer.remote.cache import ShardCache
 from packer.remote.entry import build_dir, materialize, open_cached
-from packer.remote.limits import check_limit, parse_limit
-from packer.remote.lookahead import Lookahead, check_first_batches
+from packer.remote.limits import check_first_batches, check_limit, parse_limit
+from packer.remote.lookahead import Lookahead
 from packer.remote.transfer import DEFAULT_CACHE, DOWNLOADS, pull, push, push_staging, read_manifest, read_published
 from packer.remote.url import SCHEMES, Remote, is_url
 

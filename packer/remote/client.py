@@ -13,6 +13,7 @@ process that uses it, never inherited by a fork.
 from __future__ import annotations
 
 import os
+import re
 from datetime import timedelta
 
 from packer.errors import ConfigError, IntegrityError
@@ -98,13 +99,24 @@ def request(make):
     """`make()`, one request to a store, paced with this process's others and tried again after
     refused or reset connections, timeouts, 5xx and throttling until the deadline (not a count:
     ten quick refusals were over in 5 s, inside any restart), so a store back after a minute is
-    found within seconds: `pace`."""
-    return pace.pace().call(make, deadline_s=deadline_s())
+    found within seconds: `pace`. An answer that the keys expired is tried again where the keys
+    are read again (`credentials.renewable`)."""
+    return pace.pace().call(make, deadline_s=deadline_s(), renewable=credentials.renewable())
 
 
 def get(obs, store, key: str, **options):
-    """obstore's GET of `key` (a stream of its bytes once the answer's head is in), as `request` makes it."""
+    """obstore's GET of `key` (a stream of its bytes once the answer's head is in), as `request`
+    makes it: the head tried again, not the body (`read` reads both)."""
     return request(lambda: obs.get(store, key, **options))
+
+
+def read(obs, store, key: str, consume, **options):
+    """obstore's GET of `key` and `consume(stream)` of its body as one try, made again from its
+    start (`consume` begins anew: its sink's state is its own to reset) when the body is cut off
+    after the head (a connection closed, reset or silent mid-way), as a refused request is, until
+    the deadline: one cut body ended a run that the head's retries would have ridden out.
+    `consume`'s result."""
+    return request(lambda: consume(obs.get(store, key, **options)))
 
 
 def put(obs, store, key: str, data, **options):
@@ -149,6 +161,9 @@ def errors(remote: Remote, what: str):
             text = str(exc).splitlines()[0].split(": <?xml")[0][:200] if str(exc) else name  # (no XML of the store)
             if not_found(exc):
                 raise IntegrityError(f"{remote.url}: {what}: not found ({text})") from None
+            if pace.kind_of(exc) == "expired":
+                raise ConfigError(f"{remote.url}: {what}: the store says the keys expired ({expired_code(exc)}); "
+                                  f"{credentials.expired_advice(deadline_s())}") from None
             if "error sending request" in str(exc) or "Connection refused" in str(exc):
                 raise ConfigError(f"{remote.url}: {what}: the store did not answer; check its endpoint and that it is "
                                   f"up ({text})") from None
@@ -176,6 +191,12 @@ def size(obs, client, key: str) -> int | None:
     """The object's size, None where there is none."""
     got = head(obs, client, key)
     return None if got is None else got.meta["size"]
+
+
+def expired_code(exc: BaseException) -> str:
+    """The store's code in an answer that the keys expired (ExpiredToken, RequestExpired, ...)."""
+    found = re.search(r"<Code>(\w+)</Code>", str(exc))
+    return found.group(1) if found else "ExpiredToken"
 
 
 def not_found(exc: BaseException) -> bool:

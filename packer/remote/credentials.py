@@ -49,6 +49,24 @@ def profile_provider():
     return Profile(profile_name())
 
 
+def renewable() -> bool:
+    """Whether this process reads its keys again while it runs: a profile's (read again as its
+    file changes, or boto3's refreshing session) or a source the client refreshes itself (web
+    identity, container or instance metadata); not keys in the environment, which no one can
+    change within a process. An answer that the keys expired is tried again only where they are."""
+    return not os.environ.get("AWS_ACCESS_KEY_ID")
+
+
+def expired_advice(deadline_s: float) -> str:
+    """What to do when the store still says the keys expired."""
+    if renewable():
+        return (f"they were read again for {deadline_s:g} s (MMPACK_REMOTE_DEADLINE) and stayed expired: check "
+                f"that whatever renews them (the helper that rewrites {files()[0]}, SSO, the role) still runs")
+    return ("keys in the environment (AWS_ACCESS_KEY_ID, AWS_SESSION_TOKEN) are not read again while a process runs: "
+            f"start it with new ones, or keep them in a profile that a helper renews ({files()[0]}, read again as it "
+            "changes)")
+
+
 def profile_region() -> str | None:
     """The profile's region (its config file), where the environment names none."""
     name = profile_name()

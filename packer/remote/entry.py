@@ -12,10 +12,10 @@ from pathlib import Path
 
 from packer.dataset import format as fmt
 from packer.dataset.outdir import write_atomic
-from packer.errors import IntegrityError
+from packer.errors import ConfigError, IntegrityError
 from packer.remote.cache import ShardCache
 from packer.remote.limits import check_limit
-from packer.remote.rows import Rows
+from packer.remote.rows import Rows, drop_dead
 from packer.remote import transfer
 from packer.remote.transfer import fetch_file, files_of, pull, read_published
 from packer.remote import placement
@@ -48,12 +48,18 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
     manifest, packed = published or read_published(url)
     root = entry_dir(url, manifest, cache_dir)
     cache = ShardCache(url, root, manifest, limit, packed)
-    root.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a read-only (or foreign) cache dir without this dataset
+        raise _unwritable(url, root, exc) from None
     cache._here()  # held by this process from now on: never removed whole while it is open
     need = cache.index_bytes + max(cache.sizes, default=0)
     if limit is not None and limit < cache.index_bytes:
         check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)
     _open_entry(url, root, cache, manifest, packed)
+    if os.access(root, os.W_OK) and drop_dead(root)[1]:  # a killed reader's rows: its reservation leaves the ledger
+        with cache._accounting() as ledger:
+            ledger.recount()
     if limit is not None and limit < need and not Rows(cache).usable():
         # below a shard, only reads by rows serve (a Loader's or ds.batched's batches)
         check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)
@@ -71,8 +77,12 @@ def _open_entry(url: str, root: Path, cache: ShardCache, manifest: fmt.Manifest,
                                      "read-only; fetch it again where the cache can be written")
             cache.check_index()
             return cache
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "a") as lock:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = open(root.parent / f".{root.name}.lock", "a")
+    except OSError as exc:  # a read-only cache that holds other builds, not this one
+        raise _unwritable(url, root, exc) from None
+    with lock:
         flock(lock)
         if (root / fmt.MANIFEST_NAME).is_file():
             cache.check_index()  # an index file changed since it was checked: hashed, fetched again if it differs
@@ -87,6 +97,13 @@ def _open_entry(url: str, root: Path, cache: ShardCache, manifest: fmt.Manifest,
                 raise
             cache.check_index(every=True)  # their stamps
     return cache
+
+
+def _unwritable(url: str, root: Path, exc: OSError) -> ConfigError:
+    """The one line for a cache dir this process cannot write that lacks this build."""
+    return ConfigError(f"{url}: the cache dir {root.parent.parent} holds no copy of this build and cannot be written "
+                       f"({exc.strerror or exc}); give a cache_dir this process can write (a read-only cache is read "
+                       "once it was filled where it could be written)")
 
 
 def _changed_manifests(root: Path, manifest: fmt.Manifest) -> list[Path]:

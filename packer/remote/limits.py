@@ -1,9 +1,19 @@
 """Cache limits: a user's `cache_limit` read as bytes, and the one refusal when a limit is too
 small for what a reader must hold at once (the dataset's largest shard, a reader's mapped
-shards, one batch's shards), checked where each is known but always said the same way."""
+shards, one batch's shards), checked where each is known but always said the same way.
+
+When a Loader, `ds.batched` or a StatefulDataLoader is made, its next pass is checked against
+the room each process has (`budgets`: the limit less the index files, over the node's ranks and
+the loader's worker processes, each of which maps its own batch's shards): a first batch that
+does not fit reads by rows (`packer.remote.rows`) where it can, else is refused
+(`check_room`); a random order whose shards the limit cannot hold, which would fetch them a
+shard at a time many times an epoch, reads by rows where it can, else is refused with the limit
+that would hold them (`check_random`); block order's window over the room is a warning
+(`check_window`)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 from packer.errors import ConfigError
@@ -27,11 +37,191 @@ def parse_limit(limit) -> int | None:
     return limit
 
 
-def check_limit(url: str, room: int, need: int, what: str, *, limit: int, advice: str = "") -> None:
+def check_limit(url: str, room: int, need: int, what: str, *, limit: int, advice: str = "",
+                sharers: str = "the node's other ranks") -> None:
     """A ConfigError when `need` bytes (`what` a reader holds at once) exceed `room`, the share
-    of the cache limit `limit` that is left for them."""
+    of the cache limit `limit` that is left for them (after the index files and `sharers`)."""
     if need > room:
-        left = "" if room == limit else f", and leaves {room:,} to this process (after the index files and the " \
-            "node's other ranks)"
+        left = "" if room == limit else f", and leaves {room:,} to this process (after the index files and " \
+            f"{sharers})"
         raise ConfigError(f"{url}: cache_limit {limit:,} bytes is too small: it must hold {need:,} bytes at once "
                           f"({what}){left}; raise cache_limit{advice}")
+
+
+FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
+MOST_FETCHED = 1.5  # times its shards an epoch in random order may fetch, a shard at a time, before it is refused
+
+
+def local_ranks() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def processes(gather) -> int:
+    """The processes of this node that map shards of a limited cache at once, each its own
+    batch's: the node's ranks (LOCAL_WORLD_SIZE) times a loader's worker processes
+    (`gather.processes`, which StatefulDataLoader sets: two workers whose batches each held half
+    the limit waited 120 s on each other's pins, then failed)."""
+    return local_ranks() * max(1, getattr(gather, "processes", 1))
+
+
+def sharers(gather) -> str:
+    workers = max(1, getattr(gather, "processes", 1))
+    return "the node's other ranks" + (f" and this loader's {workers} worker processes" if workers > 1 else "")
+
+
+def budgets(gather) -> dict:
+    """Bytes of shards each limited cache may hold for this process: its limit less its index
+    files, over the node's ranks and the loader's worker processes (`processes`)."""
+    out = {}
+    for r in gather.readers:
+        cache = r.cache
+        if cache is not None and cache.limit is not None:
+            out[id(cache)] = (cache.limit - cache.index_bytes) // processes(gather)
+    return out
+
+
+def check_first_batches(source, epochs) -> None:
+    """`check_room` for the next pass of `epochs` over a remote dataset's gather (else nothing):
+    what Loader and BatchedDataset check when they are made."""
+    if getattr(source, "remote", False):
+        twin = epochs.twin()
+        p = twin.upcoming()
+        order = getattr(epochs, "order", None)
+        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, order, getattr(epochs, "block_window", None))
+        if order == "random" and not source.rows_pass:
+            check_random(source, min(1.0, local_ranks() / max(1, getattr(epochs, "world_size", 1))))
+        if order == "block" and not source.rows_pass:
+            check_window(source, epochs)
+
+
+def check_window(gather, epochs) -> None:
+    """A warning where the shards of block order's first window (the samples a rank reads
+    shuffled among themselves) hold more bytes than the cache limit leaves this process: every
+    batch draws from all of them, so evicting any is fetching it again within the window, many
+    times an epoch. Said with the limit that would hold them and the largest window (halving it)
+    whose shards fit."""
+    room = budgets(gather)
+    if not room:  # no limited cache: nothing to say, and no window's ids to compute at start-up
+        return
+
+    def need(window: int) -> dict:
+        twin = epochs.twin()
+        twin.block_window = window
+        p = twin.upcoming()
+        shards = set()
+        for b in range(min(p.num_batches, -(-window // twin.batch_size))):
+            shards.update(gather.shards_of(twin.batch_ids(p, b)).tolist())
+        return _bytes_by_cache(gather, shards, room)
+
+    def over(needs: dict) -> list:
+        return [key for key, nbytes in needs.items() if nbytes > room[key]]
+    needs = need(epochs.block_window)
+    if not over(needs):
+        return
+    fits = epochs.block_window // 2
+    while fits > 1 and over(need(fits)):
+        fits //= 2
+    import warnings
+
+    key = over(needs)[0]
+    cache = _cache(gather, key)
+    warnings.warn(f"{cache.url}: block order's window of {epochs.block_window:,} samples reads shards of "
+                  f"{needs[key] / 1e6:,.1f} MB over and over, more than the {max(room[key], 0) / 1e6:,.1f} MB of "
+                  f"cache_limit this process has: each epoch would fetch them many times; raise cache_limit by "
+                  f"{(needs[key] - room[key]) * local_ranks() / 1e6:,.1f} MB or more (the node's ranks share it), "
+                  f"or pass block_window={max(fits, 1)}", stacklevel=4)
+
+
+def check_room(gather, batch_ids, num_batches: int, order: str | None = None, window: int | None = None) -> None:
+    """Where one of the first batches reads more shard bytes than the cache limit leaves this
+    process, the pass reads by rows (`gather.rows_pass`, `packer.remote.rows`) where every
+    limited cache can; else a ConfigError: its batches could never be gathered."""
+    gather.rows_pass = False
+    room = budgets(gather)
+    for b in range(min(num_batches, FIRST_BATCHES)):
+        shards = gather.shards_of(batch_ids(b))
+        need = _bytes_by_cache(gather, shards.tolist(), room)
+        over = [key for key, nbytes in need.items() if nbytes > room[key]]
+        if over and all(gather.rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
+            gather.rows_pass = True
+            return
+        for key, nbytes in need.items():
+            cache = _cache(gather, key)
+            check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
+                        limit=cache.limit, sharers=sharers(gather),
+                        advice=", or use a smaller batch" + (" or fewer workers" if processes(gather) > local_ranks()
+                                                             else "") + (
+                            ", or order='block' (its batches read a few shards once the dataset is many times its "
+                            "window of 8,192 samples)" if order != "block" else
+                            " (block order's batches read a few shards only on a dataset many times its window of "
+                            f"{window or 8192:,} samples a rank)"))
+
+
+def random_fetches(shard_bytes: int, samples: int, shards: int, room: int, share: float = 1.0) -> float:
+    """About how many times its shards (`shard_bytes` in all, `samples` over `shards`) an epoch
+    in random order fetches through `room` bytes of a cache, the node reading `share` of each
+    epoch: a shard is read once for each of its samples the node draws, at random times through
+    the epoch, and is there with about the chance that the room holds it (the share of the
+    shards it can hold); each miss fetches it whole. (Eviction by next use does a little better;
+    64 px images in shards of 10 at 30% fetched 5.1x, this says 7.3x.)"""
+    if not shards or shard_bytes <= 0:
+        return 1.0
+    held = min(1.0, max(room, 0) / shard_bytes)
+    return 1.0 + max(samples * share / shards - 1.0, 0.0) * (1.0 - held)
+
+
+def room_for_random(shard_bytes: int, samples: int, shards: int, share: float = 1.0) -> int:
+    """The room a cache needs for an epoch in random order to fetch at most MOST_FETCHED times its
+    shards (`random_fetches`)."""
+    reads = samples * share / max(shards, 1)
+    if reads <= 1.0:
+        return 0
+    return int(shard_bytes * max(0.0, 1.0 - (MOST_FETCHED - 1.0) / (reads - 1.0))) + 1
+
+
+def check_random(gather, share: float = 1.0) -> None:
+    """A random order reads every shard all epoch long: where a limited cache cannot hold enough
+    of them (`random_fetches` over MOST_FETCHED: 64 px images at a batch of 4 through a limit of
+    30% fetched 13.6x the dataset an epoch, in silence), the pass reads by rows (about the
+    dataset once) where every limited cache can; else a ConfigError before the first batch,
+    naming the limit that would hold. The room is the node's, not a process's: its processes all
+    read the same shards. `share`: the part of each epoch the node's ranks read."""
+    limited = [r for r in gather.readers if r.cache is not None and r.cache.limit is not None]
+    over = []
+    for r in limited:
+        cache = r.cache
+        shard_bytes, samples = sum(cache.sizes), int(r.shard_ends[-1]) if len(r.shard_ends) else 0
+        times = random_fetches(shard_bytes, samples, len(cache.sizes), cache.limit - cache.index_bytes, share)
+        if times > MOST_FETCHED:
+            over.append((r, times, shard_bytes, cache.index_bytes + room_for_random(shard_bytes, samples,
+                                                                                     len(cache.sizes), share)))
+    if not over:
+        return
+    if all(gather.rows_of(r).usable() for r in limited):
+        gather.rows_pass = True
+        return
+    r, times, shard_bytes, need = over[0]
+    why = gather.rows_of(r).why_not() or "its files cannot be read by rows"
+    raise ConfigError(f"{r.cache.url}: a random order reads every shard all epoch long, and cache_limit "
+                      f"{r.cache.limit:,} bytes holds {min(1.0, (r.cache.limit - r.cache.index_bytes) / shard_bytes):.0%} "
+                      f"of its {shard_bytes:,} bytes of shards: each epoch would fetch about {times:.1f}x them, a shard "
+                      f"at a time ({why}); raise cache_limit to {need:,} bytes, or use order='block' (batches of "
+                      "nearby samples, shuffled within a window), or shuffle=False")
+
+
+def _bytes_by_cache(gather, shards, room: dict) -> dict:
+    """The bytes of `shards` (each once) per limited cache of `room`, keyed as `budgets` keys it."""
+    out: dict = {}
+    for g in shards:
+        cache = gather.cache_of(g)
+        if cache is not None and id(cache) in room:
+            out[id(cache)] = out.get(id(cache), 0) + gather.shard_bytes(g)
+    return out
+
+
+def _cache(gather, key: int):
+    """The cache `budgets` keyed as `key`."""
+    return next(r.cache for r in gather.readers if id(r.cache) == key)

@@ -7,7 +7,8 @@ first batches: what it starts with stays in the cache), lists their shards in or
 use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: all of it
 without a cache limit; under one, the next batch's shards and those of the few after it (at
 most PREFETCH_SHARDS, within PREFETCH_BATCHES batches), in at most half of what the limit leaves
-this process (the limit less the index files, shared by the node's ranks, LOCAL_WORLD_SIZE).
+this process (the limit less the index files, shared by the node's ranks, LOCAL_WORLD_SIZE, and
+a loader's worker processes: `limits.budgets`).
 The rest of the room keeps shards read already, which an order that goes round reads again: a
 sequential scan at half the dataset's size fetches about half of it an epoch, where a window of
 the whole room fetched all of it. The same list orders eviction: a shard the list does not hold
@@ -18,11 +19,10 @@ shards do not fit the limit) fetches no whole shard ahead: they would only evict
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
-from packer.remote.limits import check_limit
+from packer.remote.limits import budgets
 from packer.remote.transfer import DOWNLOADS
 
 AHEAD_BATCHES = 64  # how far ahead the lookahead reads the order: its horizon (eviction's next uses)
@@ -31,116 +31,6 @@ PREFETCH_BATCHES = 8  # how far ahead a limited cache fetches, in batches
 # round would read again (a sequential scan at half the cache fetched 0.8x the dataset an epoch
 # with a window of 8 batches of 64 over 55-image shards, 9 shards)
 PREFETCH_SHARDS = 4
-FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
-
-
-def local_ranks() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
-
-
-def budgets(gather) -> dict:
-    """Bytes of shards each limited cache may hold for this process: its limit less its index
-    files, over the node's ranks."""
-    out = {}
-    for r in gather.readers:
-        cache = r.cache
-        if cache is not None and cache.limit is not None:
-            out[id(cache)] = (cache.limit - cache.index_bytes) // local_ranks()
-    return out
-
-
-def check_first_batches(source, epochs) -> None:
-    """`check_room` for the next pass of `epochs` over a remote dataset's gather (else nothing):
-    what Loader and BatchedDataset check when they are made."""
-    if getattr(source, "remote", False):
-        twin = epochs.twin()
-        p = twin.upcoming()
-        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, getattr(epochs, "order", None),
-                   getattr(epochs, "block_window", None))
-        if getattr(epochs, "order", None) == "block" and not source.rows_pass:
-            check_window(source, epochs)
-
-
-def check_window(gather, epochs) -> None:
-    """A warning where the shards of block order's first window (the samples a rank reads
-    shuffled among themselves) hold more bytes than the cache limit leaves this process: every
-    batch draws from all of them, so evicting any is fetching it again within the window, many
-    times an epoch. Said with the limit that would hold them and the largest window (halving it)
-    whose shards fit."""
-    room = budgets(gather)
-    if not room:  # no limited cache: nothing to say, and no window's ids to compute at start-up
-        return
-
-    def need(window: int) -> dict:
-        twin = epochs.twin()
-        twin.block_window = window
-        p = twin.upcoming()
-        shards = set()
-        for b in range(min(p.num_batches, -(-window // twin.batch_size))):
-            shards.update(gather.shards_of(twin.batch_ids(p, b)).tolist())
-        return _bytes_by_cache(gather, shards, room)
-
-    def over(needs: dict) -> list:
-        return [key for key, nbytes in needs.items() if nbytes > room[key]]
-    needs = need(epochs.block_window)
-    if not over(needs):
-        return
-    fits = epochs.block_window // 2
-    while fits > 1 and over(need(fits)):
-        fits //= 2
-    import warnings
-
-    key = over(needs)[0]
-    cache = _cache(gather, key)
-    warnings.warn(f"{cache.url}: block order's window of {epochs.block_window:,} samples reads shards of "
-                  f"{needs[key] / 1e6:,.1f} MB over and over, more than the {max(room[key], 0) / 1e6:,.1f} MB of "
-                  f"cache_limit this process has: each epoch would fetch them many times; raise cache_limit by "
-                  f"{(needs[key] - room[key]) * local_ranks() / 1e6:,.1f} MB or more (the node's ranks share it), "
-                  f"or pass block_window={max(fits, 1)}", stacklevel=4)
-
-
-def check_room(gather, batch_ids, num_batches: int, order: str | None = None, window: int | None = None) -> None:
-    """Where one of the first batches reads more shard bytes than the cache limit leaves this
-    process, the pass reads by rows (`gather.rows_pass`, `packer.remote.rows`) where every
-    limited cache can; else a ConfigError: its batches could never be gathered."""
-    gather.rows_pass = False
-    room = budgets(gather)
-    for b in range(min(num_batches, FIRST_BATCHES)):
-        shards = gather.shards_of(batch_ids(b))
-        need = _bytes_by_cache(gather, shards.tolist(), room)
-        over = [key for key, nbytes in need.items() if nbytes > room[key]]
-        if over and all(gather.rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
-            gather.rows_pass = True
-            return
-        for key, nbytes in need.items():
-            cache = _cache(gather, key)
-            check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
-                        limit=cache.limit,
-                        advice=", or use a smaller batch" + (
-                            ", or order='block' (its batches read a few shards once the dataset is many times its "
-                            "window of 8,192 samples)" if order != "block" else
-                            " (block order's batches read a few shards only on a dataset many times its window of "
-                            f"{window or 8192:,} samples a rank)"))
-
-
-def _bytes_by_cache(gather, shards, room: dict) -> dict:
-    """The bytes of `shards` (each once) per limited cache of `room`, keyed as `budgets` keys it."""
-    out: dict = {}
-    for g in shards:
-        cache = gather.cache_of(g)
-        if cache is not None and id(cache) in room:
-            out[id(cache)] = out.get(id(cache), 0) + gather.shard_bytes(g)
-    return out
-
-
-def _cache(gather, key: int):
-    """The cache `budgets` keyed as `key`."""
-    return next(r.cache for r in gather.readers if id(r.cache) == key)
-
-
 class Lookahead:
     """Keeps the shards of a pass's coming batches fetched (see the module); `at(b)`: the gather
     is at batch b; `window()`: the shards to keep; `close()` at the pass's end."""

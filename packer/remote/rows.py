@@ -17,7 +17,7 @@ The rules, each for what a reader must never see:
   like any shard's files while the batch maps them.
 - The scratch is this process's alone (a dir under the entry's `.rows`, flocked by its owner):
   no other process reads it, so a process killed mid-write leaves nothing another would use,
-  and the next count of the entry removes it. It holds one batch's rows while the batch is
+  and the next open of the entry (or its next count) removes it (`drop_dead`). It holds one batch's rows while the batch is
   gathered (`drop` once it is copied): a random order reads each row once an epoch, so rows
   kept longer are never read again before they would be evicted. Its bytes are reserved in the
   entry's ledger before they are fetched, so the cache dir stays within its limit.
@@ -65,23 +65,37 @@ def requests(blocks: np.ndarray, size: int, block: int) -> list[tuple[int, int]]
     return [(a, b) for a, b in out]
 
 
-def scratch_bytes(root: Path) -> int:
-    """Bytes on disk of the entry's live scratch dirs; a dead process's removed."""
-    total = 0
+def drop_dead(root: Path) -> tuple[list[Path], int]:
+    """The entry's scratch dirs whose process is gone (its flock is free: a kill drops it)
+    removed: (the live ones, how many were removed). A killed reader's dir held a sparse file of
+    each file it read by rows, at the file's full size, until a count of the entry that might
+    never come (a cache without a limit counts nothing): every open removes them too."""
+    live, dead = [], 0
     try:
-        locks = [i for i in os.scandir(root / SCRATCH) if i.name.endswith(".lock")]
-    except FileNotFoundError:
-        return 0
+        locks = [i for i in os.scandir(root / SCRATCH) if i.name.endswith((".lock", ".lock.part"))]
+    except (FileNotFoundError, NotADirectoryError):
+        return live, dead
     for item in locks:
-        where = Path(item.path[:-len(".lock")])
+        where = Path(item.path[:-len(".lock")]) if item.name.endswith(".lock") else None
         try:
             with open(item.path, "rb") as f:
                 if flock(f, block=False):  # its process is gone
-                    shutil.rmtree(where, ignore_errors=True)
+                    if where is not None:
+                        shutil.rmtree(where, ignore_errors=True)
                     os.unlink(item.path)
+                    dead += 1
                     continue
         except FileNotFoundError:
             continue
+        if where is not None:
+            live.append(where)
+    return live, dead
+
+
+def scratch_bytes(root: Path) -> int:
+    """Bytes on disk of the entry's live scratch dirs; a dead process's removed."""
+    total = 0
+    for where in drop_dead(root)[0]:
         for path in where.rglob("*"):
             try:
                 total += path.lstat().st_blocks * 512 if path.is_file() else 0
@@ -132,6 +146,18 @@ class Rows:
             self._usable = bool(self.entries) and os.access(self.cache.root, os.W_OK) and \
                 self.block_list(next(iter(self.entries.values()))) is not None
         return self._usable
+
+    def why_not(self) -> str | None:
+        """Why this dataset is not read by rows, in words; None where it is (`usable`)."""
+        if self.usable():
+            return None
+        if not self.entries:
+            return "its samples are under 32 KiB each: a range is checked by its block of 64 KiB, which holds two or " \
+                "more, so each would bring its neighbours"
+        if not os.access(self.cache.root, os.W_OK):
+            return "its rows would be read into the cache dir, which this process cannot write"
+        return "the store holds no block lists beside its files (pushed by an older mmpack): push it again to read " \
+            "it by rows"
 
     def block_list(self, entry: fmt.FileEntry) -> bytes | None:
         """The block list of `entry`, checked against the manifest's checksum: from the cache,
@@ -266,8 +292,11 @@ class _Scratch:
             base = self.cache.root / SCRATCH
             base.mkdir(exist_ok=True)
             name = f"{os.getpid()}-{secrets.token_hex(4)}"
-            self.lock = open(base / f"{name}.lock", "ab")
+            # flocked before it has the name `drop_dead` looks for: a lock it found free there
+            # would be taken for a dead process's, and this scratch removed under its owner
+            self.lock = open(base / f"{name}.lock.part", "ab")
             flock(self.lock)
+            os.rename(base / f"{name}.lock.part", base / f"{name}.lock")
             self.dir = base / name
             self.dir.mkdir()
         return self.dir

@@ -188,10 +188,12 @@ def read_pointer(remote: Remote) -> tuple[str, str]:
     store = client.store(remote)
 
     def text(name: str) -> str:
-        got = client.get(obs, store, remote.key(name))
-        if got.meta["size"] > archive.ARCHIVE_JSON_BYTES:  # not one of ours: not read into memory
-            raise IntegrityError(f"{remote.where(name)}: over {archive.ARCHIVE_JSON_BYTES:,} bytes; not an mmpack {name}")
-        return bytes(got.bytes()).decode("utf-8")
+        def whole(got) -> str:
+            if got.meta["size"] > archive.ARCHIVE_JSON_BYTES:  # not one of ours: not read into memory
+                raise IntegrityError(f"{remote.where(name)}: over {archive.ARCHIVE_JSON_BYTES:,} bytes; not an mmpack "
+                                     f"{name}")
+            return bytes(got.bytes()).decode("utf-8")
+        return client.read(obs, store, remote.key(name), whole)
     with client.errors(remote, "read the manifest"):
         try:
             return fmt.MANIFEST_NAME, text(fmt.MANIFEST_NAME)
@@ -245,24 +247,16 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
     f = open(target.with_name(f".{target.name}.part-{os.getpid()}"), "w+b") if own else temp
     gets = 0
     try:
+        new_digest(remote, entry)  # (an algorithm this mmpack does not know: refused before any request)
         for _ in (1, 2):
-            f.seek(0)
-            digest = fmt.hasher(entry.algo)  # hashed as it arrives: no second read of the file
-            if digest is None:
-                raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to "
-                                     "this mmpack; use the release that wrote it, or a newer one")
-            whole = True
             with client.errors(remote, f"download {(packed or entry).path}"):
-                if packed is not None:
-                    gets += 1
-                    whole = read_zstd(obs, store, remote, packed, f, digest, entry.size_bytes)
-                elif entry.size_bytes > RANGE_BYTES:
+                if entry.size_bytes > RANGE_BYTES and packed is None:
                     gets += -(-entry.size_bytes // RANGE_BYTES)
+                    digest = new_digest(remote, entry)
                     whole = _get_ranges(obs, store, remote.key(entry.path), f, entry.size_bytes, digest)
                 else:
                     gets += 1
-                    whole = read_stream(client.get(obs, store, remote.key(entry.path)), f, entry.size_bytes,
-                                        digest) is not None
+                    whole, digest = read_whole(obs, store, remote, entry, f, packed)
             f.truncate()
             f.flush()
             if whole and f.tell() == entry.size_bytes and digest.hexdigest() == entry.checksum:
@@ -278,18 +272,42 @@ def fetch_verified(obs, store, remote: Remote, entry: fmt.FileEntry, target: Pat
                          "dataset is damaged: push it again")
 
 
-def read_zstd(obs, store, remote: Remote, packed: fmt.ArchiveFile, f, digest, size: int) -> bool:
-    """The compressed object `packed` decompressed into `f` (None: hashed, kept nowhere) and
-    hashed by `digest` as it arrives; whether its compressed bytes are the ones archive.json
-    records. Past its compressed size, or past `size` restored bytes (the manifest's), it stops:
-    a frame that expands without end fills no disk."""
+def new_digest(remote: Remote, entry: fmt.FileEntry):
+    """A hasher of the manifest's algorithm for `entry`, or one line saying this mmpack lacks it."""
+    digest = fmt.hasher(entry.algo)
+    if digest is None:
+        raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to "
+                             "this mmpack; use the release that wrote it, or a newer one")
+    return digest
+
+
+def read_whole(obs, store, remote: Remote, entry: fmt.FileEntry, f, packed: fmt.ArchiveFile | None = None):
+    """`entry`'s object (or its compressed one, `packed`) in one GET, written to `f` from its
+    start (None: hashed, kept nowhere) and hashed as it arrives: (whether it came whole and no
+    longer than the manifest says, the digest of what came). A body cut off mid-way is read
+    again from its start (`client.read`), with a fresh digest."""
+    def once(stream):
+        if f is not None:
+            f.seek(0)
+        digest = new_digest(remote, entry)  # hashed as it arrives: no second read of the file
+        if packed is not None:
+            return read_zstd(stream, remote, packed, f, digest, entry.size_bytes), digest
+        return read_stream(stream, f, entry.size_bytes, digest) == entry.size_bytes, digest
+    return client.read(obs, store, remote.key((packed or entry).path), once)
+
+
+def read_zstd(chunks, remote: Remote, packed: fmt.ArchiveFile, f, digest, size: int) -> bool:
+    """The compressed object `packed` (its stream, `chunks`) decompressed into `f` (None: hashed,
+    kept nowhere) and hashed by `digest` as it arrives; whether its compressed bytes are the ones
+    archive.json records. Past its compressed size, or past `size` restored bytes (the
+    manifest's), it stops: a frame that expands without end fills no disk."""
     import zstandard
 
     wire, got = fmt.new_checksum(), 0
     restored = archive._Hashing(f, lambda: digest, limit=size, where=remote.where(packed.path))
     try:
         with zstandard.ZstdDecompressor().stream_writer(restored, closefd=False) as sink:
-            for chunk in client.get(obs, store, remote.key(packed.path)):
+            for chunk in chunks:
                 got += len(chunk)
                 if got > packed.size_bytes:
                     return False
@@ -333,14 +351,17 @@ def _get_ranges(obs, store, key: str, f, size: int, digest) -> bool:
 
 def _read_range(obs, store, key: str, fd: int, start: int, end: int) -> bool:
     """Bytes [start, end) of the object written at the same offsets of `fd`, read as a stream
-    and stopped at the range's end: False when the answer was longer (never buffered whole)."""
-    at = start
-    for chunk in client.get(obs, store, key, options={"range": (start, end)}):
-        if at + len(chunk) > end:
-            return False
-        os.pwrite(fd, memoryview(chunk), at)
-        at += len(chunk)
-    return True
+    and stopped at the range's end: False when the answer was longer (never buffered whole). A
+    body cut off mid-way is read again (`client.read`): the same bytes at the same offsets."""
+    def once(stream) -> bool:
+        at = start
+        for chunk in stream:
+            if at + len(chunk) > end:
+                return False
+            os.pwrite(fd, memoryview(chunk), at)
+            at += len(chunk)
+        return True
+    return client.read(obs, store, key, once, options={"range": (start, end)})
 
 
 def get_range(store_of, url: str, path: str, start: int, end: int, target: Path) -> bool:
@@ -363,16 +384,17 @@ def get_small(store_of, url: str, path: str, size: int) -> bytes | None:
         got = client.Helper.get().call({"op": "small", "url": url, "path": path, "size": size})["hex"]
         return None if got is None else bytes.fromhex(got)
     remote = Remote(url)
-    out = io.BytesIO()
+
+    def once(stream) -> bytes | None:  # (a body cut off mid-way: read again into a fresh buffer)
+        out = io.BytesIO()
+        return None if read_stream(stream, out, size, fmt.new_checksum()) is None else out.getvalue()
     with client.errors(remote, f"download {path}"):
         try:
-            got = read_stream(client.get(client.obstore(remote), store_of(), remote.key(path)), out, size,
-                              fmt.new_checksum())
+            return client.read(client.obstore(remote), store_of(), remote.key(path), once)
         except Exception as exc:  # noqa: BLE001 - obstore's NotFound has its own class per version
             if client.not_found(exc):
                 return None
             raise
-    return None if got is None else out.getvalue()
 
 
 def fetch_file(store_of, url: str, entry: fmt.FileEntry, target: Path, temp=None,

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from packer.dataset import format as fmt
 from packer.errors import IntegrityError
 from packer.remote import client
-from packer.remote.transfer import DOWNLOADS, files_of, read_published, read_stream, read_zstd
+from packer.remote.transfer import DOWNLOADS, files_of, new_digest, read_published, read_whole
 from packer.remote.url import Remote
 
 
@@ -27,16 +27,9 @@ def verify(url: str, *, on_progress=None) -> dict:
 
     def one(entry: fmt.FileEntry) -> None:
         compressed = (packed or {}).get(entry.path)
-        digest = fmt.hasher(entry.algo)
-        if digest is None:
-            raise IntegrityError(f"{remote.where(entry.path)}: checksum algorithm {entry.algo!r} is not known to "
-                                 "this mmpack; use the release that wrote it, or a newer one")
+        new_digest(remote, entry)  # (an algorithm this mmpack does not know: refused before any request)
         with client.errors(remote, f"verify {(compressed or entry).path}"):
-            if compressed is not None:
-                whole = read_zstd(obs, store, remote, compressed, None, digest, entry.size_bytes)
-            else:
-                whole = read_stream(client.get(obs, store, remote.key(entry.path)), None, entry.size_bytes, digest) == \
-                    entry.size_bytes
+            whole, digest = read_whole(obs, store, remote, entry, None, compressed)
         if not whole or digest.hexdigest() != entry.checksum:
             raise IntegrityError(f"{remote.where((compressed or entry).path)}: its bytes do not match the checksum "
                                  f"{'archive.json and ' if compressed else ''}the manifest records; the dataset in "
