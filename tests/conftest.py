@@ -26,7 +26,7 @@ settings.load_profile("mmpack")
 # --durations=0` on the 2-core VM, 2026-11-27). With `--dist loadfile` (pyproject's addopts) each
 # worker takes whole files, these first, so neither waits on the other's long file at the end,
 # and a file's module fixtures are made once. A file not listed runs after them.
-SLOW_FIRST = ("tests/dataset/test_remote.py", "tests/test_bench.py", "tests/test_doctor.py",
+SLOW_FIRST = ("tests/dataset/test_remote.py", "tests/test_bench.py", "tests/test_doctor.py", "tests/dataset/test_remote_faults.py",
               "tests/loaders/test_resume_contract.py", "tests/test_reliability.py", "tests/test_scripts.py",
               "tests/test_readme.py", "tests/loaders/test_loader.py", "tests/builder/test_pool.py",
               "tests/builder/test_build_e2e.py", "tests/test_anywhere.py", "tests/test_fuzz.py",

@@ -212,3 +212,32 @@ def test_verify_finds_a_mask_or_an_image_place_a_writer_got_wrong(llava, tmp_pat
     values.flush()
     _published(out, path)  # as a writer that wrote those bytes would have published them
     assert main(["verify", str(out)]) == 1 and words in capsys.readouterr().err
+
+
+def test_a_parquet_table_of_conversations_with_image_bytes_keeps_each_at_its_placeholder(llava, models, tmp_path):
+    """Hugging Face's VLM sets store each row's images in the row (a list of the Image feature):
+    each decoded as the LLaVA layout's files are, in its conversation's order."""
+    import io
+
+    import datasets
+    from datasets import Image, Sequence
+
+    datasets.disable_progress_bars()
+    raw = llava[0]
+    records = json.loads((raw / "data.json").read_text())[:6]
+    rows = {"messages": [[{"role": "user" if t["from"] == "human" else "assistant",
+                           "content": t["value"] if "<image>" in t["value"] or k else "<image>\n" + t["value"]}
+                          for k, t in enumerate(r["conversations"])] for r in records],
+            "images": [[{"bytes": (raw / r["image"]).read_bytes(), "path": None}] for r in records]}
+    folder = tmp_path / "hf" / "data"
+    folder.mkdir(parents=True)
+    datasets.Dataset.from_dict(rows).cast_column("images", Sequence(Image())).to_parquet(
+        str(folder / "train-00000-of-00001.parquet"))
+    ds = _build(tmp_path / "hf", tmp_path / "out", models["minimind"], "--image-size", "32")
+    image_id = _hf(models["minimind"]).convert_tokens_to_ids("<image>")
+    assert len(ds) == 6
+    for i in range(6):
+        s = ds[i]
+        want = decode_image(io.BytesIO((raw / records[int(s["key"].rsplit(":", 1)[1])]["image"]).read_bytes()), 32)
+        assert np.array_equal(s["images"][0].numpy(), want)
+        assert s["tokens"][s["image_positions"]].tolist() == [image_id]

@@ -29,7 +29,7 @@ _REASONING = ("reasoning_content", "thinking", "reasoning")
 @dataclass(frozen=True)
 class Conversation:
     messages: list
-    images: tuple[str, ...] = ()
+    images: tuple[str | bytes, ...] = ()  # paths, or a Parquet row's image bytes
 
 
 def field_of(record: dict) -> str | None:
@@ -43,15 +43,23 @@ def is_pair(record: dict) -> bool:
     return "chosen" in record and "rejected" in record
 
 
-def image_paths(record: dict) -> tuple[str, ...]:
-    """The record's image paths (relative to its file's folder), as given."""
+def image_paths(record: dict) -> tuple[str | bytes, ...]:
+    """The record's images as given: each a path (relative to its file's folder), or its bytes
+    (a Hugging Face Parquet row's Image feature, `{bytes, path}`: its bytes where it has them)."""
     value = record.get("image", record.get("images"))
     if value is None:
         return ()
-    values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, str) and v for v in values):
-        raise SourceError("'image' is neither a path nor a list of paths")
-    return tuple(values)
+    out = []
+    for v in value if isinstance(value, list) else [value]:
+        if isinstance(v, dict):  # the Image feature's struct
+            v = v.get("bytes") or v.get("path")
+        if isinstance(v, (bytes, bytearray)) and v:
+            out.append(bytes(v))
+        elif isinstance(v, str) and v:
+            out.append(v)
+        else:
+            raise SourceError("'image' is neither a path, nor image bytes, nor a list of them")
+    return tuple(out)
 
 
 def conversation(record: dict) -> Conversation:

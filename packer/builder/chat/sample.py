@@ -6,6 +6,7 @@ raises, an image missing, out of RAW or undecodable) is a Skip with its reason."
 
 from __future__ import annotations
 
+import io
 import os
 
 import numpy as np
@@ -57,11 +58,17 @@ class ChatPacker:
         tokens, mask, _ = encode(self.tok, text, spans, self.dtype)
         return {f"{side}_tokens": tokens, f"{side}_loss_mask": mask}
 
-    def _images(self, names: tuple[str, ...], folder: str) -> np.ndarray:
-        """The conversation's images as [K, S, S, 3] uint8, in their order."""
+    def _images(self, names: tuple[str | bytes, ...], folder: str) -> np.ndarray:
+        """The conversation's images as [K, S, S, 3] uint8, in their order (paths, or bytes)."""
         size = self.config.image_size
         out = np.empty((len(names), size, size, 3), np.uint8)
         for k, name in enumerate(names):
+            if isinstance(name, bytes):
+                try:
+                    out[k] = decode_image(io.BytesIO(name), size, writable=False, background=self.config.background)
+                except SourceError as exc:
+                    raise SourceError(f"image {k} (its bytes in the row): {exc}") from None
+                continue
             if "\0" in name:
                 raise SourceError(f"image {name[:80]!r}: a path with a NUL byte")
             path = os.path.join(folder, name)

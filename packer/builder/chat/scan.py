@@ -107,6 +107,8 @@ def _named(path: str, rel: str, max_bytes: int, named: set) -> None:
         except SourceError:
             continue
         for name in paths:
+            if not isinstance(name, str):  # bytes in the row: no file of RAW
+                continue
             try:
                 st = os.stat(os.path.join(folder, name))
             except (OSError, ValueError):
