@@ -214,7 +214,7 @@ def test_verify_finds_a_mask_or_an_image_place_a_writer_got_wrong(llava, tmp_pat
     assert main(["verify", str(out)]) == 1 and words in capsys.readouterr().err
 
 
-def test_a_parquet_table_of_conversations_with_image_bytes_keeps_each_at_its_placeholder(llava, models, tmp_path):
+def test_a_parquet_table_of_conversations_with_image_bytes_keeps_each_at_its_placeholder(llava, models, tmp_path):  # noqa: F811
     """Hugging Face's VLM sets store each row's images in the row (a list of the Image feature):
     each decoded as the LLaVA layout's files are, in its conversation's order."""
     import io
