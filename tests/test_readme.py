@@ -17,6 +17,7 @@ from packer.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+TRAINING = next(block for block in BLOCKS if "ckpt.pt" in block and "MMapDataset(\"out/\")" in block)
 
 HARNESS = """
 import json, sys, torch
@@ -89,7 +90,7 @@ def test_every_python_block_of_the_readme_runs_pasted_alone(readme_dir):
 
 def test_the_readme_training_loop_resumes_with_the_next_batch(readme_dir, tmp_path):
     loop = tmp_path / "loop.py"
-    loop.write_text(BLOCKS[0])
+    loop.write_text(TRAINING)
     harness = tmp_path / "harness.py"
     harness.write_text(HARNESS)
 
