@@ -1,0 +1,171 @@
+"""Batches planned by length (`bucket_by="length"`, `max_tokens`, `max_seconds`): the plan as pure
+functions of integers (any lengths, budgets, world sizes, seeds: every epoch a permutation cut
+into batches within their budget, as many on every rank, a resume at any cursor the uninterrupted
+run's rest, on any world size), and the loaders from the user's side (resume in a fresh process:
+tests/contract.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaders.order.lengths import EDGES, Budget, bounds, count, cut, fixed_count, layout
+from loaders.order.orders import Permutation
+from loaders.order.planned import DatasetOrder, LengthEpochs
+
+budgets = st.one_of(
+    st.builds(Budget, batch_size=st.integers(1, 40)),
+    st.builds(Budget, batch_size=st.one_of(st.none(), st.integers(1, 40)), max_tokens=st.integers(1, 3000),
+              cost=st.sampled_from(["linear", "quadratic"])))
+lengths_lists = st.lists(st.one_of(st.integers(0, 300), st.integers(0, 10**6)), min_size=1, max_size=400)
+
+
+def _epochs(lengths, budget, *, world=1, rank=0, seed=0, drop_last=False, window=64, order=None):
+    lengths = np.asarray(lengths, np.int64)
+    return LengthEpochs(len(lengths), budget, positions_of=DatasetOrder(len(lengths), 8192), lengths=lambda ids: lengths[ids],
+                        bucket_by="length", column="tokens", window=window, shuffle=True, order=order, seed=seed,
+                        drop_last=drop_last, rank=rank, world_size=world, source="s")
+
+
+def _within(budget: Budget, lengths: np.ndarray) -> bool:
+    """A batch within its budget, or a single sample over it."""
+    if budget.batch_size is not None and len(lengths) > budget.batch_size:
+        return False
+    if budget.max_tokens is None or len(lengths) == 1:
+        return True
+    return len(lengths) * float(budget.cost_of([lengths.max()])[0]) <= budget.max_tokens
+
+
+@settings(max_examples=200, deadline=None)
+@given(counts=st.lists(st.integers(0, 50), min_size=1, max_size=40), budget=budgets, carry=st.integers(0, 100))
+def test_a_window_is_cut_into_batches_within_their_budget_from_its_bucket_counts(counts, budget, carry):
+    counts = np.asarray(counts + [0] * (len(EDGES) - len(counts)), np.int64)
+    caps = budget.capacities()
+    first = np.flatnonzero(counts)
+    carry = carry % int(caps[first[0]]) if len(first) else 0
+    edges = bounds(cut(counts, caps, carry))
+    assert edges[0] == 0 and edges[-1] == counts.sum() and (np.diff(edges) > 0).all()
+    assert len(edges) - 1 == count(cut(counts, caps, carry))
+    longest = EDGES[np.repeat(np.arange(len(EDGES)), counts)]  # each sorted sample at its bucket's longest
+    for a, b in zip(edges[:-1], edges[1:]):
+        assert _within(budget, longest[a:b])
+    if budget.max_tokens is None:  # a fixed size: the count in closed form
+        assert len(edges) - 1 == fixed_count(np.array([counts.sum()]), np.array([carry]), budget.batch_size)[0]
+        assert (np.diff(edges)[1:-1] == budget.batch_size).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(batches=st.integers(0, 300), before=st.integers(0, 1000), deal=st.integers(1, 9), seed=st.integers(0, 99))
+def test_a_windows_batches_are_dealt_a_permutation_in_steps_of_one_length(batches, before, deal, seed):
+    """Each step of `deal` batches that lies in the window holds consecutive sorted batches, and
+    the steps begun by the window before and ended by the next hold the window's shortest."""
+    groups = Permutation(max((batches - min(-before % deal, batches)) // deal, 1), order="random", seed=seed, epoch=0)
+    got = layout(np.arange(batches), batches=batches, before=before, deal=deal, groups=groups)
+    assert sorted(got.tolist()) == list(range(batches))
+    head = min(-before % deal, batches)
+    whole = (batches - head) // deal
+    for q in range(whole):
+        step = got[head + q * deal: head + (q + 1) * deal]
+        assert step.max() - step.min() == deal - 1
+    edge = np.concatenate([got[:head], got[head + whole * deal:]])
+    assert sorted(edge.tolist()) == list(range(len(edge)))
+
+
+def _run(epochs, epoch_batches=None):
+    """Every batch of the next pass, as lists of ids."""
+    p = epochs.start()
+    out = [epochs.batch_ids(p, b).tolist() for b in range(p.num_batches)]
+    epochs.taken(p, p.num_batches)
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=lengths_lists, budget=budgets, world=st.integers(1, 5), seed=st.integers(0, 2**32),
+       drop_last=st.booleans())
+def test_every_epoch_is_a_permutation_cut_in_batches_within_budget_and_as_many_on_every_rank(
+        lengths, budget, world, seed, drop_last):
+    lengths = np.asarray(lengths, np.int64)
+    for epoch in range(2):
+        ranks = []
+        for r in range(world):
+            epochs = _epochs(lengths, budget, world=world, rank=r, seed=seed, drop_last=drop_last)
+            epochs.set_epoch(epoch)
+            ranks.append(_run(epochs))
+        assert len({len(batches) for batches in ranks}) == 1  # as many batches on every rank: no rank hangs DDP
+        plan = epochs.plan(epoch, world)
+        whole = [plan.batch(g).tolist() for g in range(plan.total)]
+        assert sorted(i for b in whole for i in b) == list(range(len(lengths)))  # each sample once
+        for batch in whole:
+            assert batch and _within(budget, lengths[batch])
+        dealt = [b for step in zip(*ranks) for b in step]  # rank r's j-th is the plan's j*W + r
+        if drop_last:
+            assert dealt == whole[:len(dealt)] and len(whole) - len(dealt) < world
+        else:
+            repeats = [whole[i % len(whole)] for i in range(len(dealt) - len(whole))]  # DistributedSampler's
+            assert dealt[:len(whole)] == whole and dealt[len(whole):] == repeats and len(repeats) < world
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=lengths_lists, budget=budgets, w1=st.integers(1, 4), w2=st.integers(1, 4), steps=st.integers(0, 40),
+       seed=st.integers(0, 2**32))
+def test_a_resume_at_any_cursor_goes_on_with_the_plan_on_any_world_size(lengths, budget, w1, w2, steps, seed):
+    """`steps` steps on w1 ranks, a state (the same on every rank), then w2 ranks from it in
+    fresh epochs: the batches that follow are the uninterrupted plan's rest, each once."""
+    whole = None
+    states = []
+    for r in range(w1):
+        epochs = _epochs(lengths, budget, world=w1, rank=r, seed=seed)
+        p = epochs.start()
+        take = min(steps, p.num_batches)
+        epochs.taken(p, take)
+        states.append(epochs.state_dict())
+        plan = epochs.plan(0, w1)
+        whole = [plan.batch(g).tolist() for g in range(plan.total)]
+    assert all(s == states[0] for s in states)
+    state = states[0]
+    if state["epoch"] == 1:
+        return
+    rest = []
+    for r in range(w2):
+        epochs = _epochs(lengths, budget, world=w2, rank=r, seed=seed)
+        epochs.load_state_dict(state)
+        rest.append(_run(epochs))
+    assert len({len(batches) for batches in rest}) == 1
+    dealt = [b for step in zip(*rest) for b in step]
+    if state["cursor"] == 0:  # nothing taken: the epoch starts afresh, its plan dealt for the ranks there are
+        plan = epochs.plan(0, w2)
+        whole = [plan.batch(g).tolist() for g in range(plan.total)]
+    tail = whole[state["cursor"]:]
+    assert dealt[:len(tail)] == tail and len(dealt) - len(tail) < w2
+
+
+def test_an_epoch_of_a_billion_samples_opens_and_gives_its_first_batch_from_one_window():
+    """A fixed batch size: the epoch's batch count is closed form and batch 0 needs window 0
+    alone, whatever N (a budget's count is the epoch's pass over the lengths: bench sampler)."""
+    n = 10**9
+
+    def lengths(ids):  # a length per id, never an array of N
+        return (np.asarray(ids) * 2654435761 % 1000 + 1).astype(np.int64)
+
+    epochs = LengthEpochs(n, Budget(batch_size=256), positions_of=DatasetOrder(n, 8192), lengths=lengths,
+                          bucket_by="length", column="tokens", shuffle=True, order=None, seed=1, drop_last=False,
+                          rank=3, world_size=8, source="s")
+    p = epochs.start()
+    assert abs(p.num_batches - n / 256 / 8) < n / 65536  # within a batch a window of N / (256 x 8)
+    ids = epochs.batch_ids(p, 0)
+    assert len(set(ids.tolist())) == len(ids) and len(ids) <= 256 and ids.max() > n // 100
+    assert np.ptp(lengths(ids)) <= 10  # of about one length: 65,536 lengths of 1,000 values sorted
+
+
+def test_the_plan_is_a_pure_function_of_seed_epoch_and_budget():
+    lengths = np.random.default_rng(0).lognormal(4, 1, 5000).astype(np.int64)
+    runs = [_run(_epochs(lengths, Budget(max_tokens=2000), seed=s, window=1024)) for s in (1, 1, 2)]
+    assert runs[0] == runs[1] != runs[2]
+    one = _epochs(lengths, Budget(max_tokens=2000), seed=1, window=1024)
+    one.set_epoch(1)
+    assert _run(one) != runs[0]  # another epoch, another plan
+    # sequential order: windows of consecutive ids, each's batches shortest first
+    seq = _epochs(lengths, Budget(batch_size=50), order="sequential", window=1024)
+    first = [lengths[b].max() for b in _run(seq)[:20]]
+    assert first == sorted(first)
