@@ -7,12 +7,15 @@ tests/contract.py)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loaders import Loader, Mixture, MMapDataset, StatefulDataLoader, AudioClips, TokenWindows
 from loaders.order.lengths import EDGES, Budget, bounds, count, cut, fixed_count, layout
 from loaders.order.orders import Permutation
 from loaders.order.planned import DatasetOrder, LengthEpochs
+from packer.errors import ConfigError
 
 budgets = st.one_of(
     st.builds(Budget, batch_size=st.integers(1, 40)),
@@ -169,3 +172,81 @@ def test_the_plan_is_a_pure_function_of_seed_epoch_and_budget():
     seq = _epochs(lengths, Budget(batch_size=50), order="sequential", window=1024)
     first = [lengths[b].max() for b in _run(seq)[:20]]
     assert first == sorted(first)
+
+
+def _epoch_keys(loader, key: str = "key"):
+    return [k for batch in loader for k in batch[key]]
+
+
+def test_loader_bucket_by_length_takes_each_clip_once_in_batches_of_one_length(built):
+    ds = MMapDataset(built["audio"], columns=["audio", "key"])
+    random = Loader(ds, 4, seed=3)
+    keys = _epoch_keys(random)
+    bucketed = Loader(ds, 4, seed=3, bucket_by="length")
+    first, second = _epoch_keys(bucketed), _epoch_keys(bucketed)
+    assert sorted(first) == sorted(second) == sorted(keys) and len(set(first)) == len(first)
+    assert first != second  # another order every epoch
+    # real recordings of 0.2 to 10 s: a fifth of random batches' padding (measured: 11% against 53%)
+    assert bucketed.padding.epochs[1]["share"] < random.padding.epochs[0]["share"] / 4
+    batch = next(iter(Loader(ds, 4, seed=3, bucket_by="length:audio")))
+    assert batch["audio"].shape[1] == int(batch["audio_lengths"].max())
+    assert Loader(ds, 4, seed=3, bucket_by="length:audio").padding.column == "audio"
+
+
+def test_max_tokens_batches_hold_what_fits_the_budget_and_count_the_samples_over_it(built):
+    captions = MMapDataset(built["pairs"], columns=["tokens", "key"])
+    loader = Loader(captions, max_tokens=96, seed=1)
+    sizes, keys = [], []
+    for batch in loader:
+        n, width = batch["tokens"].shape
+        assert width == int(batch["tokens_lengths"].max()) and n * width <= 96
+        sizes.append(n)
+        keys += batch["key"]
+    assert sorted(keys) == sorted(_epoch_keys(Loader(captions, 64, shuffle=False)))  # each caption once
+    assert max(sizes) >= 2 * min(sizes)  # short captions in big batches, long ones in small
+    figures = loader.padding.epochs[0]
+    assert figures["padded"] <= 96 * figures["batches"] and figures["share"] < 0.1
+    docs = MMapDataset(built["text"], columns=["tokens", "key"])  # the stdlib's sources: many over 2,048 tokens
+    loader = Loader(docs, max_tokens=2048, seed=1)
+    over = sum(1 for b in loader if len(b["key"]) == 1 and int(b["tokens_lengths"][0]) > 2048)
+    assert loader.padding.epochs[0]["over_budget"] == over > 0
+
+
+def test_max_seconds_batches_whole_clips_and_stateful_workers_make_the_same_batches(built):
+    ds = MMapDataset(built["audio"], columns=["audio", "key"])
+    loader = Loader(ds, max_seconds=6.0, seed=2, num_threads=1)
+    mine = [(b["key"], tuple(b["audio"].shape)) for b in loader]
+    assert all(n * width <= 6 * 16000 or n == 1 for _, (n, width) in mine)
+    stateful = StatefulDataLoader(ds.batched(max_seconds=6.0, seed=2), num_workers=2)
+    assert [(b["key"], tuple(b["audio"].shape)) for b in stateful] == mine
+    assert stateful.padding.epochs[0]["padded"] == loader.padding.epochs[0]["padded"]
+
+
+def test_a_mixture_of_datasets_sharing_the_column_is_planned_by_length(built):
+    mixture = Mixture([MMapDataset(built[k], columns=["tokens", "key"]) for k in ("text", "pairs")], [2, 1])
+    loader = Loader(mixture, max_tokens=2048, seed=4)
+    batches = list(loader)
+    assert sum(len(b["key"]) for b in batches) == len(mixture)
+    assert all(b["tokens"].shape[0] * b["tokens"].shape[1] <= 2048 or len(b["key"]) == 1 for b in batches)
+    assert loader.padding.epochs[0]["share"] < 0.1
+
+
+def test_what_planning_by_length_refuses(built):
+    with pytest.raises(ConfigError, match="ragged"):
+        Loader(MMapDataset(built["images"]), 8, bucket_by="length")
+    with pytest.raises(ConfigError, match="one length"):
+        Loader(TokenWindows(built["text"], 64), max_tokens=512)
+    with pytest.raises(ConfigError, match="one length"):
+        Loader(AudioClips(built["audio"], 0.5), 8, bucket_by="length")
+    with pytest.raises(ConfigError, match="length:nope"):
+        Loader(MMapDataset(built["text"]), 8, bucket_by="length:nope")
+    with pytest.raises(ConfigError, match="audio"):
+        Loader(MMapDataset(built["text"]), max_seconds=2.0)
+    with pytest.raises(ConfigError, match="not both"):
+        Loader(MMapDataset(built["audio"]), max_seconds=2.0, max_tokens=100)
+    with pytest.raises(ConfigError, match="weighs a budget"):
+        Loader(MMapDataset(built["text"]), 8, cost="quadratic")
+    with pytest.raises(ConfigError, match="batch_size, or a budget"):
+        Loader(MMapDataset(built["text"]))
+    with pytest.raises(ConfigError, match="'length', 'length:COLUMN' or None"):
+        Loader(MMapDataset(built["text"]), max_tokens=100, bucket_by="aspect")
