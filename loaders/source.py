@@ -147,6 +147,9 @@ def _frames(gather, name: str, max_tokens, max_seconds) -> int:
     return max(1, int(max_seconds * audio["sample_rate"]))
 
 
+COARSE_RUNS = 1 << 20  # the most runs of ids `RaggedLengths` tables the shard of (8 MB): past it, a binary search
+
+
 class RaggedLengths:
     """ids -> the length of each sample of a ragged column (in steps: a stereo frame is one) of
     one or more datasets' shards as one (a Mixture's union ids), from their offsets alone (a
@@ -164,6 +167,7 @@ class RaggedLengths:
         self._starts = self._ends - counts
         self._offsets: dict[int, np.ndarray] = {}
         self._shortest: int | None = None
+        self._coarse: tuple | None = None  # (k, the shard each run of 2**k ids starts in), made at first use
 
     def __getstate__(self) -> dict:
         return {"readers": self.readers, "name": self.name}
@@ -180,15 +184,36 @@ class RaggedLengths:
 
     def __call__(self, ids) -> np.ndarray:
         ids = np.asarray(ids, dtype=np.int64)
-        shard = np.searchsorted(self._ends, ids, side="right")
-        rows = ids - self._starts[shard]
+        shard = self._shard_of(ids)
+        narrow = shard.astype(np.int16) if len(self._ends) < 1 << 15 else shard  # numpy sorts 16-bit keys by radix
+        by_shard = np.argsort(narrow, kind="stable")  # one take per shard touched
+        shard, rows = shard[by_shard], ids[by_shard] - self._starts[shard[by_shard]]
+        lengths = np.empty(len(ids), np.int64)
+        bounds = [0, *(np.flatnonzero(np.diff(shard)) + 1).tolist(), len(ids)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            if a < b:
+                offsets = self.offsets(int(shard[a]))
+                lengths[a:b] = offsets[rows[a:b] + 1] - offsets[rows[a:b]]
         out = np.empty(len(ids), np.int64)
-        by_shard = np.argsort(shard, kind="stable")  # one take per shard touched
-        cuts = np.flatnonzero(np.diff(shard[by_shard])) + 1
-        for at in np.split(by_shard, cuts) if len(ids) else []:
-            offsets, r = self.offsets(int(shard[at[0]])), rows[at]
-            out[at] = offsets[r + 1] - offsets[r]
-        return out // self.per_step if self.per_step > 1 else out
+        out[by_shard] = lengths // self.per_step if self.per_step > 1 else lengths
+        return out
+
+    def _shard_of(self, ids: np.ndarray) -> np.ndarray:
+        """The shard of each id: from a table of the shard where each run of 2**k ids starts (k:
+        the runs no longer than the shortest shard, so a run crosses one shard's end at most),
+        else a binary search of the shards' ends."""
+        if self._coarse is None:
+            shortest = int((self._ends - self._starts).min()) if len(self._ends) else 0
+            k = max(shortest, 1).bit_length() - 1
+            runs = -(-int(self._ends[-1]) // (1 << k)) if len(self._ends) else 0
+            table = np.searchsorted(self._ends, np.arange(runs, dtype=np.int64) << k, side="right")
+            self._coarse = (k, table) if runs <= COARSE_RUNS else (0, None)
+        k, table = self._coarse
+        if table is None:
+            return np.searchsorted(self._ends, ids, side="right")
+        shard = table[ids >> k]
+        shard += ids >= self._ends[shard]
+        return shard
 
     def shortest(self) -> int:
         """The shortest sample's length: every shard's offsets read once, then kept."""

@@ -25,9 +25,21 @@ EDGES = np.unique(np.floor(2.0 ** (np.arange(62 * STEPS_PER_OCTAVE + 1) / STEPS_
 COSTS = ("linear", "quadratic")
 
 
+TABLED = 1 << 20  # lengths below this find their bucket in a table (2 MB), a gather instead of a binary search
+_TABLE: list[np.ndarray] = []
+
+
 def bucket_of(lengths) -> np.ndarray:
     """The bucket of each length: the first edge at or above it (a length of 0 is bucket 0's)."""
-    return np.searchsorted(EDGES, np.asarray(lengths, dtype=np.int64), side="left")
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if not _TABLE:
+        _TABLE.append(np.searchsorted(EDGES, np.arange(TABLED), side="left").astype(np.int16))
+    small = lengths < TABLED
+    if small.all():
+        return _TABLE[0][np.maximum(lengths, 0)].astype(np.int64)
+    out = np.searchsorted(EDGES, lengths, side="left")
+    out[small] = _TABLE[0][np.maximum(lengths[small], 0)]
+    return out
 
 
 @dataclass(frozen=True)

@@ -250,3 +250,24 @@ def test_what_planning_by_length_refuses(built):
         Loader(MMapDataset(built["text"]))
     with pytest.raises(ConfigError, match="'length', 'length:COLUMN' or None"):
         Loader(MMapDataset(built["text"]), max_tokens=100, bucket_by="aspect")
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12), steps=st.sampled_from([1, 2]), data=st.data())
+def test_lengths_come_from_the_index_offsets_of_each_samples_shard(sizes, steps, data):
+    """`RaggedLengths`: a sample's length is its offsets' difference in its own shard (frames, for
+    stereo audio), however the shards are sized."""
+    import types
+
+    from loaders.source import RaggedLengths
+    from packer.dataset import format as fmt
+
+    lengths = [np.asarray(data.draw(st.lists(st.integers(0, 9), min_size=n, max_size=n)), np.int64) for n in sizes]
+    offsets = [np.concatenate([[0], np.cumsum(x * steps)]) for x in lengths]
+    reader = types.SimpleNamespace(
+        shard_ends=np.cumsum(sizes).tolist(),
+        manifest=types.SimpleNamespace(column=lambda name: fmt.Column(name, "<i2", (None,) if steps == 1 else (None, 2))),
+        index=lambda k, name: types.SimpleNamespace(offsets=offsets[k]))
+    every = np.concatenate(lengths)
+    ids = np.asarray(data.draw(st.lists(st.integers(0, len(every) - 1), max_size=60)), np.int64)
+    assert RaggedLengths([reader], "audio")(ids).tolist() == every[ids].tolist()
