@@ -23,6 +23,7 @@ STEPS_PER_OCTAVE = 16
 # every bucket's largest length: 1, 2, ..., 16, 17, 18, 19, 20, 22, ... (floor(2 ** (k / 16)), once each)
 EDGES = np.unique(np.floor(2.0 ** (np.arange(62 * STEPS_PER_OCTAVE + 1) / STEPS_PER_OCTAVE)).astype(np.int64))
 COSTS = ("linear", "quadratic")
+SPAN_BUCKETS = 3  # a budget's batch holds lengths of at most 3 neighbouring buckets: within 2**(2/16), 9%
 
 
 TABLED = 1 << 20  # lengths below this find their bucket in a table (2 MB), a gather instead of a binary search
@@ -82,6 +83,12 @@ class Budget:
         each bucket (at least 1), non-increasing."""
         return _capacities(self.batch_size, self.max_tokens, self.cost)
 
+    @property
+    def span(self) -> int | None:
+        """The buckets a batch's samples may lie in with a budget (`cut`): SPAN_BUCKETS, lengths
+        within 9% of each other (a fixed batch size takes its neighbours whatever their length)."""
+        return SPAN_BUCKETS if self.max_tokens is not None else None
+
     def most(self, shortest: int = 1) -> int:
         """The most samples a batch of this budget holds when no sample is shorter than `shortest`."""
         return int(self.capacities()[bucket_of([shortest])[0]])
@@ -102,33 +109,38 @@ def _capacities(batch_size: int | None, max_tokens: int | None, cost: str) -> np
     return np.minimum(caps, batch_size) if batch_size is not None else caps
 
 
-def cut(counts: np.ndarray, caps: np.ndarray, carry: int = 0) -> list[tuple[int, int, int]]:
+def cut(counts: np.ndarray, caps: np.ndarray, carry: int = 0, span: int | None = None) -> list[tuple[int, int, int]]:
     """The batches of a window sorted by length whose buckets hold `counts` samples each: greedily
     from the shortest, each batch taking samples while their number stays within the capacity of
-    its longest sample's bucket; the first batch holds `carry` places fewer (the epoch's phase, so
-    a window is not cut alike every epoch). As runs (first end, step, how many) of the batches'
-    end positions in the sorted window: `bounds` makes them the array."""
+    its longest sample's bucket, and with `span`, while they lie within `span` buckets (a batch
+    of a budget closes at a gap in the lengths rather than pad its short samples to a long one);
+    the first batch holds `carry` places fewer (the epoch's phase, so a window is not cut alike
+    every epoch). As runs (first end, step, how many) of the batches' end positions in the
+    sorted window: `bounds` makes them the array."""
     runs = []
-    pos = held = real = 0  # samples placed; places taken in the open batch (the carry too); real samples in it
-    held = carry
+    pos = real = 0  # samples placed; real samples in the open batch
+    held, first = carry, -1  # places taken in the open batch (the carry too); the bucket it began in
     for k in np.flatnonzero(counts).tolist():
         n, cap = int(counts[k]), int(caps[k])
+        first = k if first < 0 else first
+        if held and span is not None and k - first >= span:
+            held = 0  # a gap in the lengths: closed as it is
         if held:
             take = min(max(cap - held, 0), n)
             held, real, pos, n = held + take, real + take, pos + take, n - take
-            if held >= cap:  # full, or no room for a sample this long: closed
-                if real:
-                    runs.append((pos, 1, 1))
-                held = real = 0
-            if not n:
-                continue
+            held = 0 if held >= cap else held  # full, or no room for a sample this long: closed
+        if not held and real:
+            runs.append((pos, 1, 1))
+            real = 0
+        if not n:
+            continue
         full, rest = divmod(n, cap)
         if full:
             runs.append((pos + cap, cap, full))
         pos += full * cap
         if rest:
             held = real = rest
-            pos += rest
+            pos, first = pos + rest, k
     if real:
         runs.append((pos, 1, 1))
     return runs

@@ -99,7 +99,7 @@ class LengthPlan:
             held = np.bincount(local * len(EDGES) + bucket_of(self.lengths(self.ids_of(positions))),
                                minlength=(stop - w0) * len(EDGES)).reshape(stop - w0, len(EDGES))
             for i, row in enumerate(held):
-                out[w0 + i] = count(cut(row, self.caps, self._carry(row, phases[w0 + i])))
+                out[w0 + i] = count(cut(row, self.caps, self._carry(row, phases[w0 + i]), self.budget.span))
         return out
 
     def _carry(self, counts: np.ndarray, phase) -> int:
@@ -109,7 +109,8 @@ class LengthPlan:
         return int(np.uint64(phase) % np.uint64(self.caps[first[0]])) if len(first) else 0
 
     def window_of(self, w: int) -> tuple:
-        """(w, ids sorted by length (ties in the order's), their lengths, batch bounds)."""
+        """(w, its ids sorted by length (ties in the order's), their lengths, its batches' bounds
+        in them, the sorted batch each of its batches in their order is (`lengths.layout`))."""
         if self._held is None or self._held[0] != w:
             positions = np.arange(w * self.window, min((w + 1) * self.window, self.num_samples), dtype=np.int64)
             ids = self.ids_of(positions)
@@ -117,38 +118,29 @@ class LengthPlan:
             by_length = np.argsort(lengths, kind="stable")
             ids, lengths = ids[by_length], lengths[by_length]
             counts = np.bincount(bucket_of(lengths), minlength=len(EDGES))
-            runs = cut(counts, self.caps, self._carry(counts, self.phases([w])[0]))
-            self._held = (w, ids, lengths, bounds(runs))
+            edges = bounds(cut(counts, self.caps, self._carry(counts, self.phases([w])[0]), self.budget.span))
+            batches, before = len(edges) - 1, int(self.starts[w])
+            head = min(-before % self.deal, batches)
+            groups = Permutation(max((batches - head) // self.deal, 1), order=self.order,
+                                 seed=derive_key(self.seed, GROUPS, w), epoch=self.epoch)
+            order = layout(np.arange(batches), batches=batches, before=before, deal=self.deal, groups=groups)
+            self._held = (w, ids, lengths, edges, order)
         return self._held
 
-    def locate(self, g) -> tuple[np.ndarray, np.ndarray]:
-        """(window, sorted batch in it) of the epoch's batches `g`."""
-        g = np.asarray(g, dtype=np.int64).reshape(-1)
+    def _batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, lengths) of the epoch's g-th batch."""
         starts = self.starts
-        w = np.searchsorted(starts, g, side="right") - 1
-        out = np.empty(len(g), np.int64)
-        for v in np.unique(w).tolist():
-            sel = w == v
-            out[sel] = layout(g[sel] - starts[v], batches=int(starts[v + 1] - starts[v]), before=int(starts[v]),
-                              deal=self.deal, groups=self._groups(v, int(starts[v + 1] - starts[v])))
-        return w, out
-
-    def _groups(self, w: int, batches: int):
-        """The order of window w's groups of `deal` batches: a permutation keyed by (seed, window) and the epoch."""
-        head = min(-int(self.starts[w]) % self.deal, batches)
-        groups = (batches - head) // self.deal
-        return Permutation(max(groups, 1), order=self.order, seed=derive_key(self.seed, GROUPS, w), epoch=self.epoch)
+        w = int(np.searchsorted(starts, g, side="right")) - 1
+        _, ids, lengths, edges, order = self.window_of(w)
+        k = order[g - starts[w]]
+        return ids[edges[k]:edges[k + 1]], lengths[edges[k]:edges[k + 1]]
 
     def batch(self, g: int) -> np.ndarray:
         """The ids of the epoch's g-th batch."""
-        w, k = self.locate([g])
-        _, ids, _, edges = self.window_of(int(w[0]))
-        return ids[edges[k[0]]:edges[k[0] + 1]]
+        return self._batch(g)[0]
 
     def lengths_of_batch(self, g: int) -> np.ndarray:
-        w, k = self.locate([g])
-        _, _, lengths, edges = self.window_of(int(w[0]))
-        return lengths[edges[k[0]]:edges[k[0] + 1]]
+        return self._batch(g)[1]
 
 
 class LengthEpochs(Epochs):

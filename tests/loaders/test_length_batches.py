@@ -47,12 +47,14 @@ def test_a_window_is_cut_into_batches_within_their_budget_from_its_bucket_counts
     caps = budget.capacities()
     first = np.flatnonzero(counts)
     carry = carry % int(caps[first[0]]) if len(first) else 0
-    edges = bounds(cut(counts, caps, carry))
+    edges = bounds(cut(counts, caps, carry, budget.span))
     assert edges[0] == 0 and edges[-1] == counts.sum() and (np.diff(edges) > 0).all()
-    assert len(edges) - 1 == count(cut(counts, caps, carry))
-    longest = EDGES[np.repeat(np.arange(len(EDGES)), counts)]  # each sorted sample at its bucket's longest
+    assert len(edges) - 1 == count(cut(counts, caps, carry, budget.span))
+    bucket = np.repeat(np.arange(len(EDGES)), counts)
+    longest = EDGES[bucket]  # each sorted sample at its bucket's longest
     for a, b in zip(edges[:-1], edges[1:]):
         assert _within(budget, longest[a:b])
+        assert budget.span is None or bucket[b - 1] - bucket[a] < budget.span  # a budget's batch: one length
     if budget.max_tokens is None:  # a fixed size: the count in closed form
         assert len(edges) - 1 == fixed_count(np.array([counts.sum()]), np.array([carry]), budget.batch_size)[0]
         assert (np.diff(edges)[1:-1] == budget.batch_size).all()
