@@ -5,7 +5,7 @@
     bench sweep    DataLoader workers / Loader threads x batch size: throughput and the doctor's wait share, a plot
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
     bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
-    bench sampler  opening an order over 1e6..1e10 samples: time and memory
+    bench sampler  opening an order over 1e6..1e10 samples, and a plan by length over 1e7, 1e9: time and memory
     bench remote   Loader from object storage (a local S3 server) vs local disk and the raw GET rate; cache limits
 """
 
@@ -166,15 +166,18 @@ def _parser() -> argparse.ArgumentParser:
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
                     help="sample counts (default 1e6,1e8,1e9,1e10)")
+    sa.add_argument("--length-samples", type=_ints, default=[10**7, 10**9],
+                    help="sample counts of the plans by length, bucket_by='length' and max_tokens, over lengths "
+                         "drawn per id (default 1e7,1e9)")
     sa.add_argument("--batch-size", type=int, default=256)
     sa.add_argument("--json", type=Path, help="write every figure here")
-    sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only")
+    sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only (plans by length: 1e7)")
     return ap
 
 
 QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2, "clips": 300},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
-         "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10]},
+         "packer": {"images": 400, "text_mb": 2}, "sampler": {"samples": [10**6, 10**10], "length_samples": [10**7]},
          "augment": {"images": 300, "passes": 2, "batch_size": 64},
          "remote": {"images": 400, "passes": 2, "batch_size": 64, "block_samples": 0}}
 
