@@ -147,6 +147,9 @@ class Permutation:
             return self._pinned(positions)
         return self._block(positions)
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rounds": None}  # made again where needed, not sent to a worker
+
     def _tabled(self, positions: np.ndarray) -> np.ndarray:
         """`permute` of many positions with each round's function read from a table of its `side`
         values, made once: the same images, a gather and an add a round instead of a mix

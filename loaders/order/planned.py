@@ -111,7 +111,8 @@ class LengthPlan:
     def window_of(self, w: int) -> tuple:
         """(w, its ids sorted by length (ties in the order's), their lengths, its batches' bounds
         in them, the sorted batch each of its batches in their order is (`lengths.layout`))."""
-        if self._held is None or self._held[0] != w:
+        held = self._held  # read once: another thread may hold the plan (a local, never another's window)
+        if held is None or held[0] != w:
             positions = np.arange(w * self.window, min((w + 1) * self.window, self.num_samples), dtype=np.int64)
             ids = self.ids_of(positions)
             lengths = np.asarray(self.lengths(ids), dtype=np.int64)
@@ -124,8 +125,8 @@ class LengthPlan:
             groups = Permutation(max((batches - head) // self.deal, 1), order=self.order,
                                  seed=derive_key(self.seed, GROUPS, w), epoch=self.epoch)
             order = layout(np.arange(batches), batches=batches, before=before, deal=self.deal, groups=groups)
-            self._held = (w, ids, lengths, edges, order)
-        return self._held
+            held = self._held = (w, ids, lengths, edges, order)
+        return held
 
     def _batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths) of the epoch's g-th batch."""
@@ -170,11 +171,16 @@ class LengthEpochs(Epochs):
         return self.budget.most(shortest() if shortest else 1)
 
     def plan(self, epoch: int, deal: int) -> LengthPlan:
-        if self._plan is None or (self._plan.epoch, self._plan.deal) != (epoch, deal):
+        plan = self._plan
+        if plan is None or (plan.epoch, plan.deal) != (epoch, deal):
             ids_of = self.positions_of(order=self.order, seed=self.seed, epoch=epoch)
-            self._plan = LengthPlan(self.num_samples, ids_of=ids_of, lengths=self.lengths, budget=self.budget,
-                                    seed=self.seed, epoch=epoch, order=self.order, deal=deal, window=self.window)
-        return self._plan
+            plan = self._plan = LengthPlan(self.num_samples, ids_of=ids_of, lengths=self.lengths, budget=self.budget,
+                                           seed=self.seed, epoch=epoch, order=self.order, deal=deal, window=self.window)
+        return plan
+
+    def __getstate__(self) -> dict:
+        """Without the plan (a window's ids and lengths): a spawned DataLoader worker makes its own."""
+        return {**self.__dict__, "_plan": None}
 
     def rank_batches(self, epoch: int, deal: int, cursor: int) -> int:
         """Batches each rank takes of epoch `epoch` from `cursor` (of the plan of `deal`)."""

@@ -222,6 +222,13 @@ def test_max_seconds_batches_whole_clips_and_stateful_workers_make_the_same_batc
     stateful = StatefulDataLoader(ds.batched(max_seconds=6.0, seed=2), num_workers=2)
     assert [(b["key"], tuple(b["audio"].shape)) for b in stateful] == mine
     assert stateful.padding.epochs[0]["padded"] == loader.padding.epochs[0]["padded"]
+    import pickle  # a spawned worker (macOS's, Windows') gets the epochs pickled, the plan made again there
+
+    batched = ds.batched(max_seconds=6.0, seed=2)
+    next(iter(batched))  # its plan made (a pass left early: the next one is epoch 1's, unless told)
+    again = pickle.loads(pickle.dumps(batched))
+    again.set_epoch(0)
+    assert [(b["key"], tuple(b["audio"].shape)) for b in again] == mine
 
 
 def test_a_mixture_of_datasets_sharing_the_column_is_planned_by_length(built):
