@@ -231,21 +231,24 @@ def padding_table(rep: dict) -> str:
 
 
 def plot_padding(rep: dict, path: Path) -> None:
-    """Padding share and useful elements/s with the stand-in step (x random batches), per dataset."""
+    """Padding share per dataset, and useful elements/s with the stand-in step (x random batches)
+    per dataset a loader ran on."""
+    import textwrap
+
     plt = report._plt()
-    datasets = list(dict.fromkeys(r["dataset"] for r in rep["results"]))
     systems = list(dict.fromkeys(r["system"].split("=")[0] for r in rep["results"]))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
     width = 0.8 / len(systems)
-    for i, system in enumerate(systems):
-        rows = [next((r for r in rep["results"] if r["dataset"] == d and r["system"].split("=")[0] == system), None)
-                for d in datasets]
-        x = np.arange(len(datasets)) + i * width
-        axes[0].bar(x, [100 * r["padding"] if r else 0 for r in rows], width, label=system)
-        axes[1].bar(x, [r.get("x_random_useful_step", 1.0 if system == "random batches" else 0) if r else 0
-                        for r in rows], width, label=system)
-    for ax, title in zip(axes, ("padding, % of the batch's elements", "useful elements/s with the step, x random")):
-        ax.set_xticks(np.arange(len(datasets)) + 0.4 - width / 2, datasets, fontsize=8)
+    for ax, key, title in ((axes[0], "padding", "padding, % of the batch's elements"),
+                           (axes[1], "x_random_useful_step", "useful elements/s with the step, x random batches")):
+        datasets = list(dict.fromkeys(r["dataset"] for r in rep["results"] if key == "padding" or "useful_per_s" in r))
+        for i, system in enumerate(systems):
+            rows = [next((r for r in rep["results"] if r["dataset"] == d and r["system"].split("=")[0] == system), {})
+                    for d in datasets]
+            scale = 100 if key == "padding" else 1
+            default = 1.0 if key != "padding" and system == "random batches" else 0.0
+            ax.bar(np.arange(len(datasets)) + i * width, [scale * r.get(key, default) for r in rows], width, label=system)
+        ax.set_xticks(np.arange(len(datasets)) + 0.4 - width / 2, [textwrap.fill(d, 18) for d in datasets], fontsize=8)
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"bench loaders --padding, batch {rep['batch_size']} ({rep['machine']['cores']} cores)")
