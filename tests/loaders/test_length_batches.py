@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders import Loader, Mixture, MMapDataset, StatefulDataLoader, AudioClips, TokenWindows
-from loaders.order.lengths import EDGES, Budget, bounds, count, cut, fixed_count, layout
+from loaders.order.lengths import EDGES, Budget, bounds, bucket_of, count, cut, fixed_count, layout
 from loaders.order.orders import Permutation
 from loaders.order.planned import DatasetOrder, LengthEpochs
 from packer.errors import ConfigError
@@ -58,6 +58,13 @@ def test_a_window_is_cut_into_batches_within_their_budget_from_its_bucket_counts
     if budget.max_tokens is None:  # a fixed size: the count in closed form
         assert len(edges) - 1 == fixed_count(np.array([counts.sum()]), np.array([carry]), budget.batch_size)[0]
         assert (np.diff(edges)[1:-1] == budget.batch_size).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(lengths=st.lists(st.one_of(st.integers(0, 3 << 20), st.integers(0, 1 << 62)), max_size=50))
+def test_a_lengths_bucket_is_the_first_edge_at_or_above_it(lengths):
+    assert bucket_of(lengths).tolist() == np.searchsorted(EDGES, np.asarray(lengths, np.int64), side="left").tolist()
+    assert (EDGES[bucket_of(lengths)] >= np.asarray(lengths, np.int64)).all()
 
 
 @settings(max_examples=200, deadline=None)
@@ -112,17 +119,19 @@ def test_every_epoch_is_a_permutation_cut_in_batches_within_budget_and_as_many_o
 
 
 @settings(max_examples=80, deadline=None)
-@given(lengths=lengths_lists, budget=budgets, w1=st.integers(1, 4), w2=st.integers(1, 4), steps=st.integers(0, 40),
+@given(lengths=lengths_lists, budget=budgets, w1=st.integers(1, 4), w2=st.integers(1, 4), at=st.floats(0, 1),
        seed=st.integers(0, 2**32))
-def test_a_resume_at_any_cursor_goes_on_with_the_plan_on_any_world_size(lengths, budget, w1, w2, steps, seed):
-    """`steps` steps on w1 ranks, a state (the same on every rank), then w2 ranks from it in
-    fresh epochs: the batches that follow are the uninterrupted plan's rest, each once."""
+def test_a_resume_at_any_cursor_goes_on_with_the_plan_on_any_world_size(lengths, budget, w1, w2, at, seed):
+    """Some steps on w1 ranks (a share `at` of the epoch's, short of its end), a state (the same
+    on every rank), then w2 ranks from it in fresh epochs: the batches that follow are the
+    uninterrupted plan's rest, each once."""
     whole = None
-    states = []
+    states, heads = [], []
     for r in range(w1):
         epochs = _epochs(lengths, budget, world=w1, rank=r, seed=seed)
         p = epochs.start()
-        take = min(steps, p.num_batches)
+        take = min(int(at * p.num_batches), max(p.num_batches - 1, 0))
+        heads.append([epochs.batch_ids(p, b).tolist() for b in range(take)])
         epochs.taken(p, take)
         states.append(epochs.state_dict())
         plan = epochs.plan(0, w1)
@@ -131,6 +140,8 @@ def test_a_resume_at_any_cursor_goes_on_with_the_plan_on_any_world_size(lengths,
     state = states[0]
     if state["epoch"] == 1:
         return
+    taken = [b for step in zip(*heads) for b in step]
+    assert taken == whole[:len(taken)] and state["cursor"] == len(taken)  # the state is where the ranks stopped
     rest = []
     for r in range(w2):
         epochs = _epochs(lengths, budget, world=w2, rank=r, seed=seed)
@@ -195,6 +206,21 @@ def test_loader_bucket_by_length_takes_each_clip_once_in_batches_of_one_length(b
     assert Loader(ds, 4, seed=3, bucket_by="length:audio").padding.column == "audio"
 
 
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_the_last_rounds_batches_repeated_or_dropped_are_counted(built, drop_last):
+    ds = MMapDataset(built["audio"], columns=["audio", "key"])
+    total = Loader(ds, 4, seed=3, bucket_by="length")._epochs.upcoming().num_batches  # the plan's, on one rank
+    world = next(w for w in (5, 6, 7) if total % w)  # a last round short: the last rank repeats, or it is dropped
+    loader = Loader(ds, 4, seed=3, bucket_by="length", rank=world - 1, world_size=world, drop_last=drop_last)
+    taken = sum(1 for _ in loader)
+    own = len(range(world - 1, total, world))  # the plan's batches this rank is dealt
+    figures = loader.padding.epochs[0]
+    assert taken == (total // world if drop_last else -(-total // world))
+    repeats = 0 if drop_last else taken - own
+    assert figures["repeated_batches"] == repeats and (drop_last or repeats == 1)
+    assert figures["dropped_batches"] == (total % world if drop_last else 0)
+
+
 def test_max_tokens_batches_hold_what_fits_the_budget_and_count_the_samples_over_it(built):
     captions = MMapDataset(built["pairs"], columns=["tokens", "key"])
     loader = Loader(captions, max_tokens=96, seed=1)
@@ -232,10 +258,13 @@ def test_max_seconds_batches_whole_clips_and_stateful_workers_make_the_same_batc
 
 
 def test_a_mixture_of_datasets_sharing_the_column_is_planned_by_length(built):
+    from collections import Counter
+
     mixture = Mixture([MMapDataset(built[k], columns=["tokens", "key"]) for k in ("text", "pairs")], [2, 1])
     loader = Loader(mixture, max_tokens=2048, seed=4)
     batches = list(loader)
-    assert sum(len(b["key"]) for b in batches) == len(mixture)
+    stream = Counter(k for b in Loader(mixture, 64, seed=4) for k in b["key"])  # the epoch's samples by weight
+    assert Counter(k for b in batches for k in b["key"]) == stream and sum(stream.values()) == len(mixture)
     assert all(b["tokens"].shape[0] * b["tokens"].shape[1] <= 2048 or len(b["key"]) == 1 for b in batches)
     assert loader.padding.epochs[0]["share"] < 0.1
 
