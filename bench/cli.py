@@ -2,11 +2,12 @@
 
     bench loaders  every loader on the same data vs the on-the-fly baseline, peers and memcpy
                    (--audio: Loader(AudioClips) vs soundfile + soxr in DataLoader workers;
-                    --chat: Loader(PackedDocuments) vs a Minimind-style SFT Dataset: trained tokens/s, padding)
+                    --chat: Loader(PackedDocuments) vs a Minimind-style SFT Dataset: trained tokens/s, padding;
+                    --padding: random batches vs bucket_by="length" and max_tokens)
     bench sweep    DataLoader workers / Loader threads x batch size: throughput and the doctor's wait share, a plot
     bench packer   build rate vs raw per-core Pillow / tokenizers rates, 1..N workers; zstd
     bench augment  train/eval transforms (ms per batch) against a model step; Loader over keep-aspect vs fixed
-    bench sampler  opening an order over 1e6..1e10 samples: time and memory
+    bench sampler  opening an order over 1e6..1e10 samples, and a plan by length over 1e7, 1e9: time and memory
     bench remote   Loader from object storage (a local S3 server) vs local disk and the raw GET rate; cache limits
 """
 
@@ -58,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
 
     lo = sub.add_parser("loaders", help="loaders side by side on the same data, against memcpy")
     common(lo, 3000, 8)
-    lo.add_argument("--batch-size", type=int, default=256)
+    lo.add_argument("--batch-size", type=int, default=None, help="default 256 (64 with --padding)")
     lo.add_argument("--passes", type=int, default=3, help="timed passes after a warm-up (median)")
     lo.add_argument("--workers", type=int, default=2, help="DataLoader worker processes for every DataLoader row")
     lo.add_argument("--cold", action="store_true", help="also one pass after evicting the files from the page cache")
@@ -83,6 +84,16 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--chat", type=int, nargs="?", const=16, metavar="B", help="conversations instead, batch B (default "
                     "16): a Minimind-style SFT Dataset in --workers DataLoader workers vs Loader(PackedDocuments)")
     lo.add_argument("--conversations", type=int, default=3000, help="real conversations to use with --chat")
+    lo.add_argument("--padding", action="store_true",
+                    help="padding instead: random batches, bucket_by='length' and max_tokens on real clips (--clips), "
+                         "captions (--images) and documents of lognormal lengths (--docs), against batches cut from "
+                         "the sorted lengths: padding share, useful elements/s alone and with a stand-in step in "
+                         "proportion to the padded elements, the spread of 8 ranks' step costs")
+    lo.add_argument("--docs", type=int, default=20000, help="documents of lognormal lengths with --padding")
+    lo.add_argument("--plan-lengths", type=int, default=1_000_000,
+                    help="with --padding: also the plans alone over this many skewed lengths (no data)")
+    lo.add_argument("--padding-batches", type=int, default=200,
+                    help="batches timed a row with --padding (whole epochs, at least this many)")
 
     sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput, and the share of a loop with a stand-in step "
                         "spent waiting (bench doctor's measure)")
@@ -173,15 +184,20 @@ def _parser() -> argparse.ArgumentParser:
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
                     help="sample counts (default 1e6,1e8,1e9,1e10)")
+    sa.add_argument("--length-samples", type=_ints, default=[10**7, 10**9],
+                    help="sample counts of the plans by length, bucket_by='length' and max_tokens, over lengths "
+                         "drawn per id (default 1e7,1e9)")
     sa.add_argument("--batch-size", type=int, default=256)
     sa.add_argument("--json", type=Path, help="write every figure here")
-    sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only")
+    sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only (plans by length: 1e7)")
     return ap
 
 
-QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2, "clips": 300},
+QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2, "clips": 300, "docs": 3000, "padding_batches": 64,
+                     "plan_lengths": 100_000},
          "sweep": {"images": 768, "batch_sizes": [64, 256], "workers_list": [0, 2], "stall_steps": 8},
-         "packer": {"images": 400, "text_mb": 2, "clips": 24, "rounds": 1}, "sampler": {"samples": [10**6, 10**10]},
+         "packer": {"images": 400, "text_mb": 2, "clips": 24, "rounds": 1},
+         "sampler": {"samples": [10**6, 10**10], "length_samples": [10**7]},
          "augment": {"images": 300, "passes": 2, "batch_size": 64},
          "remote": {"images": 400, "passes": 2, "batch_size": 64, "block_samples": 0}}
 
@@ -199,6 +215,10 @@ def _main(argv: list[str] | None) -> int:
     args = ap.parse_args(argv)
     if (getattr(args, "audio", False) or getattr(args, "chat", None)) and (args.model or args.step_ms is not None):
         ap.error("--audio and --chat measure the loaders alone: no --model or --step-ms with them")
+    if getattr(args, "padding", False) and (args.audio or args.chat or args.model or args.step_ms is not None):
+        ap.error("--padding has its own stand-in step: no --audio, --chat, --model or --step-ms with it")
+    if args.command == "loaders" and args.batch_size is None:
+        args.batch_size = 64 if args.padding else 256
     if args.command == "doctor":
         return _doctor(args)
     if getattr(args, "plot", None):
@@ -207,7 +227,11 @@ def _main(argv: list[str] | None) -> int:
         for k, v in QUICK[args.command].items():
             cur = getattr(args, k)
             setattr(args, k, min(cur, v) if isinstance(v, (int, float)) else v)
-    if args.command == "loaders" and args.audio:
+    if args.command == "loaders" and args.padding:
+        from .padding_bench import bench_padding, padding_table, plot_padding
+
+        result, text, plot = bench_padding(args), padding_table, plot_padding
+    elif args.command == "loaders" and args.audio:
         from .audio_bench import audio_table, bench_audio, plot_audio
 
         result, text, plot = bench_audio(args), audio_table, plot_audio

@@ -40,6 +40,48 @@ def open_mixture(n: int, batch: int) -> None:
     again.batch_ids(again.start(), 0)
 
 
+class SkewedLengths:
+    """A length for every sample id without an array of N: log-logistic (close to the lognormal of
+    speech durations and documents), median 128, 1 to 65,536; a class, as a dataset's lengths are."""
+
+    def __call__(self, ids):
+        import numpy as np
+
+        from loaders.order.orders import _mix
+
+        u = (_mix(np.asarray(ids, np.uint64) + np.uint64(0x5EED)) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        z = np.log(np.clip(u, 1e-12, 1 - 1e-12) / np.clip(1 - u, 1e-12, 1)) * 0.55  # a logistic ~ a normal of sd 1
+        return np.clip(np.exp(np.log(128) + z), 1, 65536).astype(np.int64)
+
+    def shortest(self) -> int:
+        return 1
+
+
+def open_length_plan(n: int, batch: int, max_tokens: int | None = None) -> float:
+    """What a Loader with bucket_by="length" (or max_tokens) does at iter(): the plan, len(), the
+    first batch's ids; then (returned: its seconds) a state saved half-way through the epoch
+    loaded into a fresh plan, and its first batch."""
+    import time
+
+    from loaders.order.lengths import Budget
+    from loaders.order.planned import DatasetOrder, LengthEpochs
+
+    budget = Budget(max_tokens=max_tokens) if max_tokens else Budget(batch_size=batch)
+
+    def plan() -> LengthEpochs:
+        return LengthEpochs(n, budget, positions_of=DatasetOrder(n, 8192), lengths=SkewedLengths(), bucket_by="length",
+                            column="tokens", shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=8)
+
+    first = plan()
+    p = first.start()
+    first.batch_ids(p, 0)
+    started = time.perf_counter()
+    again = plan()
+    again.load_state_dict({**first.state_dict(), "cursor": p.num_batches * 8 // 2 // 8 * 8})
+    again.batch_ids(again.start(), 0)
+    return time.perf_counter() - started
+
+
 def open_full_permutation(n: int, batch: int) -> None:
     """What mmpack 0.3 did: len() and the first batch each computed the epoch's permutation."""
     import numpy as np
@@ -62,31 +104,46 @@ def _peak_mb() -> float:
 
 
 def _child(kind: str, n: int, batch: int) -> None:
-    import loaders.order.sampler  # noqa: F401  imports (torch) before the clock and the memory baseline
+    import loaders.order.planned  # noqa: F401  imports (torch) before the clock and the memory baseline
 
     base = _rss_mb()
     start = time.perf_counter()
-    {"per-position": open_per_position, "mixture": open_mixture, "full": open_full_permutation}[kind](n, batch)
+    opens = {"per-position": open_per_position, "mixture": open_mixture, "full": open_full_permutation,
+             "length": open_length_plan, "max_tokens": lambda n, b: open_length_plan(n, b, MAX_TOKENS)}
+    resume = opens[kind](n, batch)
     seconds = time.perf_counter() - start
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": _peak_mb() - base}))
+    row = {"seconds": seconds, "peak_rss_mb": _peak_mb() - base}
+    if resume is not None:  # the plan's first batch, and apart from it a resumed one's
+        row.update(seconds=seconds - resume, resume_seconds=resume)
+    print(json.dumps(row))
+
+
+MAX_TOKENS = 65536  # the max_tokens plan's budget: about 300 samples of the median length
+PLANS = ("length plan (bucket_by)", "max_tokens plan")
 
 
 def bench_sampler(args) -> dict:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     rows = []
-    for n in args.samples:
-        for kind in ("per-position", "mixture of 3 sources", "full permutation (0.3)"):
-            row = {"system": kind, "num_samples": n}
-            if kind.startswith("full") and n * FULL_BYTES_PER_SAMPLE > 0.6 * ram:
-                row["skipped"] = f"needs {n * FULL_BYTES_PER_SAMPLE / 1024**3:,.0f} GiB of RAM"
+    runs = [(n, kind) for n in args.samples for kind in ("per-position", "mixture of 3 sources", "full permutation (0.3)")]
+    runs += [(n, kind) for n in args.length_samples for kind in PLANS]
+    for n, kind in runs:
+        row = {"system": kind, "num_samples": n}
+        if kind.startswith("full") and n * FULL_BYTES_PER_SAMPLE > 0.6 * ram:
+            row["skipped"] = f"needs {n * FULL_BYTES_PER_SAMPLE / 1024**3:,.0f} GiB of RAM"
+        else:
+            code = f"from bench.sampler_bench import _child; _child({_kind(kind)!r}, {n}, {args.batch_size})"
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if out.returncode:
+                row["error"] = out.stderr.strip().splitlines()[-1][:160] if out.stderr.strip() else f"exit {out.returncode}"
             else:
-                code = f"from bench.sampler_bench import _child; _child({kind.split()[0]!r}, {n}, {args.batch_size})"
-                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-                if out.returncode:
-                    row["error"] = out.stderr.strip().splitlines()[-1][:160] if out.stderr.strip() else f"exit {out.returncode}"
-                else:
-                    row.update(json.loads(out.stdout))
-            rows.append(row)
-            print(f"  measured {kind} over {n:,}: {row.get('skipped') or row.get('error') or row['seconds']}",
-                  file=sys.stderr, flush=True)
-    return {"command": "bench sampler", "batch_size": args.batch_size, "world_size": 8, "results": rows}
+                row.update(json.loads(out.stdout))
+        rows.append(row)
+        print(f"  measured {kind} over {n:,}: {row.get('skipped') or row.get('error') or row['seconds']}",
+              file=sys.stderr, flush=True)
+    return {"command": "bench sampler", "batch_size": args.batch_size, "world_size": 8, "max_tokens": MAX_TOKENS,
+            "results": rows}
+
+
+def _kind(system: str) -> str:
+    return {"length plan (bucket_by)": "length", "max_tokens plan": "max_tokens"}.get(system, system.split()[0])

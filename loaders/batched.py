@@ -80,14 +80,18 @@ class BatchedDataset(EpochDataset):
     resumes (`state_dict`). A plain `DataLoader(ds.batched(256), batch_size=None, num_workers=k)`
     works too, but its worker processes cannot tell the dataset object you hold that an epoch
     went by: call `set_epoch(epoch)` at the top of every epoch, as with DistributedSampler.
+    `bucket_by`, `max_tokens`, `max_seconds` and `cost` plan batches by length, as `Loader`'s do.
     """
 
-    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 order: Order | None = None, rank: int | None = None, world_size: int | None = None,
-                 columns: list[str] | None = None, bucket_by: str | None = None, block_window: int = WINDOW):
+    def __init__(self, dataset, batch_size: int | None = None, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, order: Order | None = None, rank: int | None = None,
+                 world_size: int | None = None, columns: list[str] | None = None, bucket_by: str | None = None,
+                 max_tokens: int | None = None, max_seconds: float | None = None, cost: str = "linear",
+                 block_window: int = WINDOW):
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
                                  drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
+                                 max_tokens=max_tokens, max_seconds=max_seconds, cost=cost,
                                  block_window=block_window)
         check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
 

@@ -9,6 +9,7 @@ to it: batches are safe to keep.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import os
@@ -43,6 +44,13 @@ MAX_DEFAULT_THREADS = 16
 # With num_threads="auto", a thread count is doubled while that makes the gather at least this much faster.
 THREAD_GAIN = 0.10
 _NEVER = threading.Event()  # the stop of a batch made inline: none
+
+
+def _measured(batches, padding, figures):
+    """`batches`, each one's padding measured as it passes (on the host) into `figures`."""
+    for batch in batches:
+        figures.append(padding.measure(batch))
+        yield batch
 
 
 def default_threads() -> int:
@@ -89,7 +97,7 @@ class Loader(Resumable):
 
     Args:
         dataset: an MMapDataset, a dataset dir, or a TokenWindows / PackedDocuments view.
-        batch_size: samples per batch on this rank.
+        batch_size: samples per batch on this rank (with a budget, the most; may then be None).
         shuffle: False means order="sequential" unless `order` is given.
         seed: with the epoch, fixes the order (an int in [0, 2**64)).
         drop_last: drop the last partial global batch (else pad by repeating, as
@@ -111,6 +119,15 @@ class Loader(Resumable):
         bucket_by: "aspect": every batch's images share an aspect-ratio bucket, so a keep-aspect
             canvas is mostly image (each image still once an epoch; the batches' order random,
             deterministic and resumable with the same batch size; `loaders.order.buckets`).
+            "length" (or "length:COLUMN"): every batch's samples are of about one length of the
+            ragged column (tokens, audio frames), so little of a batch is padding; each sample
+            once an epoch, the batches in a random order (`loaders.order.planned`).
+        max_tokens: instead of a fixed batch size (or with it, as the most samples a batch
+            holds), a budget: each batch holds as many samples, of about one length, as fit in
+            this many padded elements (samples x its longest); a sample longer alone is a batch
+            of one (counted in `padding`). Every rank gets as many batches.
+        max_seconds: the budget of an audio dataset's whole clips, in seconds.
+        cost: "linear", or "quadratic": the budget counts samples x longest squared (attention).
         num_buffers: batch buffers in the ring, >= 2: the batch the caller holds and
             num_buffers - 1 gathered ahead (more are allocated only while the caller keeps
             batches; see `loaders.batch.ring`).
@@ -123,10 +140,11 @@ class Loader(Resumable):
     cache may evict them); iterating it again makes new ones.
     """
 
-    def __init__(self, dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 num_threads: int | str | None = None, pin_memory: bool | None = None, device=None,
-                 order: Order | None = None, rank: int | None = None, world_size: int | None = None,
+    def __init__(self, dataset, batch_size: int | None = None, *, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, num_threads: int | str | None = None, pin_memory: bool | None = None,
+                 device=None, order: Order | None = None, rank: int | None = None, world_size: int | None = None,
                  columns: list[str] | None = None, num_buffers: int = 3, bucket_by: str | None = None,
+                 max_tokens: int | None = None, max_seconds: float | None = None, cost: str = "linear",
                  block_window: int = WINDOW, jpeg_decode: str = "auto"):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
@@ -134,6 +152,7 @@ class Loader(Resumable):
         self.source = as_source(dataset, columns)
         self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
                                  drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
+                                 max_tokens=max_tokens, max_seconds=max_seconds, cost=cost,
                                  block_window=block_window)
         self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
         if num_threads is None or self._timed:
@@ -190,11 +209,15 @@ class Loader(Resumable):
     def __iter__(self):
         p = self._epochs.start()
         batches = self._gathered(p)
+        figures = None
         if self.device is not None:
+            if self.padding is not None:  # measured on the host, before the copy: counted when handed over
+                figures = collections.deque()
+                batches = _measured(batches, self.padding, figures)
             batches = to_device(batches, self.device)
         if self._decode is not None:
             batches = decoded_on(batches, self.device, self._decode)
-        return self._counted(p, batches)
+        return self._counted(p, batches, figures)
 
     def _pool_of(self, threads: int):
         """The copy pool of `threads` threads, made on first use (and again after close)."""
@@ -213,7 +236,7 @@ class Loader(Resumable):
             memory = "pinned" if self.pin_memory else "huge"
             # the ring holds the source's alloc, not this Loader: no cycle keeps a dropped
             # Loader's buffers (hundreds of MB of canvases) until the garbage collector runs
-            self._ring = Ring(functools.partial(source.alloc, epochs.batch_size, memory), self.num_buffers)
+            self._ring = Ring(functools.partial(source.alloc, epochs.most_per_batch(), memory), self.num_buffers)
         ring = self._ring
         if self._timed:
             self._time_threads(p, ring)

@@ -23,7 +23,9 @@ READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", 
            "StatefulDataLoader(MMapIterableDataset)", "StatefulDataLoader(TokenWindows)",
            "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)",
            "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)", "Loader(audio)",
-           "Loader(AudioClips)", "StatefulDataLoader(AudioClips)", "Loader(jpeg)", "StatefulDataLoader(jpeg, bucket_by)")
+           "Loader(AudioClips)", "StatefulDataLoader(AudioClips)", "Loader(jpeg)", "StatefulDataLoader(jpeg, bucket_by)",
+           "Loader(audio, bucket_by length)", "StatefulDataLoader(pairs, max_tokens)")
+PLANNED = ("Loader(audio, bucket_by length)", "StatefulDataLoader(pairs, max_tokens)")  # batches of varying sizes
 
 
 def opened(paths: dict, key: str, **kwargs) -> MMapDataset:
@@ -59,6 +61,9 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         return Loader(AudioClips(paths["audio"], 0.5, seed=9), BATCH, num_threads=par, **common)
     if reader == "Loader(jpeg)":  # the JPEG lane's images decoded in the Loader's threads
         return Loader(opened(paths, "jpeg", columns=["image", "key"]), BATCH, num_threads=par, **common)
+    if reader == "Loader(audio, bucket_by length)":  # whole clips, of about one length a batch
+        return Loader(opened(paths, "audio", columns=["audio", "key"]), BATCH, num_threads=par, bucket_by="length",
+                      **common)
     if reader == "Loader(images, bucket_by)":
         return Loader(opened(paths, "aspect", columns=["image", "key"]), BATCH, num_threads=par, bucket_by="aspect",
                       **common)
@@ -75,6 +80,8 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         source = BatchedDataset(AudioClips(paths["audio"], 0.5, seed=9), BATCH, **common)
     elif reader == "StatefulDataLoader(batched, bucket_by)":
         source = opened(paths, "aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
+    elif reader == "StatefulDataLoader(pairs, max_tokens)":  # captions, as many as fit 96 padded tokens
+        source = opened(paths, "pairs", columns=["tokens", "key"]).batched(max_tokens=96, **common)
     elif reader == "StatefulDataLoader(jpeg, bucket_by)":  # ... in DataLoader workers, each its own threads
         source = opened(paths, "jpeg_aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
     else:

@@ -139,10 +139,34 @@ def test_bench_loaders_chat_quick_rows_padding_and_the_masks_compared(work, tmp_
     assert "packed vs the Minimind-style Dataset" in table and "the masks differ" in table and "packer build" in table
 
 
+def test_bench_loaders_padding_rows_for_every_dataset_and_plan(work, tmp_path, capsys):
+    """`bench loaders --padding`: random batches, bucket_by and max_tokens on each dataset, beside
+    the sorted lengths' padding, and the plans alone over skewed lengths; a plot."""
+    out, png = tmp_path / "padding.json", tmp_path / "padding.png"
+    assert main(["loaders", "--padding", "--clips", "24", "--images", "40", "--docs", "300", "--plan-lengths", "3000",
+                 "--padding-batches", "4", "--batch-size", "8", "--work", str(work), "--json", str(out),
+                 "--plot", str(png)]) == 0
+    rows = json.loads(out.read_text())["results"]
+    datasets = list(dict.fromkeys(r["dataset"] for r in rows))
+    assert len(datasets) == 4 and all(len([r for r in rows if r["dataset"] == d]) == 4 for d in datasets)
+    for r in rows:
+        assert 0 <= r["padding"] < 1
+        if r["system"] != "random batches" and "x_sorted_padding" in r:
+            assert r["x_sorted_padding"] >= 0
+        if "useful_per_s" in r:
+            assert r["useful_per_s"] > 0 and r["useful_per_s_step"] > 0 and r["step_spread"] >= 0
+    skewed = {r["system"].split("=")[0]: r for r in rows if r["dataset"].startswith("skewed (")}
+    assert skewed["max_tokens"]["padding"] < skewed["bucket_by"]["padding"] < skewed["random batches"]["padding"]
+    assert png.stat().st_size > 0 and "x sorted" in capsys.readouterr().out
+
+
 def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "sampler.json"
-    assert main(["sampler", "--samples", "1e6,1e10", "--json", str(out)]) == 0
+    assert main(["sampler", "--samples", "1e6,1e10", "--length-samples", "1e6", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
+    plans = [r for r in rows if r["system"] in ("length plan (bucket_by)", "max_tokens plan")]
+    assert [r["num_samples"] for r in plans] == [10**6, 10**6]
+    assert all(r["seconds"] > 0 and r["resume_seconds"] > 0 and r["peak_rss_mb"] < 100 for r in plans)
     new = [r for r in rows if r["system"] in ("per-position", "mixture of 3 sources")]
     assert [r["num_samples"] for r in new] == [10**6, 10**6, 10**10, 10**10]
     assert all(r["seconds"] > 0 and r["peak_rss_mb"] < 64 for r in new)  # nothing of size N

@@ -112,6 +112,31 @@ def test_watch_reports_a_loop_in_this_process(built):
         before.wait()
 
 
+def test_the_report_gives_the_padding_share_of_the_batches_the_loop_took(built):
+    """From an mmpack loader's own count, or from a batch's `{name}_lengths` (or an
+    attention_mask) on the host: the share of the elements the loop's batches hold that are
+    padding, and where it is large, the options that cut it."""
+    from loaders import Loader, MMapDataset
+
+    captions = MMapDataset(built["pairs"], columns=["tokens", "key"])
+    for loader in (Loader(captions, 8, seed=1), torch.utils.data.DataLoader(captions.batched(8, seed=1), batch_size=None)):
+        real = padded = 0
+        with doctor.watch(loader) as w:
+            for batch in loader:
+                real += int(batch["tokens_lengths"].sum())
+                padded += batch["tokens"].numel()
+        report = w.diagnose(ceiling=False, probes=False)
+        assert (report.loop.padding.real, report.loop.padding.padded) == (real, padded)
+        assert report.loop.padding.column == "tokens" and report.loop.padding.share == pytest.approx(1 - real / padded)
+        assert f"padding: {100 * (1 - real / padded):.0f}% of the {padded:,} tokens elements" in doctor.text(report)
+        assert "bucket_by='length'" in doctor.text(report)  # random captions of 8: over a fifth padding
+    masked = [{"attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}] * 3
+    with doctor.watch() as w:
+        for _ in iter(torch.utils.data.DataLoader(masked, batch_size=None)):
+            pass
+    assert w.diagnose(ceiling=False, probes=False).loop.padding.share == pytest.approx(0.5)
+
+
 class _Slow(torch.utils.data.Dataset):
     def __len__(self):
         return 16

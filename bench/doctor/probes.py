@@ -23,6 +23,30 @@ def batch_len(batch) -> int:
     return len(first) if isinstance(first, torch.Tensor) and first.dim() else 1
 
 
+def padding_of(loader, batch) -> tuple[str, int, int] | None:
+    """(column, real elements, padded elements) of a batch just taken: an mmpack loader's own
+    count (`loader.padding.batch`); else, for a dict on the host, a ragged column beside its
+    `{name}_lengths`, or an `attention_mask`. None where it says neither (or lies on a GPU, whose
+    sum would wait for its queue)."""
+    counted = getattr(loader, "padding", None)
+    if counted is not None and getattr(counted, "batch", None):
+        return counted.column, counted.batch["real"], counted.batch["padded"]
+    if not isinstance(batch, dict):
+        return None
+    for name, lengths in batch.items():
+        values = batch.get(name[: -len("_lengths")]) if name.endswith("_lengths") else None
+        if values is not None and _on_host(lengths) and getattr(values, "dim", lambda: 0)() >= 2:
+            return name[: -len("_lengths")], int(lengths.sum()), int(values.shape[0] * values.shape[1])
+    mask = batch.get("attention_mask")
+    if mask is not None and _on_host(mask) and getattr(mask, "dim", lambda: 0)() == 2:
+        return "attention_mask", int(mask.sum()), int(mask.numel())
+    return None
+
+
+def _on_host(tensor) -> bool:
+    return getattr(getattr(tensor, "device", None), "type", None) == "cpu"
+
+
 def ceiling(loader, batches: int = CEILING_BATCHES, limit_s: float = CEILING_S) -> Ceiling | Failure:
     """The loader alone: a fresh iterator, its first batch apart (workers starting), the next
     batches timed with nothing done between them, over as many epochs as it takes (each new

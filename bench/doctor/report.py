@@ -257,6 +257,18 @@ class Run:
 
 
 @dataclass(kw_only=True)
+class PaddingShare:
+    """The padding in the batches the loop took: of a ragged column (`{name}_lengths` beside it,
+    as mmpack's batches hold; an `attention_mask`), its real elements against the elements its
+    tensors hold (samples x the batch's longest)."""
+
+    column: str
+    real: int
+    padded: int
+    share: float
+
+
+@dataclass(kw_only=True)
 class RemoteTraffic:
     """What the loop's loader brought over the link for its datasets in object storage, on this
     node (every process: DataLoader workers too): bytes, GET requests, shards downloaded and
@@ -291,6 +303,7 @@ class Loop:
     remote: RemoteTraffic | None = omitted()
     epoch_starts: Stats | None = omitted()  # the first wait of each epoch after the first
     epoch_start_share: float | None = omitted()  # their share of the loop (a part of wait_share)
+    padding: PaddingShare | None = omitted()  # of the batches taken, where they say their lengths
 
 
 @dataclass(kw_only=True)

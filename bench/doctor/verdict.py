@@ -146,6 +146,8 @@ def text(r: Report) -> str:
     if r.loop:
         lines.append(f"{r.batches} batches of {r.loop.loader}: step p50 {r.loop.step.p50_ms or 0:.1f} ms, "
                      f"wait p50 {r.loop.wait.p50_ms or 0:.1f} ms; first batch after {r.loop.first_batch_s:.2f} s")
+    if r.loop and r.loop.padding:
+        lines.append(_padding_line(r.loop))
     if r.steps and r.steps.samples:
         lines.append(_steps_line(r.steps))
     for what, got in (("one sample", (r.probes or Probes()).per_sample), ("the loader alone", _alone_run(r))):
@@ -161,6 +163,20 @@ def text(r: Report) -> str:
                      f"{t.shard_downloads:,} shards downloaded (misses), {t.shard_hits:,} found in the node's cache "
                      f"(hits){rate}{link}")
     return "\n".join(lines)
+
+
+PADDING_HINT = 0.2  # a padding share past which the report names the loader options that plan batches by length
+
+
+def _padding_line(loop) -> str:
+    """The padding share of the batches the loop took, and where it is large, what cuts it."""
+    p = loop.padding
+    line = (f"padding: {100 * p.share:.0f}% of the {p.padded:,} {p.column} elements in the batches the loop took "
+            "(the GPU computes on them too)")
+    if p.share >= PADDING_HINT:
+        line += ("; Loader(..., bucket_by='length') or max_tokens= batches samples of about one length "
+                 "(bench loaders --padding measures both)")
+    return line
 
 
 def _alone_run(r: Report):

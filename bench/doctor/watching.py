@@ -13,10 +13,10 @@ from .codec import to_json
 from .diagnosis import diagnose
 from .gpu import Copies, CudaMarks, Nvml
 from .hooks import loader_classes, patched
-from .probes import batch_len, caches
+from .probes import batch_len, caches, padding_of
 from .processes import Processes
 from .rerun import Kept
-from .report import Loop, RemoteTraffic, Report, Run, Stats, StepTime, share
+from .report import Loop, PaddingShare, RemoteTraffic, Report, Run, Stats, StepTime, share
 from .steps import Steps
 
 
@@ -76,6 +76,7 @@ class Watch:
             self.copies.active = True
             rec["waits"].append(last - asked)
             rec["samples"] += batch_len(batch)
+            _count_padding(rec, loader, batch)
             yield batch
 
     def _next(self, it):
@@ -138,11 +139,28 @@ class Watch:
                     per_step=[StepTime(wait_ms=1e3 * a, step_ms=1e3 * b) for a, b in zip(waits, steps)],
                     batch_size=getattr(main["loader"], "batch_size", None),
                     kept=len(self.kept.batches) if self.kept is not None else None,
-                    remote=_remote(main["remote"], _node_traffic(main["loader"]), sum(waits) + work))
+                    remote=_remote(main["remote"], _node_traffic(main["loader"]), sum(waits) + work),
+                    padding=_padding(main))
 
 
 def _nothing() -> None:
     pass
+
+
+def _count_padding(rec: dict, loader, batch) -> None:
+    """Add a batch's real and padded elements to the loader's record, where it says them."""
+    got = padding_of(loader, batch)
+    if got is not None:
+        column, real, padded = got
+        _, real_before, padded_before = rec.get("padding", (column, 0, 0))
+        rec["padding"] = (column, real_before + real, padded_before + padded)
+
+
+def _padding(rec: dict) -> PaddingShare | None:
+    if "padding" not in rec:
+        return None
+    column, real, padded = rec["padding"]
+    return PaddingShare(column=column, real=real, padded=padded, share=1 - real / padded if padded else 0.0)
 
 
 def _node_traffic(loader) -> dict:

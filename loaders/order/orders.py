@@ -51,19 +51,26 @@ def derive_key(*parts: int) -> int:
     return key
 
 
+def round_function(right: np.ndarray, side, key, r: int) -> np.ndarray:
+    """Round r's F of the Feistel network: the mixed right half scaled into [0, side) (multiply
+    and shift: no division), uint64; `key` 1-d (one, or one per element)."""
+    f = _mix(right ^ (key + np.uint64((r + 1) * _GOLDEN & _M64)))
+    f >>= np.uint64(32)
+    f *= np.asarray(side, dtype=np.uint64)
+    f >>= np.uint64(32)
+    return f
+
+
 def feistel(x: np.ndarray, side: int, key) -> np.ndarray:
     """A keyed bijection of [0, side**2) applied to uint64 `x` (side < 2**32), as two digits
-    base `side` (left, right), each round (left, right) -> (right, left + F(right) mod side),
-    where F is the mixed right half scaled into [0, side) (multiply and shift: no division);
-    `side` and `key` are each one for all elements or an array of one per element."""
+    base `side` (left, right), each round (left, right) -> (right, left + F(right) mod side)
+    (`round_function`); `side` and `key` are each one for all elements or an array of one per
+    element."""
     s = np.asarray(side, dtype=np.uint64)
     left, right = x // s, x % s
     key = np.asarray(key, dtype=np.uint64).reshape(-1)  # 1-d: wrapping array arithmetic, no warnings
     for r in range(ROUNDS):
-        f = _mix(right ^ (key + np.uint64((r + 1) * _GOLDEN & _M64)))
-        f >>= np.uint64(32)
-        f *= s
-        f >>= np.uint64(32)
+        f = round_function(right, s, key, r)
         f += left
         f -= s * (f >= s)
         left, right = right, f
@@ -123,6 +130,7 @@ class Permutation:
         self.epoch, self.parts = epoch, parts
         self.key = derive_key(seed, epoch, ORDERS.index(order))
         self.pin_key = derive_key(seed, ORDERS.index(order), PIN)  # no epoch: which blocks a part holds
+        self._rounds: list[np.ndarray] | None = None  # each Feistel round's function of the right half (`_tabled`)
 
     def __call__(self, positions) -> np.ndarray:
         positions = np.asarray(positions, dtype=np.int64)
@@ -132,10 +140,41 @@ class Permutation:
         if self.order == "sequential":
             return positions.copy()
         if self.order == "random":
+            if n > 1 and positions.size >= math.isqrt(n - 1) + 1:  # as many positions as a round has values
+                return self._tabled(positions)
             return permute(positions, n, self.key)
         if self.parts > 1:
             return self._pinned(positions)
         return self._block(positions)
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_rounds": None}  # made again where needed, not sent to a worker
+
+    def _tabled(self, positions: np.ndarray) -> np.ndarray:
+        """`permute` of many positions with each round's function read from a table of its `side`
+        values, made once: the same images, a gather and an add a round instead of a mix
+        (an epoch's lengths counted over every position: `loaders.order.planned`, bench sampler)."""
+        n = self.num_samples
+        side = math.isqrt(n - 1) + 1
+        if self._rounds is None:
+            values, key = np.arange(side, dtype=np.uint64), np.asarray([self.key], dtype=np.uint64)
+            self._rounds = [round_function(values, side, key, r).astype(np.int64) for r in range(ROUNDS)]
+
+        def walk(x: np.ndarray) -> np.ndarray:
+            left, right = np.divmod(x, side)
+            for table in self._rounds:
+                f = table[right]
+                f += left
+                f -= side * (f >= side)
+                left, right = right, f
+            return left * side + right
+
+        out = walk(positions)
+        outside = out >= n
+        while outside.any():
+            out[outside] = walk(out[outside])
+            outside = out >= n
+        return out
 
     def _block(self, positions: np.ndarray) -> np.ndarray:
         n, w, bs = self.num_samples, self.window, self.block_size

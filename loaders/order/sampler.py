@@ -170,6 +170,11 @@ class Epochs:
         self.partial = False  # a pass started and not taken to its end: the next one takes a new epoch
         self._perm: tuple | None = None  # (epoch, its positions -> ids)
         self._chunk: tuple[tuple[int, int, int], np.ndarray] | None = None  # (epoch, cursor, chunk) -> ids
+        self.padding = None  # what a loader counts of the batches it hands over (`loaders.padding`), or None
+
+    def most_per_batch(self) -> int:
+        """The most samples a batch holds (what a ring's buffers are made for)."""
+        return self.batch_size
 
     def set_epoch(self, epoch: int) -> None:
         epoch = check_int("epoch", epoch)
@@ -338,14 +343,28 @@ class Epochs:
                               f"this loader has {_grouping(mine)} and batch_size {mine['batch_size']}: batches "
                               "grouped by shape resume from states of version 4 on; start the state's epoch over "
                               "with set_epoch")
+        budget = ("batch_size", "max_tokens", "cost")
         if isinstance(theirs, dict) and mine is not None and \
-                {**theirs, "batch_size": mine["batch_size"]} == mine:
-            raise ConfigError(f"the state's batches were grouped by shape (bucket_by={mine['bucket_by']!r}) with "
-                              f"batch_size {theirs.get('batch_size')!r}, this loader's {mine['batch_size']}: batches "
-                              "grouped by shape are an order of their size, and resume only with the batch size "
-                              "that saved them")
+                {**theirs, **{k: mine.get(k) for k in budget if k in mine}} == mine:
+            ours = _budget(mine)
+            if ours.startswith("batch_size ") and _budget(theirs).startswith("batch_size "):
+                ours = ours[len("batch_size "):]  # "batch_size 8, this loader's 16"
+            raise ConfigError(f"the state's batches were grouped (bucket_by={mine['bucket_by']!r}) with "
+                              f"{_budget(theirs)}, this loader's {ours}: batches grouped by shape or length "
+                              "are an order of their size, and resume only with the batch size (or budget) that "
+                              "saved them")
         raise ConfigError(f"the state was saved with {_grouping(theirs)}, this loader has {_grouping(mine)}: "
                           f"its order is another; {REBUILD}")
+
+
+def _budget(buckets: dict) -> str:
+    """What a grouped state's batches hold, for a message: 'batch_size 8', 'max_tokens 4096 (cost
+    'quadratic'), batch_size 64'."""
+    parts = [f"max_tokens {buckets['max_tokens']!r}" + (f" (cost {buckets['cost']!r})" if buckets.get("cost") not in
+             (None, "linear") else "")] if buckets.get("max_tokens") is not None else []
+    if buckets.get("batch_size") is not None or not parts:
+        parts.append(f"batch_size {buckets.get('batch_size')!r}")
+    return ", ".join(parts)
 
 
 def _grouping(buckets) -> str:
@@ -379,14 +398,27 @@ class Resumable:
     def load_state_dict(self, state: dict) -> None:
         self._epochs.load_state_dict(state)
 
-    def _counted(self, p: Pass, batches):
+    @property
+    def padding(self):
+        """Real and padded elements of the ragged column's batches handed over, per batch and per
+        epoch (`loaders.padding.Padding`); None where the batches have no ragged column."""
+        return self._epochs.padding
+
+    def _counted(self, p: Pass, batches, figures=None):
         """Yield `batches` of pass `p`, each counted as taken when the caller gets it (not when it
-        is made, prefetched or copied); the pass's end moves on to the next epoch."""
+        is made, prefetched or copied); the pass's end moves on to the next epoch. Each batch's
+        padding is counted then too: from `figures` (what was measured of it on the host, in
+        order), else from the batch itself."""
         taken = 0
+        padding = self._epochs.padding
+        if padding is not None:
+            padding.begin(p, self._epochs)
         try:
             for batch in batches:
                 taken += 1
                 self._epochs.taken(p, taken)
+                if padding is not None:
+                    padding.handed(figures.popleft() if figures is not None else padding.measure(batch))
                 yield batch
                 del batch  # the caller's reference is the only one left
             if taken == 0:

@@ -171,7 +171,7 @@ class MMapDataset(torch.utils.data.Dataset):
         """The batch gather over `columns` (default: this dataset's), for Loader."""
         return ColumnGather(self.reader, list(columns) if columns else self._names, self.padding_value)
 
-    def batched(self, batch_size: int, **kwargs):
+    def batched(self, batch_size: int | None = None, **kwargs):
         """Whole batches for an existing DataLoader (see `loaders.BatchedDataset`)."""
         return BatchedDataset(self, batch_size, **kwargs)
 

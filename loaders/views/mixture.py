@@ -69,6 +69,12 @@ class Mixture:
         """Positions of mixture epoch `epoch` -> union ids (what `Epochs` orders an epoch by)."""
         return self.blend.order_for(order=order, seed=seed, epoch=epoch)
 
+    @property
+    def column_gather(self) -> ColumnGather | None:
+        """The one gather over every source's shards, where the sources are datasets (their
+        ragged columns' lengths are what `bucket_by="length"` plans by); None for token views."""
+        return self._parts[0] if isinstance(self._parts[0], ColumnGather) else None
+
     def source_state(self, epoch: int, cursor: int) -> list[dict]:
         return self.blend.source_state(epoch, cursor)
 

@@ -1059,7 +1059,8 @@ def test_a_reader_killed_at_any_instant_leaves_nothing_a_later_reader_would_use(
 
 
 @pytest.mark.parametrize("reader", ["Loader(images)", "StatefulDataLoader(batched)", "StatefulDataLoader(MMapIterableDataset)",
-                                    "Loader(Mixture)", "Loader(images, bucket_by)", "Loader(TokenWindows)", "Loader(jpeg)"])
+                                    "Loader(Mixture)", "Loader(images, bucket_by)", "Loader(TokenWindows)", "Loader(jpeg)",
+                                    "StatefulDataLoader(pairs, max_tokens)"])
 def test_the_resume_contract_holds_over_urls_through_a_limited_cache(s3, built, tmp_path, reader):
     """tests/loaders/test_resume_contract.py's contract, every dataset read from the server (the
     fresh processes too), through caches limited to what the readers' random batches need."""

@@ -66,7 +66,7 @@ def test_real_photos_of_both_orientations_waste_little_canvas_when_bucketed(buil
 def test_what_grouping_by_shape_refuses(built):
     with pytest.raises(ConfigError, match="own-sized images"):
         Loader(MMapDataset(built["images"]), 8, bucket_by="aspect")
-    with pytest.raises(ConfigError, match="'aspect' or None"):
+    with pytest.raises(ConfigError, match="'aspect', 'length', 'length:COLUMN' or None"):
         Loader(MMapDataset(built["aspect"]), 8, bucket_by="size")
     mixture = Mixture([MMapDataset(built["aspect"])] * 2, [1, 1])
     with pytest.raises(ConfigError, match="Mixture"):

@@ -74,6 +74,8 @@ def every_sample(reader: str, paths: dict) -> Counter:
     if "Mixture" in reader:
         return Counter(k for ds in (MMapDataset(paths[k], columns=["key"]) for k in ("text", "pairs"))
                        for k in (ds[i]["key"] for i in range(len(ds))))
+    if "pairs" in reader:  # the captions' keys
+        return Counter(k for ds in [MMapDataset(paths["pairs"], columns=["key"])] for k in (ds[i]["key"] for i in range(len(ds))))
     if "audio" in reader or "AudioClips" in reader:  # each clip once an epoch (its crop differs by epoch)
         return Counter(MMapDataset(paths["audio"])[i]["key"] for i in range(len(MMapDataset(paths["audio"]))))
     if "images" in reader or "batched" in reader or "MMapIterable" in reader or "jpeg" in reader:  # one RAW's keys
@@ -98,7 +100,7 @@ def test_resume_in_a_fresh_process_goes_on_with_the_next_batch(built, reader):
             if "Mixture" in reader:  # a stream by weight (its shares: tests/loaders/test_mixture.py)
                 assert set(got) <= set(everything) and sum(got.values()) == world * -(-len(contract.mixture(paths)) // world)
                 continue
-            assert set(got) == set(everything) and sum(got.values()) - sum(everything.values()) < world
+            assert set(got) == set(everything) and sum(got.values()) - sum(everything.values()) < world * _most(reader, full)
         for i, stop in enumerate((per_epoch + 1, per_epoch, 2 * per_epoch - 1)):  # mid-epoch, at a boundary, ...
             for rank in range(world):
                 head, state = contract.train(contract.make(reader, paths, world=world, rank=rank, par=pars[1]),
@@ -111,8 +113,15 @@ def test_resume_in_a_fresh_process_goes_on_with_the_next_batch(built, reader):
         assert tail == want, (job["world"], job["rank"], job["state"])
 
 
+def _most(reader: str, runs) -> int:
+    """How many samples one batch of padding repeats at most: one (the tail is dealt a sample at
+    a time), or for batches planned by length (the last round made whole by repeating batches)
+    the largest batch."""
+    return max(len(batch) for run in runs for _, batch in run) if reader in contract.PLANNED else 1
+
+
 @pytest.mark.parametrize("reader", ["Loader(images)", "StatefulDataLoader(batched)", "Loader(images, bucket_by)",
-                                    "Loader(jpeg)"])
+                                    "Loader(jpeg)", "Loader(audio, bucket_by length)"])
 def test_a_state_saved_on_two_ranks_resumes_on_one_and_on_three(built, reader):
     """Elastic: two ranks take some batches; one rank (or three) resumes from the state and the
     epoch is covered once, the padding at its very end aside."""
@@ -129,7 +138,7 @@ def test_a_state_saved_on_two_ranks_resumes_on_one_and_on_three(built, reader):
                                     state=states[0]) for r in range(world)])
         epoch0 = heads + [s for run in tails for e, batch in run if e == 0 for s in batch]
         got = Counter(s.rsplit("@", 1)[0] for s in epoch0)  # images: the key, less its pixels' digest
-        assert set(got) == set(everything) and sum(got.values()) - len(everything) < world
+        assert set(got) == set(everything) and sum(got.values()) - len(everything) < world * _most(reader, [tails[0]])
         assert max(got.values()) <= 2
 
 
