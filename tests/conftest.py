@@ -165,11 +165,13 @@ def audio_raw(tmp_path_factory) -> Path:
 def built(tmp_path_factory, image_raw, text_raw, pairs_raw, audio_raw, minilm):
     """The layouts built once through the real CLI: {"images", "text", "pairs", "audio"} -> OUT
     (audio at 16 kHz mono int16, in shards of 64 KB), the images again whole (--keep-aspect),
-    "aspect", and both again in the JPEG lane (--store jpeg), "jpeg" and "jpeg_aspect"."""
+    "aspect", and both again in the JPEG lane (--store jpeg), "jpeg" and "jpeg_aspect"; "chat":
+    Minimind-style conversations with their chat template."""
+    from bench import chat_templates, dialogue
     from packer.cli import main
 
     root = tmp_path_factory.mktemp("built")
-    outs = {k: root / k for k in ("images", "text", "pairs", "aspect", "audio", "jpeg", "jpeg_aspect")}
+    outs = {k: root / k for k in ("images", "text", "pairs", "aspect", "audio", "jpeg", "jpeg_aspect", "chat")}
     assert main(["build", str(audio_raw), str(outs["audio"]), "--sample-rate", "16000", "--shard-size", "64KB",
                  "-q"]) == 0
     assert main(["build", str(image_raw), str(outs["images"]), "--image-size", "64", "--shard-size", "16", "-q"]) == 0
@@ -182,6 +184,10 @@ def built(tmp_path_factory, image_raw, text_raw, pairs_raw, audio_raw, minilm):
     for lane, more in (("jpeg", []), ("jpeg_aspect", ["--keep-aspect"])):
         assert main(["build", str(image_raw), str(outs[lane]), "--image-size", "64" if lane == "jpeg" else "32", *more,
                      "--store", "jpeg", "--shard-size", "16", "-q"]) == 0
+    dialogue.write_minimind(root / "chat-raw" / "sft.jsonl", 60, seed=5)
+    (root / "chat.jinja").write_text(chat_templates.MINIMIND)
+    assert main(["build", str(root / "chat-raw"), str(outs["chat"]), "--tokenizer", str(dialogue.chat_tokenizer()),
+                 "--chat-template", str(root / "chat.jinja"), "--shard-size", "8KB", "-q"]) == 0
     return outs
 
 

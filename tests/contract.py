@@ -3,7 +3,8 @@ a process of its own (`python -m tests.contract`, a JSON line of jobs in on stdi
 results out on stdout), and the
 README's training loop that drives them.
 
-A batch is told by the identity of its samples: the image keys, or a digest of each token row.
+A batch is told by the identity of its samples: the image keys, or a digest of each token row
+(with its labels, for conversations).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ READERS = ("Loader(images)", "Loader(TokenWindows)", "Loader(PackedDocuments)", 
            "StatefulDataLoader(PackedDocuments)", "Loader(Mixture)", "StatefulDataLoader(Mixture)",
            "Loader(images, bucket_by)", "StatefulDataLoader(batched, bucket_by)", "Loader(audio)",
            "Loader(AudioClips)", "StatefulDataLoader(AudioClips)", "Loader(jpeg)", "StatefulDataLoader(jpeg, bucket_by)",
-           "Loader(audio, bucket_by length)", "StatefulDataLoader(pairs, max_tokens)")
+           "Loader(audio, bucket_by length)", "StatefulDataLoader(pairs, max_tokens)", "Loader(PackedDocuments chat)",
+           "StatefulDataLoader(PackedDocuments chat)")
 PLANNED = ("Loader(audio, bucket_by length)", "StatefulDataLoader(pairs, max_tokens)")  # batches of varying sizes
 
 
@@ -47,12 +49,15 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
     common = dict(seed=5, rank=rank, world_size=world)
     windows = lambda: TokenWindows(paths["text"], 256)  # noqa: E731
     packed = lambda: PackedDocuments(paths["text"], 512)  # noqa: E731
+    chat = lambda: PackedDocuments(paths["chat"], 256)  # noqa: E731  conversations: tokens and their labels
     if reader == "Loader(images)":
         return Loader(opened(paths, "images", columns=["label", "key"]), BATCH, num_threads=par, **common)
     if reader == "Loader(TokenWindows)":
         return Loader(windows(), BATCH, num_threads=par, **common)
     if reader == "Loader(PackedDocuments)":
         return Loader(packed(), BATCH, num_threads=par, **common)
+    if reader == "Loader(PackedDocuments chat)":
+        return Loader(chat(), BATCH, num_threads=par, **common)
     if reader == "Loader(Mixture)":
         return Loader(mixture(paths), BATCH, num_threads=par, **common)
     if reader == "Loader(audio)":
@@ -84,6 +89,8 @@ def make(reader: str, paths: dict, *, world: int, rank: int, par: int):
         source = opened(paths, "pairs", columns=["tokens", "key"]).batched(max_tokens=96, **common)
     elif reader == "StatefulDataLoader(jpeg, bucket_by)":  # ... in DataLoader workers, each its own threads
         source = opened(paths, "jpeg_aspect", columns=["image", "key"]).batched(BATCH, bucket_by="aspect", **common)
+    elif reader == "StatefulDataLoader(PackedDocuments chat)":
+        source = BatchedDataset(chat(), BATCH, **common)
     else:
         source = BatchedDataset(packed(), BATCH, **common)
     return StatefulDataLoader(source, num_workers=par)
@@ -102,6 +109,8 @@ def samples(batch) -> list[str]:
                 for key, image, hw in zip(batch["key"], batch["image"], sizes)]
     if isinstance(batch, dict) and "key" in batch:
         return list(batch["key"])
+    if isinstance(batch, dict) and "labels" in batch:  # a conversation's row: its tokens and what it trains on
+        return [_digest(torch.stack([row, labels])) for row, labels in zip(batch["tokens"], batch["labels"])]
     rows = batch["tokens"] if isinstance(batch, dict) else torch.cat([batch[0], batch[1][:, -1:]], dim=1)
     return [hashlib.blake2b(row.numpy().tobytes(), digest_size=8).hexdigest() for row in rows]
 

@@ -80,7 +80,8 @@ def every_sample(reader: str, paths: dict) -> Counter:
         return Counter(MMapDataset(paths["audio"])[i]["key"] for i in range(len(MMapDataset(paths["audio"]))))
     if "images" in reader or "batched" in reader or "MMapIterable" in reader or "jpeg" in reader:  # one RAW's keys
         return Counter(MMapDataset(paths["images"])[i]["key"] for i in range(len(MMapDataset(paths["images"]))))
-    view = TokenWindows(paths["text"], 256) if "TokenWindows" in reader else PackedDocuments(paths["text"], 512)
+    view = (TokenWindows(paths["text"], 256) if "TokenWindows" in reader else
+            PackedDocuments(paths["chat"], 256) if "chat" in reader else PackedDocuments(paths["text"], 512))
     loader = Loader(view, contract.BATCH, shuffle=False)
     return Counter(s for batch in loader for s in contract.samples(batch))
 
