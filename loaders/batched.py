@@ -62,6 +62,12 @@ class EpochDataset(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         if info is not None and info.id == 0:
             warn_if_epochs_repeat(self._epochs, self._epoch_given)
+        if info is not None and getattr(source, "remote", False) and info.num_workers > source.processes:
+            # a plain DataLoader never told the dataset its workers (StatefulDataLoader does): each
+            # maps its own batch's shards, so the cache limit must hold them all, refused now
+            # rather than found 120 s into a wait for room
+            source.processes = info.num_workers
+            check_first_batches(source, self._epochs)
         p = self._epochs.start()
         try:
             for b in worker_batches(p.num_batches, worker, workers):

@@ -302,3 +302,10 @@ def test_dataloader_workers_whose_batches_the_limit_cannot_hold_together_are_ref
         for _ in StatefulDataLoader(batches, num_workers=2, multiprocessing_context="fork", timeout=60):
             pass
     assert "\n" not in str(got.value)
+    # a plain DataLoader tells the dataset nothing of its workers: its first worker finds them and
+    # refuses, in the message DataLoader passes on, before any waits for room
+    plain = MMapDataset(url, cache_dir=tmp_path / "plain", cache_limit=fixed + largest * 3 // 2).batched(6, shuffle=False)
+    with pytest.raises(Exception, match="this loader's 2 worker processes.*or fewer workers"):
+        for _ in torch.utils.data.DataLoader(plain, batch_size=None, num_workers=2, multiprocessing_context="fork",
+                                             timeout=60):
+            pass
