@@ -89,3 +89,30 @@ def test_the_mixture_example_trains_on_code_and_prose_70_30(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "every prefix within" in out.stdout and ": ok" in out.stdout
     assert "(70.0%)" in out.stdout and "(30.0%)" in out.stdout
+
+
+def test_the_voice_example_maps_features_once_and_trains_by_length_resuming_exactly(tmp_path):
+    """scripts/voice_features.py: real clips through a feature function of torch ops with
+    packer.map (1 worker, then 2: the same bytes), then batches of about max_tokens frames; a run
+    stopped at step 5 and started again trains on exactly the uninterrupted run's batches."""
+    from bench import sounds
+
+    clips = sounds.make_audio_folders(tmp_path / "clips", 40, seed=0)
+    args = ("--epochs", "2", "--max-tokens", "4000")
+    whole = run("scripts/voice_features.py", clips, "--out", tmp_path / "a", "--workers", "1", *args)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    assert "found 40 = packed 40 + skipped 0" in whole.stdout and "done: " in whole.stdout
+    head = run("scripts/voice_features.py", clips, "--out", tmp_path / "b", "--workers", "2", "--stop-after", "5", *args)
+    assert head.returncode == 0 and "stopped after step 5" in head.stdout, head.stderr[-2000:]
+    tail = run("scripts/voice_features.py", clips, "--out", tmp_path / "b", "--workers", "2", *args)
+    assert tail.returncode == 0 and "resumed at epoch 0, step 5" in tail.stdout, tail.stderr[-2000:]
+
+    def steps(out: str) -> list[str]:  # each step's batch: its clips, their keys, frames padded and real
+        return [line.split(", loss")[0] for line in out.splitlines() if line.startswith("step ")]
+    assert len(steps(whole.stdout)) > 10 and steps(head.stdout) + steps(tail.stdout) == steps(whole.stdout)
+    frames = [int(line.split(" frames padded, ")[0].rsplit(" ", 1)[1]) for line in steps(whole.stdout)]
+    assert max(frames) <= 4000 or "1 clip(s)" in steps(whole.stdout)[frames.index(max(frames))]
+
+    def npy(root: Path) -> dict:
+        return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*.npy")}
+    assert npy(tmp_path / "a") == npy(tmp_path / "b")  # the map's bytes do not depend on its workers
