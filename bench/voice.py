@@ -10,6 +10,11 @@ import math
 from functools import lru_cache
 from pathlib import Path
 
+import numpy as np
+import soundfile as sf
+import soxr
+import torch  # at the top, as a user's feature module has it: a map's forkserver imports it once for its workers
+
 RATE = 16000
 HOP, WINDOW, MELS = 160, 400, 80  # 10 ms frames of 25 ms, as speech front ends take them
 F0_RANGE = (60.0, 500.0)
@@ -18,8 +23,6 @@ F0_RANGE = (60.0, 500.0)
 @lru_cache(maxsize=1)
 def _mel_matrix():
     """A Slaney-style triangular mel filterbank [WINDOW // 2 + 1, MELS]."""
-    import torch
-
     def hz_to_mel(f):
         return 2595.0 * math.log10(1.0 + f / 700.0)
 
@@ -34,11 +37,6 @@ def _mel_matrix():
 
 def features(path) -> dict:
     """A clip's log-mel frames, pitch track and speaker (see the module)."""
-    import numpy as np
-    import soundfile as sf
-    import soxr
-    import torch
-
     torch.set_num_threads(1)
     audio, rate = sf.read(str(path), dtype="float32", always_2d=True)
     audio = audio.mean(axis=1)
@@ -56,8 +54,6 @@ def features(path) -> dict:
 def _pitch(frames):
     """Each frame's fundamental from its autocorrelation peak in F0_RANGE; 0 where the peak is
     weak (unvoiced, silence)."""
-    import torch
-
     frames = frames - frames.mean(dim=1, keepdim=True)
     spectrum = torch.fft.rfft(frames, n=2 * frames.shape[1])
     corr = torch.fft.irfft(spectrum.abs().pow(2), n=2 * frames.shape[1])[:, : frames.shape[1]]

@@ -171,7 +171,13 @@ def _executed(ctx: _Context, todo: list, workers: int) -> Iterator[dict]:
 
     from concurrent.futures.process import BrokenProcessPool
 
-    context = multiprocessing.get_context(start_method(tokenizer=False))
+    method = start_method(tokenizer=False)
+    context = multiprocessing.get_context(method)
+    module = getattr(ctx.fn, "__module__", None)
+    if method == "forkserver" and module and module != "__main__":
+        # the server imports fn's module (and what it imports: torch, a model's code) once and
+        # forks each worker from it: a worker starts with them, not importing them again
+        context.set_forkserver_preload(["packer._one_blas_thread", "packer.samples.mapping", module])
     running = {}
     wait_for_old_workers(ctx.staging)  # a killed map's workers are gone before this one writes
     try:
