@@ -122,6 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--input", type=lambda s: s.split(","), default=["folder"], metavar="FORMS",
                     help="the input forms to build the same photos from: folder, parquet (Hugging Face), tar "
                          "(WebDataset), manifest (JSONL), comma-separated (default folder)")
+    pk.add_argument("--plot", type=Path, help="with --map: write a PNG plot here (needs mmpack[plot])")
     pk.add_argument("--map", action="store_true", help="instead: packer.map against LitData's optimize (where "
                     "installed) on a voice model's features of real clips: samples/s, bytes written")
     pk.add_argument("--clips", type=int, default=200, help="clips for --map (default 200)")
@@ -219,6 +220,8 @@ def _main(argv: list[str] | None) -> int:
         ap.error("--padding has its own stand-in step: no --audio, --chat, --model or --step-ms with it")
     if args.command == "loaders" and args.batch_size is None:
         args.batch_size = 64 if args.padding else 256
+    if args.command == "packer" and getattr(args, "plot", None) and not args.map:
+        ap.error("bench packer draws a plot with --map only")
     if args.command == "doctor":
         return _doctor(args)
     if getattr(args, "plot", None):

@@ -485,8 +485,10 @@ def test_a_test_server_whose_port_is_taken_before_it_binds_it_starts_again_on_ot
 
 
 def test_bench_packer_map_writes_what_the_function_gives(tmp_path, capsys):
-    out = tmp_path / "map.json"
-    assert main(["packer", "--map", "--clips", "6", "--rounds", "1", "--workers-list", "1", "--json", str(out)]) == 0
+    out, png = tmp_path / "map.json", tmp_path / "map.png"
+    assert main(["packer", "--map", "--clips", "6", "--rounds", "1", "--workers-list", "1", "--json", str(out),
+                 "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0
     rows = json.loads(out.read_text())["rows"]
     mmpack = [r for r in rows if r["writer"] == "mmpack"]
     assert mmpack and all(r["reads_back_equal"] and r["samples"] == 6 and r["bytes"] > 0 for r in mmpack)
