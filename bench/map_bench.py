@@ -119,6 +119,7 @@ def plot_map(report: dict, path: Path) -> None:
         rows = [r for r in report["rows"] if r["writer"] == writer]
         ax.bar([r["workers"] + 0.35 * (k - (len(writers) - 1) / 2) for r in rows],
                [r["samples_per_s"] for r in rows], width=0.35, label=writer)
+    ax.set_xticks(sorted({r["workers"] for r in report["rows"]}))
     ax.set_xlabel("workers")
     ax.set_ylabel("samples / s")
     ax.set_title("a voice model's features, computed once and written")
