@@ -131,9 +131,10 @@ class Loader(Resumable):
         num_buffers: batch buffers in the ring, >= 2: the batch the caller holds and
             num_buffers - 1 gathered ahead (more are allocated only while the caller keeps
             batches; see `loaders.batch.ring`).
-        jpeg_decode: where a JPEG-lane dataset's images are decoded (`--store jpeg`): "auto" (on
-            a CUDA `device` by nvJPEG where torchvision is installed, else in the gather's
-            threads by Pillow), "threads", or "device" (refused without both).
+        jpeg_decode: where a JPEG-lane dataset's images are decoded (`--store jpeg`): "auto"
+            (today the gather's threads by Pillow, on any device: the card's batched decode has
+            not yet been measured beside them; `device_decode.AUTO_ON_CUDA`), "threads", or
+            "device" (one batched nvJPEG call on the CUDA `device`; refused without torchvision).
 
     `close()` (or leaving a `with Loader(...) as loader:` block) stops its open iterations and
     frees its buffers and threads at once, and unpins a remote dataset's shards (the node's

@@ -248,3 +248,40 @@ def test_a_device_decode_names_the_sample_it_fails_on_and_is_refused_without_tor
     with pytest.raises(ConfigError, match="is not one of auto, threads, device"):
         Loader(MMapDataset(built["jpeg"]), 8, jpeg_decode="gpu")
     assert Loader(MMapDataset(built["jpeg"]), 8, device="cpu")._decode is None  # auto: the threads, off CUDA
+
+
+def test_auto_decodes_in_the_threads_on_cuda_too_until_the_card_has_been_measured(monkeypatch):
+    """"auto" on a CUDA device is the threads' decode (device_decode.AUTO_ON_CUDA) while the
+    batched nvJPEG path has not run beside it on a GPU; "device" asks for the card."""
+    from loaders import device_decode
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(device_decode, "decoder", lambda: _pillow_decode)
+    assert device_decode.AUTO_ON_CUDA == "threads"
+    assert device_decode.choose("auto", "cuda", encoded=True) is None
+    assert device_decode.choose("device", "cuda", encoded=True) is _pillow_decode
+    monkeypatch.setattr(device_decode, "AUTO_ON_CUDA", "device")  # the switch, once measured
+    assert device_decode.choose("auto", "cuda", encoded=True) is _pillow_decode
+    assert device_decode.choose("auto", "cpu", encoded=True) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("lane", ["jpeg", "jpeg_aspect"])
+def test_nvjpeg_on_the_card_gives_the_threads_batches_within_decoder_rounding(built, lane):
+    """The proof "auto" waits for: torchvision's batched decode on the GPU against the Pillow
+    decode in the threads, the same samples, shapes, canvas and sizes, and pixels within a
+    decoder's rounding (PSNR against the threads' at least 45 dB on every image)."""
+    pytest.importorskip("torchvision.io")
+    ds = MMapDataset(built[lane])
+    on_card = list(Loader(ds, 7, seed=2, device="cuda", jpeg_decode="device"))
+    by_threads = list(Loader(ds, 7, seed=2, device="cuda", jpeg_decode="threads"))
+    assert len(on_card) == len(by_threads) > 1
+    for a, b in zip(on_card, by_threads):
+        assert a["key"] == b["key"] and a["image"].shape == b["image"].shape and a["image"].is_cuda
+        sizes = b["image_size"].tolist() if "image_size" in b else [tuple(b["image"].shape[1:3])] * len(b["key"])
+        if "image_size" in b:
+            assert torch.equal(a["image_size"].cpu(), b["image_size"].cpu())
+        for i, (h, w) in enumerate(sizes):
+            x, y = a["image"][i, :h, :w].cpu().numpy(), b["image"][i, :h, :w].cpu().numpy()
+            assert _psnr(x, y) >= 45, (a["key"][i], _psnr(x, y))
