@@ -10,7 +10,8 @@ sorting it whole puts samples of near lengths together (the more samples a windo
 Nothing is of size N: a batch's ids need its window's (W ids and lengths, sorted), and where
 each window starts in the epoch's batches needs each window's batch count: closed form for a
 fixed batch size, a bincount of every window's lengths for a budget (the epoch's one pass over
-the lengths, in windows: O(N) time, O(N / W) memory, once per epoch and process).
+the lengths, in windows: O(N) time spread over the cores' threads, O(N / W) memory, once per
+epoch and process).
 
 The global plan is dealt to ranks a batch each in turn (rank r takes batches cursor + j*W + r),
 so it is the same plan for any rank count, and a state, whose cursor counts the batches all
@@ -27,13 +28,15 @@ import copy
 import numpy as np
 
 from packer.errors import ConfigError
+from packer.system import available_cores
 
 from loaders.order.lengths import EDGES, Budget, bounds, bucket_of, count, cut, fixed_count, layout
 from loaders.order.orders import Permutation, derive_key, _mix
 from loaders.order.sampler import REBUILD, Epochs, Pass
 
 WINDOW_SAMPLES = 1 << 16  # the samples sorted together: batches of 64 from 65,536 differ little in length
-COUNT_WINDOWS = 4  # windows whose lengths are counted at once in the epoch's pass over them
+COUNT_WINDOWS = 4  # windows whose lengths are counted at once in the epoch's pass over them, in one thread
+COUNT_THREADS = 16  # threads of that pass at most (each holds a window's arrays, about 4 MB)
 PHASE, GROUPS = 0x504841, 0x475250  # the purposes that key each window's phase and the order of its groups
 
 
@@ -92,14 +95,27 @@ class LengthPlan:
             return fixed_count(self.sizes(windows), carries, size)
         out = np.zeros(self.num_windows, np.int64)
         phases = self.phases(windows)
-        for w0 in range(0, self.num_windows, COUNT_WINDOWS):
-            stop = min(w0 + COUNT_WINDOWS, self.num_windows)
+
+        def counted(w0: int, stop: int) -> None:
             positions = np.arange(w0 * self.window, min(stop * self.window, self.num_samples), dtype=np.int64)
             local = positions // self.window - w0
             held = np.bincount(local * len(EDGES) + bucket_of(self.lengths(self.ids_of(positions))),
                                minlength=(stop - w0) * len(EDGES)).reshape(stop - w0, len(EDGES))
             for i, row in enumerate(held):
                 out[w0 + i] = count(cut(row, self.caps, self._carry(row, phases[w0 + i]), self.budget.span))
+        first = min(COUNT_WINDOWS, self.num_windows)
+        counted(0, first)  # in this thread: the order's and the lengths' tables made once, before any other reads them
+        threads = min(available_cores(), COUNT_THREADS, self.num_windows - first)
+        if threads <= 1:
+            for w0 in range(first, self.num_windows, COUNT_WINDOWS):
+                counted(w0, min(w0 + COUNT_WINDOWS, self.num_windows))
+            return out
+        # numpy's work here releases the GIL: the pass scales with the cores (it is the whole
+        # start-up of a budget's epoch), a window a task to keep each thread's arrays small
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(threads, thread_name_prefix="mmpack-plan") as pool:
+            list(pool.map(lambda w: counted(w, w + 1), range(first, self.num_windows)))
         return out
 
     def _carry(self, counts: np.ndarray, phase) -> int:

@@ -92,6 +92,29 @@ def _run(epochs, epoch_batches=None):
     return out
 
 
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), min_size=100, max_size=1500), max_tokens=st.integers(1, 20000),
+       seed=st.integers(0, 2**32))
+def test_a_budgets_counts_made_in_threads_are_the_counts_of_one_thread(lengths, max_tokens, seed):
+    """The epoch's pass over the lengths (each window's batch count) runs in threads past its
+    first windows: the same counts as in one thread, and the plan they start is served whole."""
+    from loaders.order import planned
+
+    lengths = np.asarray(lengths, np.int64)
+    plans = []
+    for threads in (planned.COUNT_THREADS, 1):
+        saved = planned.COUNT_THREADS
+        planned.COUNT_THREADS = threads
+        try:
+            plan = _epochs(lengths, Budget(max_tokens=max_tokens), seed=seed, window=16).plan(0, 1)
+            plans.append(plan.starts.tolist())
+        finally:
+            planned.COUNT_THREADS = saved
+    assert plans[0] == plans[1] and len(plans[0]) > 6  # windows past the first four: threads counted them
+    served = sorted(i for g in range(plan.total) for i in plan.batch(g).tolist())
+    assert served == list(range(len(lengths)))
+
+
 @settings(max_examples=80, deadline=None)
 @given(lengths=lengths_lists, budget=budgets, world=st.integers(1, 5), seed=st.integers(0, 2**32),
        drop_last=st.booleans())
