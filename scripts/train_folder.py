@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         loader.load_state_dict(state["loader"])
-        start, steps = state["loader"]["epoch"], state["steps"]
+        start, steps = loader.epoch, state["steps"]
         print(f"resumed at epoch {start}, step {steps}")
     for epoch in range(start, args.epochs):
         loader.set_epoch(epoch)

@@ -24,8 +24,9 @@ from packer.errors import ConfigError, IntegrityError
 
 JPEG = "jpeg"  # the column encoding
 DEFAULT_QUALITY = 90
-# at and above this quality the chroma is kept whole (4:4:4): at 90, 4:2:0 costs about 1.5 dB of
-# PSNR on photo crops for some 20% fewer bytes; below it, where bytes are what was asked for, 4:2:0
+# at and above this quality the chroma is kept whole (4:4:4): at 90, 4:2:0 costs about 3 dB of
+# PSNR on photo crops for some 20% fewer bytes (docs/design.md, "Quality 90, chroma whole");
+# below it, where bytes are what was asked for, 4:2:0
 FULL_CHROMA_FROM = 90
 # what a build's shard plan counts an image at, of its pixels' bytes (the plan is made before any
 # decode): photos at quality 90 take a tenth to a sixth, so shards land near --shard-size

@@ -346,6 +346,15 @@ def test_a_parquet_build_reads_parquet_in_a_child_so_that_it_forks_its_workers(p
     assert got == [str(len(_samples(photos))), "parquet", "False", "fork"]
 
 
+def _abort_quietly() -> None:
+    """The child's death by SIGABRT, without pytest's faulthandler printing its stacks into the
+    run's log (where an intended abort reads as a crash)."""
+    import faulthandler
+
+    faulthandler.disable()
+    os.abort()
+
+
 def test_a_forked_childs_answer_or_death_comes_back():
     from packer.system import ChildDied, in_forked_child
 
@@ -353,7 +362,7 @@ def test_a_forked_childs_answer_or_death_comes_back():
     with pytest.raises(ValueError, match="invalid literal"):
         in_forked_child(int, "x")
     with pytest.raises(ChildDied, match="signal 6"):
-        in_forked_child(os.abort)
+        in_forked_child(_abort_quietly)
     import multiprocessing  # a daemonic process (a pool's worker) may have no children: it runs there
 
     with multiprocessing.get_context("fork").Pool(1) as pool:
