@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from packer.dataset.codec import image_list
 from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 
@@ -64,10 +65,15 @@ def samples(reader: DatasetReader, ids: list[int]) -> list[dict]:
         if "image" in names:
             row["image"] = np.asarray(reader.sample(i, "image"))
         elif "images" in names:  # a conversation's images: the first drawn, all counted
-            images = np.asarray(reader.sample(i, "images"))
+            column = m.column("images")
+            if column.image_list:  # at their own sizes, one after another
+                images = image_list(reader.sample(i, "images"), reader.sample(i, "image_shapes"),
+                                    reader.sample(i, "image_nbytes"), column.encoding, f"{reader.root}: sample {i}")
+            else:
+                images = np.asarray(reader.sample(i, "images"))
             row["num_images"] = len(images)
             if len(images):
-                row["image"] = images[0]
+                row["image"] = np.asarray(images[0])
         if "audio" in names:
             clip = np.asarray(reader.sample(i, "audio"))
             row["audio"], row["seconds"] = clip, len(clip) / m.audio["sample_rate"]

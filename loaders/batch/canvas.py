@@ -72,3 +72,16 @@ def canvas_copy(name, arrays: list[ColumnArrays], regions, shard, rows, order, b
                 dst[i][tuple(slice(0, int(d)) for d in shapes[i])] = sample
 
     return fill, {name: canvas, f"{name}_size": size}
+
+
+def images_canvas(name: str, images: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Images of their own sizes (an image-list column's, a conversation's or a packed row's) as
+    {name: uint8 canvas [K, Hmax, Wmax, 3], each top-left and zeros around it, name_size: int64
+    [K, 2] (h, w)}: the layout a batch of keep-aspect images has."""
+    h = max((int(x.shape[0]) for x in images), default=0)
+    w = max((int(x.shape[1]) for x in images), default=0)
+    canvas = torch.zeros((len(images), h, w, 3), dtype=torch.uint8)
+    for k, x in enumerate(images):
+        canvas[k, :x.shape[0], :x.shape[1]] = torch.from_numpy(np.ascontiguousarray(x))
+    sizes = torch.tensor([[x.shape[0], x.shape[1]] for x in images], dtype=torch.int64).reshape(len(images), 2)
+    return {name: canvas, f"{name}_size": sizes}

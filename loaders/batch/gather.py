@@ -52,6 +52,11 @@ class ColumnGather:
         self.reader, self.readers, self.padding_value = readers[0], readers, padding_value
         self.source_id = "+".join(r.content_id for r in readers)
         self.columns = [readers[0].manifest.column(n) for n in names]
+        lists = [c.name for c in self.columns if c.image_list]
+        if lists:  # K images of their own sizes a sample: no batch layout of the column's own
+            raise ConfigError(f"{readers[0].root}: column {lists[0]} holds each conversation's images at their own "
+                              "sizes; read the conversations with PackedDocuments(out, seq_len) (its batches carry "
+                              "their images as a canvas), or pass columns= without it")
         for r in readers[1:]:
             theirs = [r.manifest.column(n) for n in names]
             if theirs != self.columns:

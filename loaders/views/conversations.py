@@ -4,7 +4,9 @@ Hugging Face models take them), whole conversations (one longer than `seq_len` i
 dropped and counted with `truncate=True`), and, where the conversations have images, each
 image counted as `image_tokens` tokens toward `seq_len` (the placeholder's own token and
 N - 1 more: a row fits after the model puts N embeddings in its place), and carried in the
-batch in row order with where it goes (`images`, `image_rows`, `image_positions`)."""
+batch in row order with where it goes (`images`, `image_rows`, `image_positions`): S x S images
+stacked, images of their own sizes (a keep-aspect or JPEG build) as a canvas with `images_size`,
+JPEG decoded here, in the Loader's threads."""
 
 from __future__ import annotations
 
@@ -13,7 +15,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from loaders.batch.canvas import images_canvas
 from loaders.batch.ragged import ranges
+from packer.dataset.codec import image_list
 from packer.errors import ConfigError
 
 IGNORE = -100  # the label Hugging Face's losses skip
@@ -33,13 +37,21 @@ class Conversations:
                               "have none")
         effective = np.asarray(lengths, np.int64).copy()
         if self.has_images:
+            column = reader.manifest.column("images")
+            self.listed = column.encoding if column.image_list else None  # images of their own sizes
+            self.where = f"{reader.root}: column images"
             self._images = [reader.column(k, "images") for k in shards]
             self._positions = [reader.column(k, "image_positions") for k in shards]
             counts = np.concatenate([np.diff(np.asarray(p.offsets, np.int64)) for p in self._positions])
             self.first_image = np.concatenate([[0], np.cumsum(counts)])
-            size = reader.manifest.column("images").shape[1:3]
-            per_image = image_tokens(*size) if callable(image_tokens) else (image_tokens or 1)
-            effective += counts * (int(per_image) - 1)
+            if self.listed:
+                self._shapes = [reader.column(k, "image_shapes") for k in shards]
+                self._nbytes = [reader.column(k, "image_nbytes") for k in shards]
+                effective += self._extra_tokens(counts, image_tokens)
+            else:
+                size = column.shape[1:3]
+                per_image = image_tokens(*size) if callable(image_tokens) else (image_tokens or 1)
+                effective += counts * (int(per_image) - 1)
         # whole conversations: with images (an image cannot be cut from its text) or truncate=True,
         # one longer than a row is dropped, and counted
         over = effective > seq_len if (truncate or self.has_images) else np.zeros(len(effective), bool)
@@ -47,6 +59,20 @@ class Conversations:
         self.dropped_tokens = int(np.asarray(lengths)[over].sum())
         effective[over] = 0
         self.effective = effective
+
+    def _extra_tokens(self, counts: np.ndarray, image_tokens) -> np.ndarray:
+        """Each conversation's tokens past its placeholders' own: image_tokens - 1 an image, or
+        image_tokens(h, w) - 1 of each image's own size (called once a distinct size)."""
+        if not callable(image_tokens):
+            return counts * (int(image_tokens or 1) - 1)
+        shapes = np.concatenate([np.asarray(s.values, np.int64) for s in self._shapes]).reshape(-1, 3)[:, :2]
+        if len(shapes) != int(counts.sum()):
+            raise ConfigError(f"{self.where}: {len(shapes)} image shapes for {int(counts.sum())} placeholders; "
+                              "run 'packer verify'")
+        sizes, which = np.unique(shapes, axis=0, return_inverse=True)
+        tokens = np.asarray([int(image_tokens(int(h), int(w))) for h, w in sizes], np.int64)[np.ravel(which)] - 1
+        owner = np.repeat(np.arange(len(counts)), counts)
+        return np.bincount(owner, weights=tokens, minlength=len(counts)).astype(np.int64)
 
     def labels(self, t: np.ndarray, dst: np.ndarray, src: np.ndarray, length: np.ndarray, shard: np.ndarray,
                out: np.ndarray) -> None:
@@ -68,9 +94,17 @@ class Conversations:
             k, r = int(doc_shard[d]), int(doc_row[d])
             pos = self._positions[k].sample(r)
             if len(pos):
-                pixels.append(self._images[k].sample(r))
+                if self.listed:
+                    pixels.extend(image_list(self._images[k].sample(r), self._shapes[k].sample(r),
+                                             self._nbytes[k].sample(r), self.listed, f"{self.where}: shard {k} row {r}"))
+                else:
+                    pixels.append(self._images[k].sample(r))
                 where_row.append(np.full(len(pos), row, np.int64))
                 where.append(np.asarray(pos, np.int64) + offset)
+        if self.listed:
+            return {**images_canvas("images", pixels),
+                    "image_rows": torch.from_numpy(np.concatenate(where_row) if where_row else np.zeros(0, np.int64)),
+                    "image_positions": torch.from_numpy(np.concatenate(where) if where else np.zeros(0, np.int64))}
         if not pixels:
             shape = (0, *self._images[0].sample(0).shape[1:]) if self._images else (0, 0, 0, 3)
             return {"images": torch.zeros(shape, dtype=torch.uint8), "image_rows": torch.zeros(0, dtype=torch.int64),

@@ -387,13 +387,14 @@ class BuildConfig:
         columns = (fmt.Column("tokens", tokenizer.dtype, (None,)), fmt.Column("loss_mask", "|u1", (None,)))
         if not chat.get("image"):
             return (*columns, key)
-        if self.keep_aspect or self.image_size is None or codec.parse_store(self.store)[0] != "pixels":
-            raise ConfigError(f"RAW {self.raw}'s conversations have images: they are packed at one --image-size S "
-                              "(S x S centre crops, as pixels); --keep-aspect, --image-size keep and --store jpeg are "
-                              "not supported for them yet")
+        positions = fmt.Column("image_positions", "<i8", (None,))
+        store = codec.parse_store(self.store)[0]
+        if self.keep_aspect or self.image_size is None or store != "pixels":  # each image at its own size
+            listed = fmt.Column("images", "|u1", (None,), encoding="jpeg-list" if store == codec.JPEG else "pixels-list")
+            index = (fmt.Column(name, dtype, shape) for name, (dtype, shape) in fmt.IMAGE_LIST_INDEX.items())
+            return (*columns, listed, *index, positions, key)
         size = self.image_size
-        return (*columns, fmt.Column("images", "|u1", (None, size, size, 3)),
-                fmt.Column("image_positions", "<i8", (None,)), key)
+        return (*columns, fmt.Column("images", "|u1", (None, size, size, 3)), positions, key)
 
 
 def parse_shard_size(text: str) -> tuple[int | None, int | None]:

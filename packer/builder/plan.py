@@ -110,6 +110,9 @@ class _Cutter:
         self._spans, self._rows, self._bytes = [], 0, 0
 
 
+CHAT_IMAGE_GUESS_PIXELS = 1024 * 768  # a conversation's image at its own size, planned before any is decoded
+
+
 def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows: int | None,
          shard_bytes: int | None, first_index: int = 0, max_side: int | None = None, text_key: str = "text",
          max_doc_bytes: int = MAX_DOC_BYTES, audio: AudioSpec | None = None, image_share: float = 1.0) -> Plan:
@@ -131,9 +134,14 @@ def plan(found: Scan, *, image_size: int | None, token_itemsize: int, shard_rows
             frames = header_frames(record.path, audio.sample_rate, audio.max_seconds)
             cutter.add(Span(i), 1, frames * frame + _SAMPLE_OVERHEAD)
     else:
-        # a conversation's loss mask is a byte a token; its image (where it has one) S x S x 3 bytes
+        # a conversation's loss mask is a byte a token; its image (where it has one) S x S x 3 bytes,
+        # S x the cap's side keep-aspect, a photo's at its own size: what a shard's size is planned
+        # by (its files hold what was written)
         itemsize = token_itemsize + (found.kind == "chat")
-        extra = image_size * image_size * 3 if found.kind == "chat" and (found.fields or {}).get("image") else 0
+        extra = 0
+        if found.kind == "chat" and (found.fields or {}).get("image"):
+            side = max_side or image_size
+            extra = int((image_size * side if image_size else CHAT_IMAGE_GUESS_PIXELS) * 3 * image_share)
         for i, record in enumerate(found.records):
             ext = os.path.splitext(record.path)[1].lower()
             try:

@@ -139,3 +139,33 @@ def decode(data, shape, where: str, out: np.ndarray | None = None) -> np.ndarray
         return pixels
     out[:h, :w] = pixels
     return out[:h, :w]
+
+
+def image_list(data, shapes, nbytes, encoding: str, where: str) -> list[np.ndarray]:
+    """The images of one sample of an image-list column (FORMAT.md section 4, "Conversations"):
+    `data` its bytes, `shapes` [K, 3] and `nbytes` [K] its rows of the `image_shapes` and
+    `image_nbytes` columns; pixels are views of `data`, JPEG files decoded. Any disagreement
+    (bytes that do not add up, a shape that is not h x w x 3, pixels of another size, a JPEG
+    that does not decode to its shape) is IntegrityError naming `where`."""
+    shapes, nbytes = np.asarray(shapes), np.asarray(nbytes)
+    if shapes.ndim != 2 or shapes.shape[1:] != (3,) or nbytes.shape != (len(shapes),):
+        raise IntegrityError(f"{where}: {len(nbytes)} image byte counts for {len(shapes)} image shapes; "
+                             "run 'packer verify'")
+    if int(nbytes.sum()) != len(data) or (nbytes < 0).any():
+        raise IntegrityError(f"{where}: its images' byte counts add up to {int(nbytes.sum())}, it holds {len(data)}; "
+                             "run 'packer verify'")
+    out, start = [], 0
+    for k, (shape, n) in enumerate(zip(shapes.tolist(), nbytes.tolist())):
+        h, w, c = shape
+        if h < 1 or w < 1 or c != 3:
+            raise IntegrityError(f"{where}: image {k} has shape {shape}, not h x w x 3; run 'packer verify'")
+        piece = data[start:start + n]
+        if encoding == "pixels-list":
+            if n != h * w * 3:
+                raise IntegrityError(f"{where}: image {k} holds {n} bytes, its shape {h} x {w} x 3 needs {h * w * 3}; "
+                                     "run 'packer verify'")
+            out.append(piece.reshape(h, w, 3))
+        else:
+            out.append(decode(piece, (h, w, 3), f"{where}: image {k}"))
+        start += n
+    return out

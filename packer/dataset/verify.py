@@ -12,7 +12,7 @@ import numpy as np
 
 from packer.dataset import format as fmt
 from packer.errors import IntegrityError
-from packer.dataset.codec import decode_text
+from packer.dataset.codec import decode_text, image_list
 from packer.dataset.reader import check_file_sizes, check_shards_listed, load_manifest, map_column
 from packer.dataset.writer import checksum_file
 
@@ -39,7 +39,7 @@ def verify(root: str | Path, *, on_progress=None) -> dict:
         for column in manifest.columns:
             mapped[column.name] = arrays = map_column(root / shard.dir, column, shard.num_samples)  # headers, ...
             _check_values(root / shard.dir, manifest, column, arrays)
-        _check_conversations(root / shard.dir, mapped)
+        _check_conversations(root / shard.dir, mapped, manifest)
     return {"files": files, "size_bytes": size_bytes, "num_samples": manifest.num_samples}
 
 
@@ -73,9 +73,10 @@ def _check_values(shard_dir: Path, manifest: fmt.Manifest, column: fmt.Column, a
             arrays.sample(row)
 
 
-def _check_conversations(shard_dir: Path, mapped: dict) -> None:
+def _check_conversations(shard_dir: Path, mapped: dict, manifest: fmt.Manifest) -> None:
     """A chat shard's masks and image places (FORMAT.md 4, "Conversations"): a mask of 0s and 1s
-    at its tokens' offsets; an image's placeholder inside its conversation, one per image."""
+    at its tokens' offsets; an image's placeholder inside its conversation, one per image; images
+    of their own sizes where their shapes and byte counts say, a JPEG decoding to its shape."""
     for name, arrays in mapped.items():
         if not name.endswith("loss_mask"):
             continue
@@ -89,8 +90,16 @@ def _check_conversations(shard_dir: Path, mapped: dict) -> None:
         positions, images, tokens = mapped["image_positions"], mapped["images"], mapped["tokens"]
         path = shard_dir / "image_positions.npy"
         counts = np.diff(np.asarray(positions.offsets))
-        if not np.array_equal(counts, np.asarray(images.shapes)[:, 0]):
+        listed = "image_shapes" in mapped  # images of their own sizes: counted by their shapes' rows
+        held = np.asarray((mapped["image_shapes"] if listed else images).shapes)[:, 0]
+        if not np.array_equal(counts, held):
             raise IntegrityError(f"{path}: a conversation's image places do not count its images")
+        if listed:  # every image's bytes where its shape and byte count say, each JPEG decoding to its shape
+            shapes, nbytes = mapped["image_shapes"], mapped["image_nbytes"]
+            encoding = manifest.column("images").encoding
+            for row in range(len(counts)):
+                image_list(images.sample(row), shapes.sample(row), nbytes.sample(row), encoding,
+                           f"{shard_dir / 'images.npy'}: row {row}")
         lengths = np.repeat(np.diff(np.asarray(tokens.offsets)), counts)
         values = np.asarray(positions.values)
         if values.size and ((values < 0) | (values >= lengths)).any():

@@ -241,3 +241,109 @@ def test_a_parquet_table_of_conversations_with_image_bytes_keeps_each_at_its_pla
         want = decode_image(io.BytesIO((raw / records[int(s["key"].rsplit(":", 1)[1])]["image"]).read_bytes()), 32)
         assert np.array_equal(s["images"][0].numpy(), want)
         assert s["tokens"][s["image_positions"]].tolist() == [image_id]
+
+
+@pytest.mark.parametrize("layout, flags", [("pixels-list", ("--image-size", "24", "--keep-aspect", "--max-side", "40")),
+                                           ("pixels-list", ("--image-size", "keep")),
+                                           ("jpeg-list", ("--image-size", "24", "--keep-aspect", "--store", "jpeg"))])
+def test_conversation_images_of_their_own_sizes_keep_each_at_its_placeholder(models, tmp_path, layout, flags):  # noqa: F811
+    """--keep-aspect, --image-size keep and --store jpeg: each conversation's images at their own
+    sizes (an image list: their pixels or JPEG files one after another, each's shape and bytes
+    beside them). ds[i] gives them as a canvas with images_size, each equal to an image build's
+    decode (the JPEG lane's: Pillow's decode of its stored bytes, close to those pixels); packed
+    rows carry them at their placeholders, each counted as image_tokens(h, w) tokens."""
+    from PIL import Image as PILImage
+
+    from packer.dataset import codec
+
+    raw = dialogue.write_llava(tmp_path / "raw", 10, seed=3)
+    records = json.loads((raw / "data.json").read_text())
+    two = {"id": "two", "image": [records[0]["image"], records[1]["image"]],
+           "conversations": [{"from": "human", "value": "<image> and <image>: alike?"}, {"from": "gpt", "value": "no"}]}
+    (raw / "data.json").write_text(json.dumps(records + [two]))
+    records.append(two)
+    ds = _build(raw, tmp_path / "out", models["minimind"], *flags)
+    assert ds.manifest.column("images").encoding == layout and len(ds) == 11
+    size = None if "keep" in flags else 24
+    image_id = _hf(models["minimind"]).convert_tokens_to_ids("<image>")
+    sizes_seen = set()
+    for i in range(len(ds)):
+        s = ds[i]
+        record = records[int(s["key"].rsplit(":", 1)[1])]
+        names = record["image"] if isinstance(record["image"], list) else [record["image"]]
+        assert s["images"].shape[0] == len(names) == len(s["image_positions"]) and s["images_size"].shape == (len(names), 2)
+        for k, name in enumerate(names):
+            want = decode_image(raw / name, size, max_side=(40 if "--max-side" in flags else 48) if size else None)
+            h, w = s["images_size"][k].tolist()
+            assert (h, w) == want.shape[:2] and (s["images"][k, h:] == 0).all() and (s["images"][k, :, w:] == 0).all()
+            got = s["images"][k, :h, :w].numpy()
+            if layout == "pixels-list":
+                assert np.array_equal(got, want)
+            else:  # the stored JPEG's pixels, near the image build's
+                assert np.mean(np.abs(got.astype(int) - want)) < 6
+            sizes_seen.add((h, w))
+        assert s["tokens"][s["image_positions"]].tolist() == [image_id] * len(names)
+    assert len(sizes_seen) > 2  # the sample photos' own aspects, not one size
+    calls = []
+
+    def tokens_of(h: int, w: int) -> int:
+        calls.append((h, w))
+        return 1 + (h * w) // 64
+
+    packed = PackedDocuments(ds.root, 512, image_tokens=tokens_of)
+    assert set(calls) == sizes_seen
+    for batch in Loader(packed, 4, order="sequential"):
+        assert batch["images"].shape[0] == len(batch["image_rows"]) == batch["images_size"].shape[0]
+        extra = np.zeros(len(batch["tokens"]), np.int64)
+        for k, (row, pos) in enumerate(zip(batch["image_rows"].tolist(), batch["image_positions"].tolist())):
+            assert int(batch["tokens"][row, pos]) == image_id
+            h, w = batch["images_size"][k].tolist()
+            extra[row] += tokens_of(h, w) - 1
+            pixels = batch["images"][k, :h, :w]
+            assert pixels.shape == (h, w, 3) and (batch["images"][k, h:] == 0).all()
+        assert (batch["lengths"].numpy() + extra <= 512).all()
+    with pytest.raises(Exception, match="own sizes; read the conversations with PackedDocuments"):
+        Loader(ds, 4)
+    assert main(["verify", str(ds.root)]) == 0
+    if layout == "jpeg-list":  # what verify decodes is what the reader hands out
+        first = ds[0]
+        h, w = first["images_size"][0].tolist()
+        stored = ds.reader.column(0, "images").sample(0)
+        with PILImage.open(__import__("io").BytesIO(bytes(stored))) as img:
+            assert np.array_equal(np.asarray(img.convert("RGB")), first["images"][0, :h, :w].numpy())
+        assert codec.header(stored)[:2] == (h, w)
+
+
+def test_an_image_list_whose_bytes_or_jpeg_disagree_is_our_error_everywhere(models, tmp_path, capsys):  # noqa: F811
+    """A writer that got an image's byte count wrong, or a JPEG's bytes damaged, after publishing:
+    verify names the shard's file and row, `packer show` and the readers say it in one line."""
+    import shutil
+
+    from packer.errors import IntegrityError
+
+    from ..loaders.test_jpeg_lane import _published
+
+    raw = dialogue.write_llava(tmp_path / "raw", 6, seed=4)
+    good = _build(raw, tmp_path / "good", models["minimind"], "--image-size", "24", "--keep-aspect", "--store", "jpeg")
+    assert main(["show", str(good.root)]) == 0 and "1 image" in capsys.readouterr().out
+    for case in ("nbytes", "jpeg"):
+        out = tmp_path / case
+        shutil.copytree(good.root, out)
+        name = "image_nbytes" if case == "nbytes" else "images"
+        path = next(out.glob(f"g-*/shard-00000/{name}.npy"))
+        values = np.load(path, mmap_mode="r+")
+        if case == "nbytes":
+            values[0] += 1
+        else:
+            values[-2:] = 0  # the last image's end-of-image marker: a torn write
+        values.flush()
+        _published(out, path)
+        assert main(["verify", str(out)]) == 1
+        err = capsys.readouterr().err
+        assert "images.npy: row 0" in err or "images.npy: row" in err, err
+        ds = MMapDataset(out)
+        with pytest.raises(IntegrityError, match="run 'packer verify'"):
+            for i in range(len(ds)):
+                ds[i]
+        with pytest.raises(IntegrityError):
+            list(Loader(PackedDocuments(out, 256), 2))

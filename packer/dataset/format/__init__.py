@@ -15,8 +15,8 @@ from packer.dataset.format.layout import (BASE_VERSION, KIND_VERSIONS, written_v
                                           column_file_names, generation_name, is_column_name, is_generation,
                                           shard_dir_name, shard_path)
 from packer.dataset.format.manifest import (AUDIO_DTYPES, MAX_CHANNELS, MAX_SAMPLE_RATE, audio_column, check_audio,
-                                            DTYPES, ENCODINGS, HEX_DIGITS, LEGACY_CHECKSUMS, MAX_DIM, MAX_NDIM,
-                                            Column, FileEntry, Manifest, Shard, Skip, columns_text, printable)
+                                            DTYPES, ENCODINGS, HEX_DIGITS, IMAGE_LIST_INDEX, IMAGE_LISTS,
+                                            LEGACY_CHECKSUMS, MAX_DIM, MAX_NDIM, Column, FileEntry, Manifest, Shard, Skip, columns_text, printable)
 from packer.dataset.format.npy import (NPY_HEADER_BYTES, NPY_MAGIC, OFFSETS_DTYPE, SHAPES_DTYPE, choose_token_dtype,
                                        npy_header, parse_npy_header)
 
@@ -27,7 +27,7 @@ __all__ = [
     "BASE_VERSION", "KIND_VERSIONS", "written_version", "CHECKSUM", "FORMAT_NAME", "FORMAT_VERSION", "INPUTS_NAME", "KINDS", "LOCK_NAME", "MANIFEST_NAME",
     "READABLE_MAJORS", "READERS_LOCK", "STAGING_DIR", "check_version", "column_file_names", "generation_name",
     "is_column_name", "is_generation", "shard_dir_name", "shard_path",
-    "AUDIO_DTYPES", "MAX_CHANNELS", "MAX_SAMPLE_RATE", "audio_column", "check_audio", "DTYPES", "ENCODINGS", "HEX_DIGITS", "LEGACY_CHECKSUMS", "MAX_DIM", "MAX_NDIM", "Column", "FileEntry",
+    "AUDIO_DTYPES", "MAX_CHANNELS", "MAX_SAMPLE_RATE", "audio_column", "check_audio", "DTYPES", "ENCODINGS", "HEX_DIGITS", "IMAGE_LIST_INDEX", "IMAGE_LISTS", "LEGACY_CHECKSUMS", "MAX_DIM", "MAX_NDIM", "Column", "FileEntry",
     "Manifest", "Shard", "Skip", "columns_text", "printable",
     "NPY_HEADER_BYTES", "NPY_MAGIC", "OFFSETS_DTYPE", "SHAPES_DTYPE", "choose_token_dtype", "npy_header",
     "parse_npy_header",

@@ -19,7 +19,7 @@ FORMAT_VERSION = (4, 3)  # (major, minor): minor bumps are additive, a newer maj
 # lane (a column of encoding "jpeg"), 4.3 conversations (tokens with their loss mask) and the
 # columns a user writes (packer.Writer, packer.map), with bfloat16 among them
 KIND_VERSIONS = {"audio": (4, 1), "chat": (4, 3), "columns": (4, 3)}
-ENCODING_VERSIONS = {"jpeg": (4, 2), "bfloat16": (4, 3)}
+ENCODING_VERSIONS = {"jpeg": (4, 2), "bfloat16": (4, 3), "pixels-list": (4, 3), "jpeg-list": (4, 3)}
 BASE_VERSION = (4, 0)
 
 

@@ -22,8 +22,11 @@ from packer.errors import ColumnError, ManifestError
 # allocated, and every problem is a ManifestError naming the field (never a Python exception).
 DTYPES = frozenset({"|u1", "|i1", "|b1", "<u2", "<i2", "<u4", "<i4", "<u8", "<i8", "<f2", "<f4", "<f8"})
 # "jpeg" (4.2): an image column stored as JPEG bytes (section 4); "bfloat16" (4.3): a column of
-# bfloat16 numbers' bits (<i2)
-ENCODINGS = (None, "utf-8", "jpeg", "bfloat16")
+# bfloat16 numbers' bits (<i2); "pixels-list" and "jpeg-list" (4.3): a sample's images of their
+# own sizes one after another, as pixels or JPEG files, each's shape and bytes in IMAGE_LIST_INDEX
+ENCODINGS = (None, "utf-8", "jpeg", "bfloat16", "pixels-list", "jpeg-list")
+IMAGE_LISTS = ("pixels-list", "jpeg-list")
+IMAGE_LIST_INDEX = {"image_shapes": ("<i8", (None, 3)), "image_nbytes": ("<i8", (None,))}  # beside an image list
 MAX_DIM = 1 << 31  # per-sample dimensions
 MAX_NDIM = 8
 
@@ -56,6 +59,8 @@ class Column:
         if self.encoded and (self.dtype != "|u1" or len(shape) != 3 or shape[2] != 3 or (shape[0] is None) != (
                 shape[1] is None)):
             raise ManifestError(f"column {self.name}: a jpeg column is |u1 [S, S, 3] or [null, null, 3]")
+        if self.image_list and (self.dtype != "|u1" or tuple(shape) != (None,)):
+            raise ManifestError(f"column {self.name}: a {self.encoding} column is |u1 [null] (its images' bytes)")
         if self.encoding == "bfloat16" and self.dtype != "<i2":
             raise ManifestError(f"column {self.name}: a bfloat16 column is stored as <i2 (its numbers' bits)")
         object.__setattr__(self, "shape", tuple(shape))
@@ -64,6 +69,12 @@ class Column:
     def bfloat16(self) -> bool:
         """bfloat16 numbers, stored as their 16 bits (<i2); read as bfloat16."""
         return self.encoding == "bfloat16"
+
+    @property
+    def image_list(self) -> bool:
+        """A sample's images of their own sizes, their bytes one after another (pixels or JPEG
+        files): each's shape and byte count in the `image_shapes` and `image_nbytes` columns."""
+        return self.encoding in IMAGE_LISTS
 
     @property
     def string(self) -> bool:
@@ -99,7 +110,8 @@ class Column:
 
 def columns_text(columns) -> str:
     """'image |u1 [32, 32, 3], key |u1 [None]': columns for a message (a JPEG column's: 'as JPEG')."""
-    return ", ".join(f"{c.name} {c.dtype} {list(c.shape)}{' as JPEG' if c.encoded else ''}" for c in columns)
+    return ", ".join(f"{c.name} {c.dtype} {list(c.shape)}{' as JPEG' if c.encoded else ''}"
+                     f"{f' ({c.encoding})' if c.image_list else ''}" for c in columns)
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,7 @@ class Manifest:
                                         or type(self.inputs.size_bytes) is not int or self.inputs.size_bytes < 0):
             raise ManifestError(f"inputs {self.inputs.path!r} is not {self.generation}/{INPUTS_NAME}")
         check_audio(self.kind, self.audio, self.columns)
+        check_image_lists(self.columns)
         for shard in self.shards:
             self._check_shard(shard)
         for a, b in zip(self.shards, self.shards[1:]):
@@ -306,6 +319,20 @@ def check_audio(kind: str, audio, columns: tuple[Column, ...]) -> None:
     if want not in columns:
         raise ManifestError(f"an audio dataset of {channels} channel(s) {dtype} needs column audio {dtype} "
                             f"{list(want.shape)}; it has {columns_text(columns)}")
+
+
+def check_image_lists(columns: tuple[Column, ...]) -> None:
+    """An image-list column (one at most) comes with the columns that index it, as FORMAT.md
+    section 4 lays them out ("Conversations")."""
+    lists = [c for c in columns if c.image_list]
+    if len(lists) > 1:
+        raise ManifestError(f"columns {', '.join(c.name for c in lists)}: a dataset has one image-list column at most")
+    if lists:
+        have = {c.name: (c.dtype, c.shape) for c in columns}
+        for name, (dtype, shape) in IMAGE_LIST_INDEX.items():
+            if have.get(name) != (dtype, shape):
+                raise ManifestError(f"column {lists[0].name} ({lists[0].encoding}) needs column {name} {dtype} "
+                                    f"{[None if d is None else d for d in shape]}; it has {columns_text(columns)}")
 
 
 LEGACY_CHECKSUMS = {1: "sha256", 2: "xxh3_128", 3: "xxh3_128_rows"}  # the key each major used, by algorithm
