@@ -841,15 +841,19 @@ for step in range(100000):
 """
 
 
-def test_a_first_ctrl_c_to_the_doctor_stops_the_script_with_its_partial_report(tmp_path):
+@pytest.mark.parametrize("started", ["from a shell", "with SIGINT ignored"])
+def test_a_first_ctrl_c_to_the_doctor_stops_the_script_with_its_partial_report(tmp_path, started):
     """The script runs in a session of its own, so a terminal's Ctrl-C reaches the doctor alone:
     the doctor passes the first one on, the script stops where it is (KeyboardInterrupt), and
-    the report of what ran is printed, with the script's failure status."""
+    the report of what ran is printed, with the script's failure status. So too where the doctor
+    was started with SIGINT ignored (a background job of a script, a test runner's worker), which
+    its script inherited: it looped on for ever."""
     script, flag, out = tmp_path / "loops.py", tmp_path / "looping", tmp_path / "r.json"
     script.write_text(INTERRUPTED)
+    ignored = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if started == "with SIGINT ignored" else None
     proc = subprocess.Popen([sys.executable, "-m", "bench.cli", "doctor", "--steps", "100000", "--json", str(out), "--",
                              "python", str(script), str(flag)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=ignored)
     deadline = time.monotonic() + 60
     while not flag.exists() and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -177,6 +177,26 @@ def _group_ends_with_us(proc: subprocess.Popen):
         proc.wait()
 
 
+class _Interrupt:
+    """The script's Ctrl-C (the doctor passes the first on), made sure to stop its loop: the
+    handler is installed whatever the child inherited (a process started with SIGINT ignored
+    keeps it ignored), and an interrupt lost on its way (raised inside a finalizer, which Python
+    only prints) is raised again at the loop's next batch or optimizer step, in its thread."""
+
+    def __init__(self):
+        self.received = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+        raise KeyboardInterrupt
+
+    def again(self) -> None:
+        if self.received and threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+
+
 def child_main(argv: list[str]) -> None:
     """In the child: run the script (`SCRIPT ARGS`, `-m MODULE ARGS` or `-c CODE ARGS`) as
     __main__, as `python` would, with its loaders watched, then write the report."""
@@ -193,7 +213,12 @@ def child_main(argv: list[str]) -> None:
         write_report(w.diagnose(probes=False), report)
         os._exit(STALLED_EXIT)  # the doctor ends the rest of the script's process group
     dog = Watchdog(stalled)
-    w.progress = dog.progress
+    interrupt = _Interrupt()
+
+    def progress() -> None:
+        dog.progress()
+        interrupt.again()
+    w.progress = progress
     status = 0
     with patched(w, loader_classes()), overridden(loader_classes()):
         try:
