@@ -67,3 +67,27 @@ def test_pillows_raw_encoder_is_there_and_packs_the_box():
 
     img = Image.fromarray(np.random.default_rng(0).integers(0, 256, (9, 13, 3), dtype=np.uint8), "RGB")
     np.testing.assert_array_equal(rgb_pixels(img, (2, 1, 11, 8)), np.asarray(img.crop((2, 1, 11, 8))))
+
+
+def test_soundfiles_libsndfile_binding_reads_blocks_that_join_into_the_whole_read(tmp_path):
+    """An MP3 read in blocks by sf_readf_float on soundfile's handle, without seeks, is the whole
+    file's decode; an audio build refuses to start where the binding is gone."""
+    sf = pytest.importorskip("soundfile")
+    from bench import sounds
+
+    assert internals.sndfile_reads_blocks()
+    clip = next(p for p in sounds.speech() if sf.info(str(p)).frames > 20000)
+    mp3 = tmp_path / "clip.mp3"
+    data, rate = sf.read(str(clip), dtype="float32", always_2d=True)
+    sf.write(str(mp3), data, rate, format="MP3")
+    whole, _ = sf.read(str(mp3), dtype="float32", always_2d=True)
+    blocks = []
+    with sf.SoundFile(str(mp3)) as f:
+        f.seek(0)
+        while True:
+            block = np.empty((4096, f.channels), np.float32)
+            n = internals.sndfile_read_block(f, block)
+            if not n:
+                break
+            blocks.append(block[:n])
+    np.testing.assert_array_equal(np.concatenate(blocks), whole)

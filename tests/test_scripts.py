@@ -97,11 +97,11 @@ def test_the_voice_example_maps_features_once_and_trains_by_length_resuming_exac
     stopped at step 5 and started again trains on exactly the uninterrupted run's batches."""
     from bench import sounds
 
-    clips = sounds.make_audio_folders(tmp_path / "clips", 40, seed=0)
+    clips = sounds.make_audio_folders(tmp_path / "clips", 24, seed=0)
     args = ("--epochs", "2", "--max-tokens", "4000")
     whole = run("scripts/voice_features.py", clips, "--out", tmp_path / "a", "--workers", "1", *args)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    assert "found 40 = packed 40 + skipped 0" in whole.stdout and "done: " in whole.stdout
+    assert "found 24 = packed 24 + skipped 0" in whole.stdout and "done: " in whole.stdout
     head = run("scripts/voice_features.py", clips, "--out", tmp_path / "b", "--workers", "2", "--stop-after", "5", *args)
     assert head.returncode == 0 and "stopped after step 5" in head.stdout, head.stderr[-2000:]
     tail = run("scripts/voice_features.py", clips, "--out", tmp_path / "b", "--workers", "2", *args)
@@ -109,7 +109,7 @@ def test_the_voice_example_maps_features_once_and_trains_by_length_resuming_exac
 
     def steps(out: str) -> list[str]:  # each step's batch: its clips, their keys, frames padded and real
         return [line.split(", loss")[0] for line in out.splitlines() if line.startswith("step ")]
-    assert len(steps(whole.stdout)) > 10 and steps(head.stdout) + steps(tail.stdout) == steps(whole.stdout)
+    assert len(steps(whole.stdout)) > 8 and steps(head.stdout) + steps(tail.stdout) == steps(whole.stdout)
     frames = [int(line.split(" frames padded, ")[0].rsplit(" ", 1)[1]) for line in steps(whole.stdout)]
     assert max(frames) <= 4000 or "1 clip(s)" in steps(whole.stdout)[frames.index(max(frames))]
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from packer import internals
 from packer.errors import ConfigError, SourceError
 
 EXTS = frozenset({".wav", ".flac", ".ogg", ".oga", ".mp3", ".opus", ".aiff", ".aif"})
@@ -55,7 +56,7 @@ def require() -> None:
         import soxr  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"an audio build needs {exc.name}: {INSTALL}") from None
-    if not hasattr(soundfile, "_ffi") or not hasattr(getattr(soundfile, "_snd", None), "sf_readf_float"):
+    if not internals.sndfile_reads_blocks():
         raise ConfigError(f"soundfile {getattr(soundfile, '__version__', '?')} lacks the libsndfile binding an audio "
                           "build reads MP3 through (soundfile._snd, as 0.12 to 0.14 have it): install one that has it")
 
@@ -233,17 +234,11 @@ def _mpeg_reader(f) -> Callable[[], np.ndarray]:
     a block). Read without it, after one seek to frame 0 as `soundfile.read`
     does (mpg123's state after it: at 8-24 kHz the floats differ in their last bits without),
     the blocks equal `soundfile.read`'s whole decode bit for bit at any block size."""
-    from soundfile import _ffi, _snd  # soundfile's own binding of libsndfile (checked by `require`)
-
     f.seek(0)
 
-    def read() -> np.ndarray:
+    def read() -> np.ndarray:  # soundfile's own binding of libsndfile (packer.internals; checked by `require`)
         block = np.empty((BLOCK_FRAMES, f.channels), np.float32)
-        n = _snd.sf_readf_float(f._file, _ffi.cast("float *", block.ctypes.data), BLOCK_FRAMES)
-        error = _snd.sf_error(f._file)
-        if error:
-            raise RuntimeError(_ffi.string(_snd.sf_error_number(error)).decode("utf-8", "replace"))
-        return block[:n]
+        return block[:internals.sndfile_read_block(f, block)]
 
     return read
 
