@@ -553,3 +553,18 @@ def test_eval_transform_of_a_keep_aspect_dataset_matches_pillow_on_the_original(
         ref = (ref.permute(2, 0, 1).float() / 255 - MEAN) / STD
         worst = min(worst, psnr(got[i], ref))
     assert worst >= 40, worst  # 46.8 dB measured
+
+
+def test_the_gpu_paths_op_count_is_the_same_at_batch_8_and_256():
+    """The batched path a GPU runs (forced here on the CPU) dispatches a fixed number of ops
+    whatever the batch size: no op a sample (each would be a kernel launch on the card)."""
+    from bench.augment_bench import launches
+
+    counts = {}
+    for batch in (8, 256):
+        canvas = torch.randint(0, 256, (batch, 40, 56, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+        sizes = torch.tensor([[40 - (i % 5) * 3, 56 - (i % 3) * 5] for i in range(batch)])
+        g = torch.Generator().manual_seed(0)
+        counts[batch] = (launches(lambda: train_transform(canvas, sizes, 24, generator=g), False)["gpu_path_ops"],
+                         launches(lambda: eval_transform(canvas, sizes, 24, resize=28), False)["gpu_path_ops"])
+    assert counts[8] == counts[256], counts
