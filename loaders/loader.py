@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from packer.remote import Lookahead, check_first_batches
-from packer.system import available_cores
+from packer.system import available_cores, local_ranks
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
@@ -57,11 +57,7 @@ def default_threads() -> int:
     """The gather threads of a Loader not told how many: the cores this process may use, shared
     by the ranks on the node (LOCAL_WORLD_SIZE, as torchrun sets it), at most MAX_DEFAULT_THREADS.
     A pure function of the machine: the first epoch runs as fast as the last."""
-    try:
-        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        local_ranks = 1
-    return max(1, min(MAX_DEFAULT_THREADS, available_cores() // local_ranks))
+    return max(1, min(MAX_DEFAULT_THREADS, available_cores() // local_ranks()))
 
 
 def copy_pool(threads: int):

@@ -24,6 +24,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def local_ranks() -> int:
+    """The ranks of this job on this node (LOCAL_WORLD_SIZE, as torchrun sets it; 1 without
+    it): what share the node's cores and cache each rank takes."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def linux_libc(name: str):
     """The C library's function `name` through ctypes, on Linux; None elsewhere or when this
     libc lacks it (callers treat it as an optional speed-up or safety net)."""

@@ -13,11 +13,10 @@ that would hold them (`check_random`); block order's window over the room is a w
 
 from __future__ import annotations
 
-import os
 import re
 
 from packer.errors import ConfigError
-from packer.system import SIZE_UNITS
+from packer.system import SIZE_UNITS, local_ranks
 
 
 def parse_limit(limit) -> int | None:
@@ -50,13 +49,6 @@ def check_limit(url: str, room: int, need: int, what: str, *, limit: int, advice
 
 FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time, checked at the start
 MOST_FETCHED = 1.5  # times its shards an epoch in random order may fetch, a shard at a time, before it is refused
-
-
-def local_ranks() -> int:
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def processes(gather) -> int:
