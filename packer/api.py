@@ -252,7 +252,7 @@ def _audio(m: fmt.Manifest) -> dict | None:
 
 def _image_policy(m: fmt.Manifest) -> str | None:
     """How the build sized its images, in the flags' words (None: no image column)."""
-    if not any(c.name == "image" for c in m.columns) or "image_size" not in m.build:
+    if not any(c.name in ("image", "images") for c in m.columns) or "image_size" not in m.build:
         return None  # no images, or a build that did not record how (a merge)
     size, cap = m.build.get("image_size"), m.build.get("max_side")
     store = m.build.get("store", "pixels")

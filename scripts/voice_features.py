@@ -1,6 +1,7 @@
-"""A voice model's features, computed once: every clip of a folder through a feature function
-(log-mel frames float16 [T, 80] and a pitch track float32 [T], `bench.voice.features`, torch ops)
-with `packer.map`, then a small pitch predictor trained from `Loader` in batches of about
+"""A voice model's features computed once with packer.map, then a model trained on them by length.
+
+Every clip of a folder goes through a feature function (log-mel frames float16 [T, 80] and a
+pitch track float32 [T], `bench.voice.features`, torch ops) with `packer.map`, then a small pitch predictor trained from `Loader` in batches of about
 --max-tokens frames (clips of one length together, `max_tokens`), saving the model and the
 loader's state every step, so that a run that is stopped goes on with the next batch.
 

@@ -220,7 +220,12 @@ def child_main(argv: list[str]) -> None:
         interrupt.again()
     w.progress = progress
     status = 0
-    with patched(w, loader_classes()), overridden(loader_classes()):
+    try:
+        classes = loader_classes()  # torch's import: a Ctrl-C now stops a script that never began
+    except KeyboardInterrupt:
+        print("bench doctor: interrupted before the script started: nothing to report", file=sys.stderr)
+        os._exit(130)
+    with patched(w, classes), overridden(classes):
         try:
             _run_main(argv)
         except Stop:

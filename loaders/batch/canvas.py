@@ -80,8 +80,8 @@ def images_canvas(name: str, images: list[np.ndarray]) -> dict[str, torch.Tensor
     [K, 2] (h, w)}: the layout a batch of keep-aspect images has."""
     h = max((int(x.shape[0]) for x in images), default=0)
     w = max((int(x.shape[1]) for x in images), default=0)
-    canvas = torch.zeros((len(images), h, w, 3), dtype=torch.uint8)
+    canvas = np.zeros((len(images), h, w, 3), dtype=np.uint8)  # filled by numpy: the maps stay read-only
     for k, x in enumerate(images):
-        canvas[k, :x.shape[0], :x.shape[1]] = torch.from_numpy(np.ascontiguousarray(x))
+        canvas[k, :x.shape[0], :x.shape[1]] = x
     sizes = torch.tensor([[x.shape[0], x.shape[1]] for x in images], dtype=torch.int64).reshape(len(images), 2)
-    return {name: canvas, f"{name}_size": sizes}
+    return {name: torch.from_numpy(canvas), f"{name}_size": sizes}

@@ -10,6 +10,7 @@ JPEG decoded here, in the Loader's threads."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import numpy as np
@@ -57,6 +58,11 @@ class Conversations:
         over = effective > seq_len if (truncate or self.has_images) else np.zeros(len(effective), bool)
         self.dropped = int(over.sum())
         self.dropped_tokens = int(np.asarray(lengths)[over].sum())
+        if self.dropped:  # counted (num_dropped), and said: a row too short can leave out most of a dataset
+            warnings.warn(f"{reader.root}: {self.dropped:,} of {len(over):,} conversations are longer than "
+                          f"seq_len={seq_len}" + (" with their images' image_tokens" if self.has_images else "") +
+                          " and are left out (num_dropped); raise seq_len" +
+                          (" or lower image_tokens" if self.has_images else ""), stacklevel=4)
         effective[over] = 0
         self.effective = effective
 

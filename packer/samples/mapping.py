@@ -251,10 +251,10 @@ def _converted(ctx: _Context, key, sample: dict, skipped: list) -> dict | None:
         return None
     values = {k: v for k, v in sample.items() if k != "key"}
     missing, extra = sorted(set(ctx.specs) - set(values)), sorted(set(values) - set(ctx.specs))
-    if missing or extra:
-        skipped.append({"key": key, "stage": "map", "reason": f"columns {', '.join(ctx.specs)}; it " +
-                        (f"lacks {', '.join(missing)}" if missing else f"has {', '.join(extra)} too")})
-        return None
+    if missing or extra:  # fn's own shape, not an item's damage: every later sample would be lost to it
+        raise ConfigError(f"packer.map: sample {key!r} " + (f"lacks {', '.join(missing)}" if missing else
+                          f"has {', '.join(extra)} too") + f"; the columns are {', '.join(ctx.specs)} (the first "
+                          "sample's, or columns=): return the same columns from every item, or declare them all")
     try:
         out = {name: schema.convert(spec, values[name], f"sample {key!r}") for name, spec in ctx.specs.items()}
     except ConfigError as exc:

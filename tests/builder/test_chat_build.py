@@ -304,6 +304,8 @@ def test_conversation_images_of_their_own_sizes_keep_each_at_its_placeholder(mod
         assert (batch["lengths"].numpy() + extra <= 512).all()
     with pytest.raises(Exception, match="own sizes; read the conversations with PackedDocuments"):
         Loader(ds, 4)
+    with pytest.warns(UserWarning, match=r"conversations are longer than seq_len=16 with their images' image_tokens"):
+        assert PackedDocuments(ds.root, 16, image_tokens=tokens_of).num_dropped == len(ds)
     assert main(["verify", str(ds.root)]) == 0
     if layout == "jpeg-list":  # what verify decodes is what the reader hands out
         first = ds[0]

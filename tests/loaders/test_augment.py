@@ -558,6 +558,8 @@ def test_eval_transform_of_a_keep_aspect_dataset_matches_pillow_on_the_original(
 def test_the_gpu_paths_op_count_is_the_same_at_batch_8_and_256():
     """The batched path a GPU runs (forced here on the CPU) dispatches a fixed number of ops
     whatever the batch size: no op a sample (each would be a kernel launch on the card)."""
+    import functools
+
     from bench.augment_bench import launches
 
     counts = {}
@@ -565,6 +567,7 @@ def test_the_gpu_paths_op_count_is_the_same_at_batch_8_and_256():
         canvas = torch.randint(0, 256, (batch, 40, 56, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
         sizes = torch.tensor([[40 - (i % 5) * 3, 56 - (i % 3) * 5] for i in range(batch)])
         g = torch.Generator().manual_seed(0)
-        counts[batch] = (launches(lambda: train_transform(canvas, sizes, 24, generator=g), False)["gpu_path_ops"],
-                         launches(lambda: eval_transform(canvas, sizes, 24, resize=28), False)["gpu_path_ops"])
+        train = functools.partial(train_transform, canvas, sizes, 24, generator=g)
+        evaluate = functools.partial(eval_transform, canvas, sizes, 24, resize=28)
+        counts[batch] = (launches(train, False)["gpu_path_ops"], launches(evaluate, False)["gpu_path_ops"])
     assert counts[8] == counts[256], counts

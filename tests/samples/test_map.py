@@ -83,3 +83,18 @@ def test_an_unpicklable_function_with_workers_is_one_line_and_a_lambda_runs_in_o
         packer.map(lambda i: {"x": np.arange(i)}, list(range(200)), tmp_path / "a", workers=2, chunk=8)
     m = packer.map(lambda i: {"x": np.arange(i)}, list(range(20)), tmp_path / "b", workers=1)
     assert m.counts["packed"] == 20
+
+
+def test_a_sample_whose_columns_differ_from_the_first_ends_the_map_in_one_line(tmp_path):
+    """fn's own shape changing (a column more or less than the first sample's) is not an item's
+    damage: every later sample would be skipped for it, so the map stops, naming the sample."""
+    import numpy as np
+
+    from packer.errors import ConfigError
+
+    def fn(i):
+        sample = {"feat": np.full((i % 3 + 1, 4), i, np.float16)}
+        return sample if i < 5 else {**sample, "n": i}
+    with pytest.raises(ConfigError, match=r"sample '5' has n too; the columns are feat") as got:
+        packer.map(fn, list(range(20)), tmp_path / "out", workers=1)
+    assert "\n" not in str(got.value) and not (tmp_path / "out" / "manifest.json").exists()
