@@ -94,3 +94,32 @@ def test_the_chat_golden_opens_verifies_and_is_reproduced_byte_for_byte(tmp_path
         t["files"].pop("inputs.jsonl")
         t["manifest"]["tokenizer"] = {k: v for k, v in t["manifest"]["tokenizer"].items() if k != "path"}
     assert mine == golden
+
+
+def test_the_chat_image_list_golden_opens_verifies_and_is_reproduced_byte_for_byte(tmp_path, capsys):
+    """4.3's conversations with images at their own sizes (an image list, "pixels-list"):
+    tests/data/golden/v4.3-chat-images, written by mmpack 0.7 from raw-chat-images (LLaVA's JSON:
+    one image, two, none) at --image-size 8 --keep-aspect. Read as recorded, and written again
+    the same."""
+    import hashlib
+
+    root = GOLDEN / "v4.3-chat-images"
+    ds = MMapDataset(root)
+    assert ds.manifest.version == "4.3" and ds.manifest.column("images").encoding == "pixels-list"
+    got = [{"key": s["key"], "tokens": s["tokens"].tolist(), "loss_mask": s["loss_mask"].tolist(),
+            "image_positions": s["image_positions"].tolist(), "images_size": s["images_size"].tolist(),
+            "images_sha256": hashlib.sha256(s["images"].numpy().tobytes()).hexdigest()}
+           for s in (ds[i] for i in range(len(ds)))]
+    assert got == EXPECTED["chat-images"]["samples"]
+    assert main(["verify", str(root)]) == 0 and "ok:" in capsys.readouterr().out
+    raw = tmp_path / "raw"
+    shutil.copytree(GOLDEN / "raw-chat-images", raw)
+    out = tmp_path / "out"
+    assert main(["build", str(raw), str(out), "-q", "--workers", "1", "--tokenizer", str(GOLDEN / "chat-tokenizer.json"),
+                 "--chat-template", str(GOLDEN / "chatml.jinja"), "--image-size", "8", "--keep-aspect",
+                 "--shard-size", "2"]) == 0
+    mine, golden = tree(out), tree(root)
+    for t in (mine, golden):
+        t["files"].pop("inputs.jsonl")
+        t["manifest"]["tokenizer"] = {k: v for k, v in t["manifest"]["tokenizer"].items() if k != "path"}
+    assert mine == golden
