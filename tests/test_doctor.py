@@ -35,7 +35,9 @@ def _doctor(tmp_path, *args, steps: int = 12, script: Path = SCRIPT, status: int
 def test_a_data_bound_script_is_told_so_with_the_wait_its_sleeps_imply(tmp_path):
     report, proc = _doctor(tmp_path, 0.02, 0.02)  # 4 samples x 20 ms of data against a 20 ms step
     assert report["verdict"].startswith("data-bound") and report["verdict"] in proc.stdout
-    assert abs(report["wait"]["p50_ms"] - 80) < 20  # what the dataset's sleeps make each next() wait
+    # what the dataset's sleeps make each next() wait: at least their 80 ms (a busy machine's
+    # sleeps overshoot, never undershoot), and not what a batch more would take
+    assert 76 <= report["wait"]["p50_ms"] < 200, report["wait"]
     # the share the sleeps imply, 80 ms a batch, against the steps as measured (the 20 ms sleep and the
     # model, longer on a busy machine: their total, not their median, which a few long steps leave behind)
     waits, steps = report["wait"]["n"], report["step"]["total_s"]
