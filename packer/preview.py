@@ -105,7 +105,7 @@ def line(row: dict) -> str:
         parts.append(f"label {row['label']}" + (f" {row['class']}" if row.get("class") is not None else ""))
     if "image" in row:
         h, w = row["image"].shape[:2]
-        parts.append(f"{w}x{h}")
+        parts.append(f"{w}x{h}" if row.get("num_images", 1) == 1 else f"first {w}x{h}")
     if "seconds" in row:
         parts.append(f"{row['seconds']:.2f} s")
     if "num_images" in row:
