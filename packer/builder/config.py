@@ -252,6 +252,16 @@ class BuildConfig:
         return tuple(f for f in fields(BuildConfig) if f.metadata["help"])
 
     @property
+    def chat_image_list(self) -> str | None:
+        """How a chat build stores its conversations' images: None for S x S pixels stacked, else
+        the image-list encoding ("pixels-list" or "jpeg-list") of images at their own sizes or as
+        JPEG (--keep-aspect, --image-size keep, --store jpeg)."""
+        store = codec.parse_store(self.store)[0]
+        if not (self.keep_aspect or self.image_size is None or store != "pixels"):
+            return None
+        return "jpeg-list" if store == codec.JPEG else "pixels-list"
+
+    @property
     def side_cap(self) -> int | None:
         """The longer side's cap of a keep-aspect build (None: not one)."""
         return (self.max_side or 2 * self.image_size) if self.keep_aspect else None
@@ -388,9 +398,8 @@ class BuildConfig:
         if not chat.get("image"):
             return (*columns, key)
         positions = fmt.Column("image_positions", "<i8", (None,))
-        store = codec.parse_store(self.store)[0]
-        if self.keep_aspect or self.image_size is None or store != "pixels":  # each image at its own size
-            listed = fmt.Column("images", "|u1", (None,), encoding="jpeg-list" if store == codec.JPEG else "pixels-list")
+        if self.chat_image_list:  # each image at its own size
+            listed = fmt.Column("images", "|u1", (None,), encoding=self.chat_image_list)
             index = (fmt.Column(name, dtype, shape) for name, (dtype, shape) in fmt.IMAGE_LIST_INDEX.items())
             return (*columns, listed, *index, positions, key)
         size = self.image_size

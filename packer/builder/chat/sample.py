@@ -30,10 +30,8 @@ class ChatPacker:
         self.tok = tokenizer_of(ctx.tokenizer)
         self.dtype, self.config, self.fields = ctx.tokenizer.dtype, ctx.config, ctx.fields or {}
         self.inside = Inside(ctx.config.raw)
-        # the images' layout, by the rule the build's columns follow (`BuildConfig._chat_columns`)
-        store, self.quality = codec.parse_store(ctx.config.store)
-        own_sizes = ctx.config.keep_aspect or ctx.config.image_size is None or store != "pixels"
-        self.listed = ("jpeg-list" if store == codec.JPEG else "pixels-list") if own_sizes else None
+        self.listed = ctx.config.chat_image_list  # the images' layout, as the build's columns have it
+        self.quality = codec.parse_store(ctx.config.store)[1]
 
     def sample(self, key: str, record, folder: str) -> dict | Skip:
         if not isinstance(record, dict):
