@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from packer.dataset.codec import image_list
+from packer.dataset.codec import row_images
 from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 
@@ -67,8 +67,7 @@ def samples(reader: DatasetReader, ids: list[int]) -> list[dict]:
         elif "images" in names:  # a conversation's images: the first drawn, all counted
             column = m.column("images")
             if column.image_list:  # at their own sizes, one after another
-                images = image_list(reader.sample(i, "images"), reader.sample(i, "image_shapes"),
-                                    reader.sample(i, "image_nbytes"), column.encoding, f"{reader.root}: sample {i}")
+                images = row_images(reader, *reader.locate(i))
             else:
                 images = np.asarray(reader.sample(i, "images"))
             row["num_images"] = len(images)

@@ -18,8 +18,7 @@ import numpy as np
 import torch
 
 from packer.dataset.format import Column, Manifest
-from packer.dataset import codec
-from packer.dataset.codec import decode_text
+from packer.dataset.codec import decode_text, row_images
 from packer.dataset.reader import DatasetReader
 from packer.errors import ConfigError
 from packer.remote.traffic import FIELDS
@@ -164,10 +163,7 @@ class MMapDataset(torch.utils.data.Dataset):
             if col.string:
                 out[name] = decode_text(bytes(value), col.encoding, f"{self.root}: column {name} of sample {index}")
             elif col.image_list:  # a conversation's images of their own sizes: a canvas and each's size
-                out |= images_canvas(name, codec.image_list(
-                    value, self.reader.column(shard, "image_shapes").sample(row),
-                    self.reader.column(shard, "image_nbytes").sample(row), col.encoding,
-                    f"{self.root}: column {name} of sample {index}"))
+                out |= images_canvas(name, row_images(self.reader, shard, row, name))
             else:
                 out[name] = _tensor(value).view(torch.bfloat16) if col.bfloat16 else _tensor(value)
         if self._cache is not None and self._cache.limit is not None:

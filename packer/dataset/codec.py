@@ -169,3 +169,11 @@ def image_list(data, shapes, nbytes, encoding: str, where: str) -> list[np.ndarr
             out.append(decode(piece, (h, w, 3), f"{where}: image {k}"))
         start += n
     return out
+
+
+def row_images(reader, shard_pos: int, row: int, name: str = "images") -> list[np.ndarray]:
+    """`image_list` of row `row` of shard `shard_pos` of a `DatasetReader`'s image-list column
+    `name`, read with that shard's `image_shapes` and `image_nbytes`; errors name its file."""
+    return image_list(reader.column(shard_pos, name).sample(row), reader.column(shard_pos, "image_shapes").sample(row),
+                      reader.column(shard_pos, "image_nbytes").sample(row), reader.manifest.column(name).encoding,
+                      f"{reader.root / reader.values_path(shard_pos, name)}: row {row}")
