@@ -8,7 +8,7 @@ import warnings
 
 import torch
 
-from packer.remote import Lookahead, check_first_batches
+from packer.remote import Lookahead, check_first_batches, check_workers
 
 from loaders.source import as_source, epochs_of, gather
 from loaders.order.orders import WINDOW
@@ -62,12 +62,8 @@ class EpochDataset(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         if info is not None and info.id == 0:
             warn_if_epochs_repeat(self._epochs, self._epoch_given)
-        if info is not None and getattr(source, "remote", False) and info.num_workers > source.processes:
-            # a plain DataLoader never told the dataset its workers (StatefulDataLoader does): each
-            # maps its own batch's shards, so the cache limit must hold them all, refused now
-            # rather than found 120 s into a wait for room
-            source.processes = info.num_workers
-            check_first_batches(source, self._epochs)
+        if info is not None:  # a plain DataLoader never told the dataset its workers (StatefulDataLoader does)
+            check_workers(source, self._epochs, info.num_workers)
         p = self._epochs.start()
         try:
             for b in worker_batches(p.num_batches, worker, workers):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from packer.errors import ConfigError
-from packer.remote import check_first_batches
+from packer.remote import check_workers
 
 from loaders.batched import BatchedDataset, EpochDataset
 from loaders.order.sampler import Epochs, Pass, Resumable
@@ -81,9 +81,7 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
             dataset = BatchedDataset(dataset, batch_size, **{"shuffle": False, **order})
         self.batches = dataset
         source = getattr(dataset, "source", None)
-        if getattr(source, "remote", False) and num_workers > 1:  # each worker maps its own batch's shards:
-            source.processes = num_workers  # the cache limit must hold them all, checked now, not 120 s into a wait
-            check_first_batches(source, dataset._epochs)
+        check_workers(source, dataset._epochs, num_workers)  # each worker maps its own batch's shards
         self._keys = _PassKeys(dataset._epochs)
         super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,
                          collate_fn=_as_is, pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,

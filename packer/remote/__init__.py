@@ -10,11 +10,11 @@ none of this. `loaders` opens URLs through it.
 
 from packer.remote.cache import ShardCache
 from packer.remote.entry import build_dir, materialize, open_cached
-from packer.remote.limits import check_first_batches, check_limit, parse_limit
+from packer.remote.limits import check_first_batches, check_limit, check_workers, parse_limit
 from packer.remote.lookahead import Lookahead
 from packer.remote.transfer import DEFAULT_CACHE, DOWNLOADS, pull, push, push_staging, read_manifest, read_published
 from packer.remote.url import SCHEMES, Remote, is_url
 
 __all__ = ["DEFAULT_CACHE", "DOWNLOADS", "SCHEMES", "Lookahead", "Remote", "ShardCache", "build_dir",
-           "check_first_batches", "check_limit", "is_url", "materialize", "open_cached", "parse_limit", "pull",
+           "check_first_batches", "check_limit", "check_workers", "is_url", "materialize", "open_cached", "parse_limit", "pull",
            "push", "push_staging", "read_manifest", "read_published"]

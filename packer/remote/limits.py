@@ -75,6 +75,16 @@ def budgets(gather) -> dict:
     return out
 
 
+def check_workers(source, epochs, workers: int) -> None:
+    """`check_first_batches` again for a remote dataset's gather read by `workers` loader
+    processes, each mapping its own batch's shards: the cache limit must hold them all, refused
+    when the loader is made (StatefulDataLoader) or by a plain DataLoader's first worker to find
+    them (it never told the dataset), not 120 s into a wait for room."""
+    if getattr(source, "remote", False) and workers > getattr(source, "processes", 1):
+        source.processes = workers
+        check_first_batches(source, epochs)
+
+
 def check_first_batches(source, epochs) -> None:
     """`check_room` for the next pass of `epochs` over a remote dataset's gather (else nothing):
     what Loader and BatchedDataset check when they are made."""
