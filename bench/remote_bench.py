@@ -5,8 +5,9 @@ epochs (the cache full), time to first batch; bytes downloaded per epoch at cach
 The block order reads within a window of 8,192 positions, more than the photo crops' dataset
 holds, so its rows (25% of the dataset, and 4 ranks) use a dataset of many 16 px images.
 
-The store is a SeaweedFS server started on loopback (`bench.stores`), or `--url` with the
-standard AWS environment. On loopback the network is memory: the figures say what the cache
+The store is an S3 server started on loopback (`bench.stores`: SeaweedFS where its binary is
+installed, else `bench.s3lite`, ours; `--s3-server` picks), or `--url` with the standard AWS
+environment. On loopback the network is memory: the figures say what the cache
 and the fetch ahead cost, not what a real link gives.
 """
 
@@ -44,7 +45,7 @@ def bench_remote(args) -> dict:
     import packer
     from packer.remote import DOWNLOADS
 
-    from .stores import KEY, SECRET, s3_server
+    from .stores import KEY, SECRET, S3_SERVERS, s3_server_named
 
     work = args.work or Path(tempfile.mkdtemp(prefix="mmpack-bench-remote-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -54,12 +55,14 @@ def bench_remote(args) -> dict:
     local = MMapDataset(out)
     total = local.manifest.size_bytes
     with ExitStack() as stack:
-        url = args.url
+        url, server_name, store = args.url, None, args.url  # store: what the JSON's "url" says
         if url is None:
             server = work / "s3"
             shutil.rmtree(server, ignore_errors=True)
             server.mkdir()
-            endpoint = stack.enter_context(s3_server(server))
+            server_name = s3_server_named(getattr(args, "s3_server", None))
+            serve, store = S3_SERVERS[server_name]
+            endpoint = stack.enter_context(serve(server))
             os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
                               AWS_REGION=os.environ.get("AWS_REGION", "us-east-1"))
             url = "s3://mmpack-bench/images"
@@ -77,13 +80,13 @@ def bench_remote(args) -> dict:
             from .throttle_bench import bench_throttle
 
             keys = [f.path for s in local.manifest.shards for f in s.files if f.size_bytes <= 1 << 16]
-            return {"command": "bench remote --throttle", "machine": machine(), "url": "a SeaweedFS server on loopback",
+            return {"command": "bench remote --throttle", "machine": machine(), "url": store, "s3_server": server_name,
                     "throttle": bench_throttle(endpoint, url, keys, storm_s=6.0)}
         if getattr(args, "nodes", 0) and args.url is None:  # the multi-node job alone, on the small images
             from .nodes_bench import bench_nodes
 
             small, where = _small(work, args, url) if args.block_samples else (local, url)
-            return {"command": "bench remote --nodes", "machine": machine(), "url": "a SeaweedFS server on loopback",
+            return {"command": "bench remote --nodes", "machine": machine(), "url": store, "s3_server": server_name,
                     "images": len(small), "shards": len(small.manifest.shards), "dataset_bytes": small.manifest.size_bytes,
                     "batch_size": args.batch_size, "nodes": bench_nodes(where, endpoint, small, caches, args.nodes,
                                                                          args.ranks_per_node, args.link_mb,
@@ -151,7 +154,7 @@ def bench_remote(args) -> dict:
             opened_small = functools.partial(opened, where=url + "-small")
             limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw, {}))
             ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
-    return {"command": "bench remote", "machine": machine(), "url": args.url or "a SeaweedFS server on loopback",
+    return {"command": "bench remote", "machine": machine(), "url": store, "s3_server": server_name,
             "images": len(local), "shards": len(local.manifest.shards), "dataset_bytes": total,
             "batch_size": args.batch_size, "downloads_at_once": DOWNLOADS, "push_bytes_per_s": total / push_s,
             "raw_get_bytes_per_s": raw_rate, "raw_get_to_files_bytes_per_s": to_disk, "local_samples_per_s": local_rate,

@@ -1,12 +1,14 @@
 """bench/s3lite.py, our S3 server for hosts where SeaweedFS cannot go, read through mmpack's own
 reader (obstore) as `bench remote` reads it: a pushed dataset gives the local samples, by whole
 shards and by ranged GETs of rows; heads give sizes and the pushed checksum; ranges answer as S3
-does (206, Content-Range, 416); a missing key is a one-line error. It checks no signature: what
-a store that does says is tested against SeaweedFS (tests/dataset/test_remote*.py)."""
+does (206, Content-Range, 416); a missing key is a one-line error; `bench remote --nodes` runs on
+it. It checks no signature: what a store that does says is tested against SeaweedFS
+(tests/dataset/test_remote*.py)."""
 
 from __future__ import annotations
 
 import http.client
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +196,21 @@ def test_any_signature_is_accepted_and_only_the_standard_library_is_needed(s3, p
     out = subprocess.run([sys.executable, "-S", str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
 
+
+def test_bench_remote_nodes_runs_on_it(tmp_path):
+    """`bench remote --nodes 2 --s3-server lite` (the smallest run): the JSON names our server and
+    has each node's figures."""
+    from bench.cli import main as bench
+
+    out = tmp_path / "nodes.json"
+    assert bench(["remote", "--images", "16", "--batch-size", "16", "--block-samples", "600", "--nodes", "2",
+                  "--ranks-per-node", "1", "--link-mb", "500", "--node-caches", "1", "--s3-server", "lite",
+                  "--work", str(tmp_path / "work"), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["s3_server"] == "lite" and "s3lite" in r["url"]
+    run, = r["nodes"]["runs"]
+    assert "refused" not in run and [n["node"] for n in run["nodes"]] == [0, 1]
+    for node in run["nodes"]:
+        cold, warm = node["epochs"]
+        assert cold["bytes"] > 0 and cold["gets"] > 0 and cold["samples"] > 0 and cold["link_share"] is not None
+        assert warm["samples"] == cold["samples"] and node["most_gets_per_object"] >= 1
