@@ -7,7 +7,7 @@
 #   device run (carry .whl .gpucache): bash scripts/lent_gpu.sh [SECONDS, default 540] [STEP...]
 #
 # STEPs (default: all, in this order): cuda_tests tests imagenet (imagenet_loader: its packed run
-# alone) augment profile packer forms loaders_model loaders jpeg suite; `tests` runs the tests $TESTS
+# alone) augment profile packer forms loaders_model loaders jpeg remote suite; `tests` runs the tests $TESTS
 # names (all of them without it); setup always runs. What each card has measured, and what is
 # still owed: bench/results/README.md.
 #
@@ -153,7 +153,13 @@ PY
 want jpeg && DMON=1 step jpeg_model 150 bench loaders --images 3000 --workers 16 --threads-list 16 --model --jpeg \
     --arch resnet50 --no-peers --stall-steps 20 --passes 2 --work /tmp/lw --json "$L/loaders-jpeg.json" --plot "$L/loaders-jpeg.png"
 
-# 1. the whole suite, in the time left (no S3 server binary travels: those tests skip); each
+# 4. four nodes of 2 rank processes, each its own cache and a 100 MB/s link, the cold epoch against
+# the link; the S3 server is ours (bench/s3lite.py: SeaweedFS's 153 MB binary does not travel)
+want remote && step remote_nodes 240 bench remote --nodes 4 --ranks-per-node 2 --link-mb 100 --s3-server lite \
+    --images 200 --batch-size 64 --block-side 32 --block-window 1024 --node-caches 1,0.5,0.25 --work /tmp/rw \
+    --json "$L/remote-nodes.json" --plot "$L/remote-nodes.png"
+
+# 1. the whole suite, in the time left (SeaweedFS's binary does not travel: its S3 tests skip); each
 # result named as it comes (-v), so a run stopped by its time box still names its failures, and
 # a test that hangs is stopped by pytest-timeout (in the machine's image) rather than the box
 want suite && { TAIL=25 step suite 600 python3 -m pytest -v -p no:cacheprovider -n 12 --maxfail 20 \
