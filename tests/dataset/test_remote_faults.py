@@ -1,8 +1,8 @@
 """Faults of a dataset in object storage read from the user's side (issue 61), against the real
-S3 server of `test_remote` and its faulty proxy: a body cut off mid-way is read again, keys the
-store says expired are read again (or the error says why not), a throttling storm's end gives
-the rate back, a killed reader's scratch is removed, a read-only cache dir is one line, and a
-random order through a cache too small for its shards reads by rows or is refused before its
+S3 server of the test_remote_* files and its faulty proxy: a body cut off mid-way is read again,
+keys the store says expired are read again (or the error says why not), a throttling storm's end
+gives the rate back, a killed reader's scratch is removed, a read-only cache dir is one line, and
+a random order through a cache too small for its shards reads by rows or is refused before its
 first batch, never fetching the dataset many times an epoch in silence."""
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import torch
 from loaders import Loader, MMapDataset
 from packer.cli import main
 
-from .test_remote import _url, endpoint, large_rows, s3  # noqa: F401 - the server, its environment, a dataset
+from .remote import NEEDS_SERVER, _url
+
+pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or SeaweedFS is missing
 
 
-def test_a_body_cut_off_on_the_manifest_and_on_a_first_shard_is_read_again(s3, built, tmp_path, monkeypatch):  # noqa: F811
+def test_a_body_cut_off_on_the_manifest_and_on_a_first_shard_is_read_again(s3, built, tmp_path, monkeypatch):
     """A connection closed mid-body on the manifest (at the open) and on a shard the pass's
     first batch reads: each read again from its start, and the epoch is the local one (one cut
     ended the run, where the head's retries ride out 120 s)."""
@@ -49,7 +51,7 @@ def _profile(tmp_path, monkeypatch, keys: tuple[str, str]):
     return creds
 
 
-def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_one_line(s3, built, tmp_path,  # noqa: F811
+def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_one_line(s3, built, tmp_path,
                                                                                        monkeypatch):
     """S3 answers 400 ExpiredToken to keys past their session's end. Keys from a profile: the
     store refuses them before the helper has rewritten the file (it does so a second later); the
@@ -63,7 +65,7 @@ def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_
     from packer.remote import pace as pacing
 
     from ..faulty_proxy import FaultyProxy
-    from .test_remote import ROTATED
+    from .remote import ROTATED
 
     url = _url(tmp_path, "images")
     assert main(["push", str(built["images"]), url]) == 0  # (with the environment's keys)
@@ -90,7 +92,7 @@ def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_
 
 
 
-def test_after_a_storm_of_slowdowns_the_reader_is_paced_no_more(s3, built, tmp_path, monkeypatch):  # noqa: F811
+def test_after_a_storm_of_slowdowns_the_reader_is_paced_no_more(s3, built, tmp_path, monkeypatch):
     """60% of the requests for a shard's files answered 503 SlowDown, then none (issue 61), with
     many ranged GETs in flight: the epoch is whole, the rate no longer binds after the storm, and
     no request waited on a start granted at a lower rate than the one it started under (the
@@ -134,14 +136,14 @@ def test_after_a_storm_of_slowdowns_the_reader_is_paced_no_more(s3, built, tmp_p
         proxy.close()
 
 
-def test_a_reader_killed_while_reading_by_rows_leaves_no_scratch_past_the_next_open(s3, large_rows,  # noqa: F811
+def test_a_reader_killed_while_reading_by_rows_leaves_no_scratch_past_the_next_open(s3, large_rows,
                                                                                      tmp_path):
     """A reader by rows killed (SIGKILL) mid-run left its scratch dir (a sparse file of each file
     it read, at the file's full size) until a count of the entry that a reader with room never
     makes: the next open of the entry removes it, and its bytes leave the ledger."""
     from packer.remote.rows import SCRATCH
 
-    from .test_remote import _killed_reader, _shard_bytes
+    from .remote import _killed_reader, _shard_bytes
 
     url = _url(tmp_path, "rows")
     assert main(["push", str(large_rows), url]) == 0
@@ -167,7 +169,7 @@ except MmpackError as exc:
 """
 
 
-def test_an_empty_read_only_cache_dir_is_one_line_naming_it(s3, built, tmp_path):  # noqa: F811
+def test_an_empty_read_only_cache_dir_is_one_line_naming_it(s3, built, tmp_path):
     """A cache_dir on a read-only mount (an empty tmpfs, in a private mount namespace: root
     writes through chmod) holds no copy to read and cannot take one: our one line naming the
     dir and what to do, where it raised a raw OSError."""
@@ -195,7 +197,7 @@ def test_an_empty_read_only_cache_dir_is_one_line_naming_it(s3, built, tmp_path)
     assert str(mnt) in out and "cannot be written" in out and "give a cache_dir" in out, out
 
 
-def test_an_unwritable_cache_dir_without_the_dataset_is_one_line_naming_it(s3, built, tmp_path, monkeypatch):  # noqa: F811
+def test_an_unwritable_cache_dir_without_the_dataset_is_one_line_naming_it(s3, built, tmp_path, monkeypatch):
     """The same refusal where no mount can be made: the dir's writes fail as a read-only file
     system's do."""
     import errno
@@ -233,7 +235,7 @@ def small_rows(tmp_path_factory):
 
 
 def test_random_order_through_a_cache_too_small_for_its_shards_reads_by_rows_or_is_refused_before_a_batch(
-        s3, small_rows, large_rows, tmp_path, monkeypatch):  # noqa: F811
+        s3, small_rows, large_rows, tmp_path, monkeypatch):
     """A random order reads every shard all epoch long. Through a cache of 30% of the shards, with
     samples under 32 KiB (no reads by rows), it fetched the dataset many times an epoch in
     silence (13.6x at 64 px in issue 61): it is refused when the Loader is made, before a byte of
@@ -246,7 +248,7 @@ def test_random_order_through_a_cache_too_small_for_its_shards_reads_by_rows_or_
     from packer.errors import ConfigError
 
     from ..faulty_proxy import FaultyProxy
-    from .test_remote import _shard_bytes
+    from .remote import _shard_bytes
 
     for out, name in ((small_rows, "small"), (large_rows, "large")):
         assert main(["push", str(out), _url(tmp_path, name)]) == 0
@@ -280,7 +282,7 @@ def test_random_order_through_a_cache_too_small_for_its_shards_reads_by_rows_or_
 
 
 def test_dataloader_workers_whose_batches_the_limit_cannot_hold_together_are_refused_when_it_is_made(
-        s3, small_rows, tmp_path, monkeypatch):  # noqa: F811
+        s3, small_rows, tmp_path, monkeypatch):
     """Each worker of a StatefulDataLoader maps its own batch's shards: where one batch fits the
     limit and two do not, the workers waited on each other's pins for 120 s, then failed. The
     loader is refused when it is made, in one line naming the workers."""

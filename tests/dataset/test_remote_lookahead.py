@@ -1,0 +1,74 @@
+"""Fetching ahead (packer.remote.lookahead): the shards of a pass's coming batches come before the
+gather asks, and a cold first batch is waited out without spinning."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from loaders import MMapDataset
+from packer.cli import main
+
+from .remote import NEEDS_SERVER, _url
+
+pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or SeaweedFS is missing
+
+
+def test_the_fetch_ahead_waits_out_a_cold_first_batch_without_spinning():
+    """While a pass's first batch reads its rows the fetch ahead waits, and the gather moving on
+    (`at`, each batch) must not turn that wait into a busy loop: it would hold the GIL from the
+    very gather it waits for (it made a first batch of 54 shards take 9 s instead of about 1)."""
+    from packer.remote.lookahead import Lookahead
+
+    class Gather:
+        readers, rows_pass, cold, lookahead = [], False, True, None
+
+        def shards_of(self, ids):
+            return np.zeros(0, np.int64)
+
+    gather = Gather()
+    ahead = Lookahead(gather, lambda b: np.zeros(0, np.int64), 4)
+    waits, wait = [], ahead._wake.wait
+    ahead._wake.wait = lambda timeout=None: waits.append(1) or wait(timeout)
+    try:
+        ahead.at(1)
+        time.sleep(0.3)
+        assert gather.cold and ahead._thread.is_alive()
+        assert len(waits) < 100, f"{len(waits)} wakes in 0.3 s: the wait spins"
+    finally:
+        gather.cold = False
+        ahead.close()
+
+
+def test_ds_batched_over_a_url_fetches_its_coming_batches_shards_ahead(s3, large_rows, tmp_path):
+    """`ds.batched` (what a DataLoader or StatefulDataLoader iterates) fetches the shards of its
+    worker's coming batches ahead, as Loader does: shards the pass reads later arrive while it
+    still waits at its first batch."""
+    url = _url(tmp_path, "rows")
+    assert main(["push", str(large_rows), url]) == 0
+    local = MMapDataset(large_rows)
+    ds = MMapDataset(url, cache_dir=tmp_path / "c")
+    got, want = iter(ds.batched(8, shuffle=False)), iter(local.batched(8, shuffle=False))
+    first = next(got)
+    assert first["key"] == next(want)["key"]
+    cache, last = ds.reader.cache, len(local.manifest.shards) - 1
+    deadline = time.monotonic() + 60
+    while not cache.present(last) and time.monotonic() < deadline:  # the pass's last shard, not asked for yet
+        time.sleep(0.05)
+    assert cache.present(last)
+    for a, b in zip(got, want, strict=True):
+        assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
+    # and StatefulDataLoader's workers, which are handed keyed batches in the same round-robin
+    from loaders import StatefulDataLoader
+
+    ds = MMapDataset(url, cache_dir=tmp_path / "workers")
+    got = iter(StatefulDataLoader(ds.batched(8, shuffle=False), num_workers=1, multiprocessing_context="fork",
+                                  timeout=120))
+    assert next(got)["key"] == first["key"]
+    deadline = time.monotonic() + 60
+    while not ds.reader.cache.present(last) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ds.reader.cache.present(last)
+    del got
