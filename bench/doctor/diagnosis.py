@@ -1,5 +1,5 @@
 """A watched loop's figures made a Report: the probes after the loop, the trials where it waited,
-then the verdict and the rates the plot compares."""
+then the verdict, the headline and the rates the plot compares (`judge`: from the figures alone)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,7 @@ def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float
     (the loop hung in it). Each probe and trial has the deadline (`deadline.bounded`); after
     one that hung, no other runs: it would reach the same item."""
     if loop is None:
-        judged = steps is not None and steps.steps > 1
-        verdict = from_steps(steps) if judged else nothing_iterated(run)
-        return Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=verdict,
-                      headline=_from_steps(steps) if judged and steps.samples else None)
+        return judge(Report(batches=batches, wall_s=wall_s, run=run, steps=steps, verdict=""))
     hung = [not probes]
 
     def run_(fn, what: str, when: bool = True):
@@ -45,10 +42,20 @@ def diagnose(loader, *, loop: Loop | None, run: Run, batches: int, wall_s: float
                     packed=run_(packed, "a sample of its files packed", try_fixes),
                     persistent=_answer(run_(persistent, "the loader with persistent workers", try_fixes)),
                     loader_alternatives=_answer(run_(loader_alternatives, "the Loader with other settings", try_fixes)))
-    measured = Report(batches=batches, wall_s=wall_s, run=run, loop=loop, steps=steps, probes=found, trials=trials,
-                      verdict="")
-    said, fixes = decide(measured)
-    return dataclasses.replace(measured, verdict=said, fixes=fixes, rates=rates(measured), headline=_from_loop(loop))
+    return judge(Report(batches=batches, wall_s=wall_s, run=run, loop=loop, steps=steps, probes=found, trials=trials,
+                        verdict=""))
+
+
+def judge(r: Report) -> Report:
+    """`r` with its verdict, fixes, rates and headline made from its figures alone: a pure function
+    of the report (tests/test_doctor_verdict.py gives it recorded ones). Without a loop, the
+    optimizer's steps judge where it stepped more than once."""
+    if r.loop is None:
+        judged = r.steps is not None and r.steps.steps > 1
+        return dataclasses.replace(r, verdict=from_steps(r.steps) if judged else nothing_iterated(r.run),
+                                   headline=_from_steps(r.steps) if judged and r.steps.samples else None)
+    said, fixes = decide(r)
+    return dataclasses.replace(r, verdict=said, fixes=fixes, rates=rates(r), headline=_from_loop(r.loop))
 
 
 def _from_loop(loop: Loop) -> Headline | None:
