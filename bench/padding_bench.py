@@ -100,7 +100,7 @@ def step_spread(ranks, lengths) -> float:
     for epochs in ranks:
         p = epochs.upcoming()
         costs.append([len(ids) * int(lengths(ids).max(initial=0)) for ids in
-                      (epochs.batch_ids(p, b) for b in range(p.num_batches))])
+                      (epochs.batch_ids(p, b) for b in epochs.batches(p))])
     steps = np.asarray(costs, np.float64).T  # [steps, ranks]
     return float(np.mean(steps.max(axis=1) / np.maximum(steps.mean(axis=1), 1) - 1))
 
@@ -131,8 +131,8 @@ def plan_rows(batch: int, n: int) -> list[dict]:
                          ("bucket_by='length'", lambda r: _planned(n, Budget(batch_size=batch), r)),
                          (f"max_tokens={budget:,}", lambda r: _planned(n, Budget(max_tokens=budget), r))):
         ranks = [make(r) for r in range(RANKS)]
-        batches = [ranks[r].batch_ids(ranks[r].upcoming(), b) for r in range(RANKS)
-                   for b in range(ranks[r].upcoming().num_batches)]
+        passes = [epochs.upcoming() for epochs in ranks]
+        batches = [ranks[r].batch_ids(passes[r], b) for r in range(RANKS) for b in ranks[r].batches(passes[r])]
         real = sum(int(every[b].sum()) for b in batches)
         padded = sum(len(b) * int(every[b].max()) for b in batches)
         rows.append({"dataset": name, "system": system, "padding": 1 - real / padded,

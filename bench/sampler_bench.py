@@ -57,10 +57,12 @@ class SkewedLengths:
         return 1
 
 
-def open_length_plan(n: int, batch: int, max_tokens: int | None = None) -> float:
-    """What a Loader with bucket_by="length" (or max_tokens) does at iter(): the plan, len(), the
-    first batch's ids; then (returned: its seconds) a state saved half-way through the epoch
-    loaded into a fresh plan, and its first batch."""
+def open_length_plan(n: int, batch: int, max_tokens: int | None = None) -> dict:
+    """What a Loader with bucket_by="length" (or max_tokens) does at iter(): the plan and the
+    first batch's ids (its windows counted as reached: no pass over the N lengths). Returned,
+    timed apart: `count_seconds`, the epoch's batch count (what len() asks, a pass over every
+    window), and `resume_seconds`, a state saved half-way through the epoch loaded into a fresh
+    plan and its first batch (the windows before the cursor counted, in threads)."""
     import time
 
     from loaders.order.lengths import Budget
@@ -76,10 +78,12 @@ def open_length_plan(n: int, batch: int, max_tokens: int | None = None) -> float
     p = first.start()
     first.batch_ids(p, 0)
     started = time.perf_counter()
+    total = first.plan(p.epoch, p.slices).total
+    counted = time.perf_counter()
     again = plan()
-    again.load_state_dict({**first.state_dict(), "cursor": p.num_batches * 8 // 2 // 8 * 8})
+    again.load_state_dict({**first.state_dict(), "cursor": total // 2 // 8 * 8})
     again.batch_ids(again.start(), 0)
-    return time.perf_counter() - started
+    return {"count_seconds": counted - started, "resume_seconds": time.perf_counter() - counted}
 
 
 def open_full_permutation(n: int, batch: int) -> None:
@@ -110,11 +114,10 @@ def _child(kind: str, n: int, batch: int) -> None:
     start = time.perf_counter()
     opens = {"per-position": open_per_position, "mixture": open_mixture, "full": open_full_permutation,
              "length": open_length_plan, "max_tokens": lambda n, b: open_length_plan(n, b, MAX_TOKENS)}
-    resume = opens[kind](n, batch)
+    apart = opens[kind](n, batch) or {}
     seconds = time.perf_counter() - start
-    row = {"seconds": seconds, "peak_rss_mb": _peak_mb() - base}
-    if resume is not None:  # the plan's first batch, and apart from it a resumed one's
-        row.update(seconds=seconds - resume, resume_seconds=resume)
+    # the plan's first batch; apart from it, what the plans time of their own (a count, a resume)
+    row = {"seconds": seconds - sum(apart.values()), **apart, "peak_rss_mb": _peak_mb() - base}
     print(json.dumps(row))
 
 

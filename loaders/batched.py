@@ -12,7 +12,7 @@ from packer.remote import Lookahead, check_first_batches, check_workers
 
 from loaders.source import as_source, epochs_of, gather
 from loaders.order.orders import WINDOW
-from loaders.order.sampler import Epochs, Order, Pass, worker_batches
+from loaders.order.sampler import Epochs, Order, Pass
 
 
 class EpochDataset(torch.utils.data.IterableDataset):
@@ -36,10 +36,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
             self._end_ahead()
             if source.all_mapped():
                 return
-            ids, total = self._epochs.ahead_of(p)
-            plan = list(worker_batches(p.num_batches, worker, workers))
-            plan += [p.num_batches + c for c in worker_batches(total - p.num_batches, worker, workers)]
-            state = self._ahead = (os.getpid(), p, Lookahead(source, lambda i: ids(plan[i]), len(plan)))
+            state = self._ahead = (os.getpid(), p, Lookahead(source, *self._epochs.ahead_of(p, worker, workers)))
         state[2].at((b - worker) // workers)
 
     def _end_ahead(self) -> None:
@@ -66,12 +63,12 @@ class EpochDataset(torch.utils.data.IterableDataset):
             check_workers(source, self._epochs, info.num_workers)
         p = self._epochs.start()
         try:
-            for b in worker_batches(p.num_batches, worker, workers):
+            for b in self._epochs.batches(p, worker, workers):
                 self._fetch_ahead(source, p, b)
                 yield p, b
         finally:
             self._end_ahead()
-        self._epochs.taken(p, p.num_batches)
+        self._epochs.taken(p, self._epochs.count(p))
 
 
 class BatchedDataset(EpochDataset):

@@ -28,7 +28,8 @@ from loaders.source import as_source, epochs_of, gather
 from loaders.cuda import to_device
 from loaders.device_decode import choose, decoded_on
 from loaders.order.orders import WINDOW
-from loaders.order.sampler import Order, Pass, Resumable, check_int
+from loaders.order.sampler import Order, Pass, check_int
+from loaders.resumable import Resumable
 from loaders.producer import made_ahead, stop_all
 from loaders.views.dataset import MMapDataset
 
@@ -43,6 +44,7 @@ INLINE_BELOW_BYTES = 1 << 20
 MAX_DEFAULT_THREADS = 16
 # With num_threads="auto", a thread count is doubled while that makes the gather at least this much faster.
 THREAD_GAIN = 0.10
+TIMED_AMONG = 64  # num_threads="auto" times batches among a pass's first ones
 _NEVER = threading.Event()  # the stop of a batch made inline: none
 
 
@@ -239,7 +241,7 @@ class Loader(Resumable):
             self._time_threads(p, ring)
         pool, threads = self._pool_of(self.num_threads), self.num_threads
         ahead = None
-        if getattr(source, "remote", False) and p.num_batches and not source.all_mapped():  # fetched ahead
+        if getattr(source, "remote", False) and epochs.has(p, 0) and not source.all_mapped():  # fetched ahead
             ahead = Lookahead(source, *epochs.ahead_of(p))
 
         def make(b: int, needed, stop=_NEVER):
@@ -254,13 +256,14 @@ class Loader(Resumable):
                 ring.filled(buffers)
 
         try:
-            if p.num_batches == 0:
+            if not epochs.has(p, 0):
                 return
             if ring.batch_bytes < INLINE_BELOW_BYTES:
-                for b in range(p.num_batches):
+                for b in epochs.batches(p):
                     yield make(b, lambda: True)
                 return
-            yield from made_ahead(make, p.num_batches, self.num_buffers - 1, ring.wake, self._running)
+            yield from made_ahead(make, functools.partial(epochs.has, p), self.num_buffers - 1, ring.wake,
+                                  self._running)
         finally:
             if ahead is not None:
                 ahead.close()
@@ -271,9 +274,10 @@ class Loader(Resumable):
         gathers a batch twice and times the second: a fresh process's first touches of the maps
         are page faults, serial work that would hide what more threads gain."""
         self._timed = False
-        if p.num_batches == 0:
+        if not self._epochs.has(p, 0):
             return
-        full = max(1, p.num_batches - 1)  # batches of the whole batch size (the last may be short)
+        # batches of the whole batch size (the last may be short), among the first few
+        full = max(1, self._epochs.clip(p, TIMED_AMONG) - 1)
         batches = itertools.count(1)
         pool = copy_pool(self.num_threads)
         stop = threading.Event()

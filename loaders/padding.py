@@ -20,7 +20,7 @@ class Padding:
         self.column, self.budget = column, budget
         self.batch: dict | None = None
         self.epochs: dict[int, dict] = {}
-        self._epoch, self._b, self._first_repeat = 0, 0, None
+        self._epoch, self._b, self._pass = 0, 0, None  # the pass's (Pass, its epochs)
 
     @property
     def epoch(self) -> dict | None:
@@ -28,13 +28,15 @@ class Padding:
 
     def begin(self, p, epochs) -> None:
         """A pass starts: its epoch's figures go on from where a resumed or earlier pass left them."""
-        self._epoch, self._b = p.epoch, 0
-        first = getattr(epochs, "first_repeat", None)
-        self._first_repeat = first(p) if first else None
-        figures = self.epochs.setdefault(p.epoch, _zeros(self.budget is not None))
+        self._epoch, self._b, self._pass = p.epoch, 0, (p, epochs)
+        self.epochs.setdefault(p.epoch, _zeros(self.budget is not None))
+
+    def end(self) -> None:
+        """The pass went to its end: the batches of its last round dropped (drop_last) are known."""
+        p, epochs = self._pass
         dropped = getattr(epochs, "dropped", None)
         if dropped:
-            figures["dropped_batches"] = dropped(p)
+            self.epochs[p.epoch]["dropped_batches"] = dropped(p)
 
     def measure(self, batch) -> tuple[int, int, int, int]:
         """(samples, real, padded, over budget) of a batch on the host."""
@@ -55,7 +57,9 @@ class Padding:
         totals["share"] = _share(totals["real"], totals["padded"])
         if self.budget is not None:
             totals["over_budget"] += over
-        if self._first_repeat is not None and self._b >= self._first_repeat:
+        p, epochs = self._pass
+        repeats = getattr(epochs, "repeats", None)
+        if repeats is not None and repeats(p, self._b):
             totals["repeated_batches"] += 1
         self._b += 1
 

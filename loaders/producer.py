@@ -5,6 +5,7 @@ that works at any point (the pass left early, `Loader.close()`, the interpreter'
 from __future__ import annotations
 
 import atexit
+import itertools
 import queue
 import threading
 
@@ -31,12 +32,13 @@ def stop_all(producers) -> None:
 atexit.register(stop_all, _PRODUCERS)
 
 
-def made_ahead(make, num_batches: int, ahead: int, wake, running: set):
-    """The batches of a pass, each made by `make(b, needed, stop)`: the first in the caller's
-    thread (it waits for it), the others on a producer thread, at most `ahead` before the caller
-    asks for them (`needed()`: the caller waits for this one now; `stop`: set once the pass is
-    over). `wake()` unblocks a producer waiting for a buffer; `running` holds the producer while
-    it runs (as does the module's set of every open one, stopped at exit)."""
+def made_ahead(make, more, ahead: int, wake, running: set):
+    """The batches of a pass, b = 0, 1, ... while `more(b)`, each made by `make(b, needed, stop)`:
+    the first in the caller's thread (it waits for it), the others on a producer thread, at most
+    `ahead` before the caller asks for them (`needed()`: the caller waits for this one now;
+    `stop`: set once the pass is over). `wake()` unblocks a producer waiting for a buffer;
+    `running` holds the producer while it runs (as does the module's set of every open one,
+    stopped at exit)."""
     ready: queue.SimpleQueue = queue.SimpleQueue()
     credit = threading.Semaphore(ahead)  # batches the producer may make before they are asked for
     stop = threading.Event()
@@ -45,7 +47,8 @@ def made_ahead(make, num_batches: int, ahead: int, wake, running: set):
 
     def produce():
         try:
-            for b in range(1, num_batches):
+            b = 1
+            while more(b):
                 while not credit.acquire(timeout=0.1):
                     if stop.is_set():
                         ready.put(_STOPPED)
@@ -56,6 +59,7 @@ def made_ahead(make, num_batches: int, ahead: int, wake, running: set):
                     return
                 ready.put(batch)
                 del batch
+                b += 1
             ready.put(None)
         except BaseException as exc:  # re-raised in the consumer
             ready.put(exc)
@@ -69,7 +73,7 @@ def made_ahead(make, num_batches: int, ahead: int, wake, running: set):
         yield first
         del first
         credit.release()  # the caller asks for the next batch: one more may be made
-        for b in range(1, num_batches + 1):  # the batches, then the end (or an error)
+        for b in itertools.count(1):  # the batches, then the end (or an error)
             try:
                 item = ready.get_nowait()
             except queue.Empty:

@@ -17,7 +17,8 @@ from packer.errors import ConfigError
 from packer.remote import check_workers
 
 from loaders.batched import BatchedDataset, EpochDataset
-from loaders.order.sampler import Epochs, Pass, Resumable
+from loaders.order.sampler import Epochs, Pass
+from loaders.resumable import Resumable
 
 
 def _as_is(batch):
@@ -47,7 +48,7 @@ class _PassKeys(torch.utils.data.Sampler):
 
     def __iter__(self):
         p = self.current = self.epochs.upcoming()
-        return ((p, b) for b in range(p.num_batches))
+        return ((p, b) for b in self.epochs.batches(p))
 
 
 class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):

@@ -8,10 +8,14 @@ windows' batches follow one another in window order, each window's own in the or
 `lengths.layout` gives them. A window is a random sample of the dataset, so its batches are too;
 sorting it whole puts samples of near lengths together (the more samples a window, the closer).
 Nothing is of size N: a batch's ids need its window's (W ids and lengths, sorted), and where
-each window starts in the epoch's batches needs each window's batch count: closed form for a
-fixed batch size, a bincount of every window's lengths for a budget (the epoch's one pass over
-the lengths, in windows: O(N) time spread over the cores' threads, O(N / W) memory, once per
-epoch and process).
+each window starts in the epoch's batches needs the batch counts of the windows before it:
+closed form for a fixed batch size, a bincount of each window's lengths for a budget. They are
+counted as the pass reaches them (`LengthPlan.exists`): a pass's first batch needs its first
+windows' counts, a resumed cursor the windows before it (counted at once, in threads), and only
+the epoch's end, or len(), all of them (O(N) time spread over the pass, O(N / W) memory). So a
+pass's batch count is known at its end (`Pass.num_batches` is None; `Epochs.has(p, b)` answers
+whether batch b exists, as far as it takes): every rank computes the same plan, so every rank
+still gets as many batches.
 
 The global plan is dealt to ranks a batch each in turn (rank r takes batches cursor + j*W + r),
 so it is the same plan for any rank count, and a state, whose cursor counts the batches all
@@ -24,6 +28,7 @@ with the plan it began.
 from __future__ import annotations
 
 import copy
+import threading
 
 import numpy as np
 
@@ -51,7 +56,7 @@ class LengthPlan:
         self.seed, self.epoch, self.order, self.deal, self.window = seed, epoch, order, deal, window
         self.num_windows = -(-num_samples // window)
         self.caps = budget.capacities()
-        self._starts: np.ndarray | None = None  # where each window's batches start in the epoch's, and the total
+        self._counts = _Counted(self.num_windows)  # where each window's batches start: as far as counted
         self._held: tuple | None = None  # (window, its ids sorted by length, their lengths, its batches' bounds)
 
     def fork(self) -> LengthPlan:
@@ -75,47 +80,70 @@ class LengthPlan:
 
     @property
     def starts(self) -> np.ndarray:
-        """int64 [num_windows + 1]: where each window's batches start in the epoch's, then the total."""
-        if self._starts is None:
-            counts = self._counts()
-            self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-        return self._starts
+        """int64 [num_windows + 1]: where each window's batches start in the epoch's, then the
+        total; every window counted."""
+        self.start_of(self.num_windows)
+        return self._counts.starts
 
     @property
     def total(self) -> int:
-        return int(self.starts[-1])
+        """The epoch's batches: every window counted (O(N) over the lengths, once)."""
+        return self.start_of(self.num_windows)
 
-    def _counts(self) -> np.ndarray:
-        """Each window's batch count: closed form for a fixed batch size; for a budget, each
-        window's lengths bucketed and cut (`lengths.cut`, the function that cuts it when served)."""
-        windows = np.arange(self.num_windows, dtype=np.int64)
+    def start_of(self, w: int) -> int:
+        """Where window w's batches start in the epoch's (w = num_windows: the total), the
+        windows before it counted as far as they were not."""
+        counts = self._counts
+        if counts.counted < w:
+            counts.extend(w, self._count)
+        return int(counts.starts[w])
+
+    def exists(self, g: int) -> bool:
+        """Whether the epoch has a g-th batch, windows counted only as far as it takes."""
+        counts = self._counts
+        while True:
+            c = counts.counted
+            before = int(counts.starts[c])
+            if g < before:
+                return True
+            if c == self.num_windows:
+                return False
+            # the windows g is likely in, from the batches a window made so far: a resumed
+            # cursor's many windows counted at once, in threads; the next one's a few at a time
+            need = (g - before) * c // max(before, 1) + 1 if c else 1
+            counts.extend(min(c + max(need, COUNT_WINDOWS), self.num_windows), self._count)
+
+    def _count(self, w0: int, stop: int) -> np.ndarray:
+        """The batch counts of windows [w0, stop): each window's lengths bucketed and cut
+        (`lengths.cut`, the function that cuts it when served); closed form for a fixed batch
+        size. Many windows are counted in threads (numpy's work here releases the GIL)."""
+        windows = np.arange(w0, stop, dtype=np.int64)
         if self.budget.max_tokens is None:
             size = self.budget.batch_size
             carries = (self.phases(windows) % np.uint64(size)).astype(np.int64)
             return fixed_count(self.sizes(windows), carries, size)
-        out = np.zeros(self.num_windows, np.int64)
+        out = np.zeros(stop - w0, np.int64)
         phases = self.phases(windows)
 
-        def counted(w0: int, stop: int) -> None:
-            positions = np.arange(w0 * self.window, min(stop * self.window, self.num_samples), dtype=np.int64)
-            local = positions // self.window - w0
+        def counted(a: int, b: int) -> None:
+            positions = np.arange(a * self.window, min(b * self.window, self.num_samples), dtype=np.int64)
+            local = positions // self.window - a
             held = np.bincount(local * len(EDGES) + bucket_of(self.lengths(self.ids_of(positions))),
-                               minlength=(stop - w0) * len(EDGES)).reshape(stop - w0, len(EDGES))
+                               minlength=(b - a) * len(EDGES)).reshape(b - a, len(EDGES))
             for i, row in enumerate(held):
-                out[w0 + i] = count(cut(row, self.caps, self._carry(row, phases[w0 + i]), self.budget.span))
-        first = min(COUNT_WINDOWS, self.num_windows)
-        counted(0, first)  # in this thread: the order's and the lengths' tables made once, before any other reads them
-        threads = min(available_cores(), COUNT_THREADS, self.num_windows - first)
-        if threads <= 1:
-            for w0 in range(first, self.num_windows, COUNT_WINDOWS):
-                counted(w0, min(w0 + COUNT_WINDOWS, self.num_windows))
+                out[a - w0 + i] = count(cut(row, self.caps, self._carry(row, phases[a - w0 + i]), self.budget.span))
+        first = w0 + (min(COUNT_WINDOWS, stop - w0) if w0 == 0 else 0)
+        if first > w0:  # in this thread: the order's and the lengths' tables made once, before any other reads them
+            counted(w0, first)
+        threads = min(available_cores(), COUNT_THREADS, stop - first)
+        if threads <= 1 or stop - first <= COUNT_WINDOWS:
+            for a in range(first, stop, COUNT_WINDOWS):
+                counted(a, min(a + COUNT_WINDOWS, stop))
             return out
-        # numpy's work here releases the GIL: the pass scales with the cores (it is the whole
-        # start-up of a budget's epoch), a window a task to keep each thread's arrays small
         from concurrent.futures import ThreadPoolExecutor
 
         with ThreadPoolExecutor(threads, thread_name_prefix="mmpack-plan") as pool:
-            list(pool.map(lambda w: counted(w, w + 1), range(first, self.num_windows)))
+            list(pool.map(lambda a: counted(a, a + 1), range(first, stop)))
         return out
 
     def _carry(self, counts: np.ndarray, phase) -> int:
@@ -136,7 +164,7 @@ class LengthPlan:
             ids, lengths = ids[by_length], lengths[by_length]
             counts = np.bincount(bucket_of(lengths), minlength=len(EDGES))
             edges = bounds(cut(counts, self.caps, self._carry(counts, self.phases([w])[0]), self.budget.span))
-            batches, before = len(edges) - 1, int(self.starts[w])
+            batches, before = len(edges) - 1, self.start_of(w)
             head = min(-before % self.deal, batches)
             groups = Permutation(max((batches - head) // self.deal, 1), order=self.order,
                                  seed=derive_key(self.seed, GROUPS, w), epoch=self.epoch)
@@ -146,10 +174,12 @@ class LengthPlan:
 
     def _batch(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, lengths) of the epoch's g-th batch."""
-        starts = self.starts
-        w = int(np.searchsorted(starts, g, side="right")) - 1
+        if not self.exists(g):
+            raise IndexError(f"batch {g} of an epoch of {self.total}")
+        counts = self._counts
+        w = int(np.searchsorted(counts.starts[:counts.counted + 1], g, side="right")) - 1
         _, ids, lengths, edges, order = self.window_of(w)
-        k = order[g - starts[w]]
+        k = order[g - int(counts.starts[w])]
         return ids[edges[k]:edges[k + 1]], lengths[edges[k]:edges[k + 1]]
 
     def batch(self, g: int) -> np.ndarray:
@@ -158,6 +188,25 @@ class LengthPlan:
 
     def lengths_of_batch(self, g: int) -> np.ndarray:
         return self._batch(g)[1]
+
+
+class _Counted:
+    """Where each window's batches start in the epoch's, for the windows counted so far (a
+    prefix): shared by a plan's forks (the threads reading it), extended under a lock."""
+
+    def __init__(self, num_windows: int):
+        self.starts = np.zeros(num_windows + 1, np.int64)
+        self.counted = 0  # windows [0, counted) counted: starts[:counted + 1] known
+        self._lock = threading.Lock()
+
+    def extend(self, stop: int, count) -> None:
+        """Windows [counted, stop) counted by `count(w0, stop)` -> their batch counts."""
+        with self._lock:
+            c = self.counted
+            if c >= stop:
+                return
+            self.starts[c + 1:stop + 1] = self.starts[c] + np.cumsum(count(c, stop))
+            self.counted = stop  # after the starts it covers: a reader without the lock sees them whole
 
 
 class LengthEpochs(Epochs):
@@ -199,36 +248,49 @@ class LengthEpochs(Epochs):
         return {**self.__dict__, "_plan": None}
 
     def rank_batches(self, epoch: int, deal: int, cursor: int) -> int:
-        """Batches each rank takes of epoch `epoch` from `cursor` (of the plan of `deal`)."""
+        """Batches each rank takes of epoch `epoch` from `cursor` (of the plan of `deal`): the
+        epoch's plan counted whole."""
         rest = max(self.plan(epoch, deal).total - cursor, 0)
         return rest // self.world_size if self.drop_last else -(-rest // self.world_size)
+
+    def fresh(self, epoch: int) -> Pass:
+        """Epoch `epoch`'s pass from its start: its batch count left to the plan, which counts its
+        windows as they are reached (a pass's first batch needs its first window's, not the N
+        lengths' pass a count of the epoch is)."""
+        return Pass(epoch, 0, None, self.fresh_slices())
 
     def upcoming(self) -> Pass:
         epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
         if self.next_cursor:
-            return Pass(epoch, self.next_cursor, self.rank_batches(epoch, self.slices, self.next_cursor), self.slices)
-        deal = self.fresh_slices()
-        return Pass(epoch, 0, self.rank_batches(epoch, deal, 0), deal)
+            return Pass(epoch, self.next_cursor, None, self.slices)
+        return self.fresh(epoch)
 
     def per_rank(self, cursor: int | None = None) -> int:
         """Batches (not samples: they hold a varying number) this rank takes of the next pass."""
-        return self.upcoming().num_batches
+        return self.count(self.upcoming())
 
     def num_batches(self) -> int:
-        return self.upcoming().num_batches
+        return self.count(self.upcoming())
+
+    def has(self, p: Pass, b: int) -> bool:
+        """Every rank has as many batches: b while rank 0's b-th is in the epoch (a round made
+        whole past its end), or with drop_last while the round's last is."""
+        last = p.cursor + (b + 1) * self.world_size - 1 if self.drop_last else p.cursor + b * self.world_size
+        return b >= 0 and self.plan(p.epoch, p.slices).exists(last)
+
+    def count(self, p: Pass) -> int:
+        return self.rank_batches(p.epoch, p.slices, p.cursor)
 
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
         plan = self.plan(p.epoch, p.slices)
         g = p.cursor + b * self.world_size + self.rank
-        if g >= plan.total:  # the last round made whole: the epoch's first batches again
+        if not plan.exists(g):  # the last round made whole: the epoch's first batches again
             g = (g - plan.total) % max(plan.total, 1)
         return plan.batch(g)
 
-    def first_repeat(self, p: Pass) -> int:
-        """This rank's first batch of pass p that repeats one of the epoch (the last round made
-        whole); p.num_batches where none does."""
-        past = self.plan(p.epoch, p.slices).total - p.cursor - self.rank  # its batches before the epoch's end
-        return min(max(-(-past // self.world_size), 0), p.num_batches)
+    def repeats(self, p: Pass, b: int) -> bool:
+        """Whether this rank's batch b of pass p repeats one of the epoch (the last round made whole)."""
+        return not self.plan(p.epoch, p.slices).exists(p.cursor + b * self.world_size + self.rank)
 
     def dropped(self, p: Pass) -> int:
         """The epoch's batches no rank takes in pass p: with drop_last, the last round's, when short."""
@@ -237,17 +299,8 @@ class LengthEpochs(Epochs):
 
     def ids(self, p: Pass, first: int, stop: int) -> np.ndarray:
         """This rank's samples of batches [first, stop) of pass p, one after another."""
-        parts = [self.batch_ids(p, b) for b in range(first, min(stop, p.num_batches))]
+        parts = [self.batch_ids(p, b) for b in range(first, stop) if self.has(p, b)]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
-
-    def ahead_of(self, p: Pass):
-        this, after = self.twin(), self.twin()
-        deal = self.fresh_slices()
-        following = Pass(p.epoch + 1, 0, after.rank_batches(p.epoch + 1, deal, 0), deal)
-
-        def ids(b: int) -> np.ndarray:
-            return this.batch_ids(p, b) if b < p.num_batches else after.batch_ids(following, b - p.num_batches)
-        return ids, p.num_batches + following.num_batches
 
     def twin(self) -> LengthEpochs:
         twin = super().twin()
@@ -256,16 +309,16 @@ class LengthEpochs(Epochs):
 
     def taken(self, p: Pass, batches: int) -> None:
         self.epoch = p.epoch
-        self.cursor = min(p.cursor + batches * self.world_size, self.plan(p.epoch, p.slices).total)
-        if batches >= p.num_batches:
+        self.cursor = p.cursor + batches * self.world_size  # within the epoch while the pass has a next batch
+        if not self.has(p, batches):
             self.epoch, self.cursor, self.partial = p.epoch + 1, 0, False
 
     def load_state_dict(self, state: dict) -> None:
         before = (self.epoch, self.cursor, self.slices, self.resuming, self.partial, self.pinned)
         super().load_state_dict(state)
-        total = self.plan(self.epoch, self.slices).total
-        if self.cursor > total:
-            cursor, epoch = self.cursor, self.epoch
+        plan = self.plan(self.epoch, self.slices)
+        if self.cursor and not plan.exists(self.cursor - 1):  # windows counted up to the cursor's, no further
+            cursor, epoch, total = self.cursor, self.epoch, plan.total
             self.epoch, self.cursor, self.slices, self.resuming, self.partial, self.pinned = before
             raise ConfigError(f"the state's cursor {cursor} is past the {total} batches of its epoch {epoch}: "
                               f"{REBUILD}")

@@ -85,12 +85,6 @@ def sliced(positions: np.ndarray, num_samples: int, slices: int) -> np.ndarray:
     return part * base + np.minimum(part, extra) + k
 
 
-def worker_batches(num_batches: int, worker_id: int, num_workers: int) -> range:
-    """Batch numbers a DataLoader worker makes: DataLoader takes batches from its workers in
-    round-robin, so batch b from worker b % K keeps the global order whatever K is."""
-    return range(worker_id, num_batches, num_workers)
-
-
 @dataclass(frozen=True)
 class Topology:
     rank: int
@@ -123,7 +117,7 @@ class Pass:
 
     epoch: int
     cursor: int
-    num_batches: int
+    num_batches: int | None  # None: known once its epoch's plan is counted to its end (`Epochs.has`)
     slices: int = 1  # the parts of the epoch's order walked side by side (`sliced`)
     pinned: bool = True  # block order: each part holds the same blocks every epoch (False: a state before)
 
@@ -217,6 +211,28 @@ class Epochs:
     def num_batches(self) -> int:
         return -(-self.per_rank() // self.batch_size)
 
+    def has(self, p: Pass, b: int) -> bool:
+        """Whether pass p has a batch b (this rank's, every rank as many): what a loop over a pass
+        asks instead of its count, which a plan by length knows only at the epoch's end."""
+        return b < p.num_batches
+
+    def count(self, p: Pass) -> int:
+        """The batches of pass p: its whole plan counted (over a plan by length, an O(N) pass)."""
+        return p.num_batches
+
+    def batches(self, p: Pass, first: int = 0, step: int = 1):
+        """Batch numbers first, first + step, ... of pass p, while it has them (a DataLoader
+        worker's share: first = its id, step = the worker count, which DataLoader takes round-robin,
+        so the order is the same whatever the count)."""
+        b = first
+        while self.has(p, b):
+            yield b
+            b += step
+
+    def clip(self, p: Pass, n: int) -> int:
+        """min(n, batches of pass p), counting no further than batch n."""
+        return n if n <= 0 or self.has(p, n - 1) else self.count(p)
+
     def ids(self, p: Pass, first: int, stop: int) -> np.ndarray:
         """Sample ids of this rank's samples [first, stop) of pass `p` (clipped to the pass)."""
         stop = min(stop, self.per_rank(p.cursor))
@@ -239,16 +255,33 @@ class Epochs:
     def batch_ids(self, p: Pass, b: int) -> np.ndarray:
         return self.ids(p, b * self.batch_size, (b + 1) * self.batch_size)
 
-    def ahead_of(self, p: Pass):
-        """(ids(b), batches): pass p's batches, then the next epoch's from its start as batches
-        p.num_batches on, each computed apart from this object's caches: what a lookahead reads
-        (a cache keeps what the next epoch starts with)."""
-        this, after = self.twin(), self.twin()
-        following = Pass(p.epoch + 1, 0, -(-self.per_rank(0) // self.batch_size), self.fresh_slices())
+    def fresh(self, epoch: int) -> Pass:
+        """Epoch `epoch`'s pass from its start."""
+        return Pass(epoch, 0, -(-self.per_rank(0) // self.batch_size), self.fresh_slices())
 
-        def ids(b: int) -> np.ndarray:
-            return this.batch_ids(p, b) if b < p.num_batches else after.batch_ids(following, b - p.num_batches)
-        return ids, p.num_batches + following.num_batches
+    def ahead_of(self, p: Pass, first: int = 0, step: int = 1):
+        """(ids(i), more(i)): the i-th of batches first, first + step, ... of pass p, then of the
+        next epoch's from its start (a DataLoader worker's share, as `batches`), each computed
+        apart from this object's caches; `more(i)`: whether there is an i-th. What a lookahead
+        reads (a cache keeps what the next epoch starts with)."""
+        this, after = self.twin(), self.twin()
+        following = after.fresh(p.epoch + 1)
+
+        def where(i: int) -> tuple:
+            b = first + i * step
+            if this.has(p, b):
+                return this, p, b
+            mine = len(range(first, this.count(p), step))  # this share's batches of pass p
+            return after, following, first + (i - mine) * step
+
+        def ids(i: int) -> np.ndarray:
+            epochs, q, b = where(i)
+            return epochs.batch_ids(q, b)
+
+        def more(i: int) -> bool:
+            epochs, q, b = where(i)
+            return epochs.has(q, b)
+        return ids, more
 
     def twin(self) -> Epochs:
         """A copy whose ids are computed apart from this one's (its own caches of the order): what a
@@ -274,7 +307,7 @@ class Epochs:
         past them, and to the next epoch once the pass is whole."""
         self.epoch = p.epoch
         self.cursor = min(p.cursor + batches * self.batch_size * self.world_size, self.num_samples)
-        if batches >= p.num_batches:
+        if not self.has(p, batches):
             self.epoch, self.cursor, self.partial = p.epoch + 1, 0, False
 
     def state_dict(self) -> dict:
@@ -374,56 +407,3 @@ def _grouping(buckets) -> str:
     if isinstance(buckets, dict):
         return f"bucket_by={buckets.get('bucket_by')!r} of column {buckets.get('column')!r}"
     return f"buckets {buckets!r}"
-
-
-class Resumable:
-    """The resume contract every loader keeps (`Loader`, `StatefulDataLoader`), around its
-    `_epochs`: set_epoch, state_dict / load_state_dict, and the count of batches handed over."""
-
-    _epochs: Epochs
-
-    @property
-    def epoch(self) -> int:
-        return self._epochs.epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        """The epoch of the next pass; the epoch the loader is in keeps its cursor (a resumed one)."""
-        self._epochs.set_epoch(epoch)
-
-    def state_dict(self) -> dict:
-        """Where the batches handed over so far end: load it into a loader built the same way
-        (any thread, worker or rank count, any process) and iterating goes on with the next batch."""
-        return self._epochs.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self._epochs.load_state_dict(state)
-
-    @property
-    def padding(self):
-        """Real and padded elements of the ragged column's batches handed over, per batch and per
-        epoch (`loaders.padding.Padding`); None where the batches have no ragged column."""
-        return self._epochs.padding
-
-    def _counted(self, p: Pass, batches, figures=None):
-        """Yield `batches` of pass `p`, each counted as taken when the caller gets it (not when it
-        is made, prefetched or copied); the pass's end moves on to the next epoch. Each batch's
-        padding is counted then too: from `figures` (what was measured of it on the host, in
-        order), else from the batch itself."""
-        taken = 0
-        padding = self._epochs.padding
-        if padding is not None:
-            padding.begin(p, self._epochs)
-        try:
-            for batch in batches:
-                taken += 1
-                self._epochs.taken(p, taken)
-                if padding is not None:
-                    padding.handed(figures.popleft() if figures is not None else padding.measure(batch))
-                yield batch
-                del batch  # the caller's reference is the only one left
-            if taken == 0:
-                self._epochs.taken(p, 0)
-        finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()

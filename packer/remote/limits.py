@@ -92,7 +92,8 @@ def check_first_batches(source, epochs) -> None:
         twin = epochs.twin()
         p = twin.upcoming()
         order = getattr(epochs, "order", None)
-        check_room(source, lambda b: twin.batch_ids(p, b), p.num_batches, order, getattr(epochs, "block_window", None))
+        check_room(source, lambda b: twin.batch_ids(p, b), twin.clip(p, FIRST_BATCHES), order,
+                   getattr(epochs, "block_window", None))
         if order == "random" and not source.rows_pass:
             check_random(source, min(1.0, local_ranks() / max(1, getattr(epochs, "world_size", 1))))
         if order == "block" and not source.rows_pass:
@@ -114,7 +115,7 @@ def check_window(gather, epochs) -> None:
         twin.block_window = window
         p = twin.upcoming()
         shards = set()
-        for b in range(min(p.num_batches, -(-window // twin.batch_size))):
+        for b in range(twin.clip(p, -(-window // twin.batch_size))):
             shards.update(gather.shards_of(twin.batch_ids(p, b)).tolist())
         return _bytes_by_cache(gather, shards, room)
 

@@ -31,12 +31,14 @@ PREFETCH_BATCHES = 8  # how far ahead a limited cache fetches, in batches
 # round would read again (a sequential scan at half the cache fetched 0.8x the dataset an epoch
 # with a window of 8 batches of 64 over 55-image shards, 9 shards)
 PREFETCH_SHARDS = 4
+
+
 class Lookahead:
     """Keeps the shards of a pass's coming batches fetched (see the module); `at(b)`: the gather
     is at batch b; `window()`: the shards to keep; `close()` at the pass's end."""
 
-    def __init__(self, gather, batch_ids, num_batches: int):
-        self.gather, self.batch_ids, self.num_batches = gather, batch_ids, num_batches
+    def __init__(self, gather, batch_ids, more):
+        self.gather, self.batch_ids, self.more = gather, batch_ids, more  # more(b): whether there is a batch b
         self._now, self._window, self._rank = 0, frozenset(), {}
         self._stop, self._wake = threading.Event(), threading.Event()
         self._room = budgets(gather)
@@ -72,7 +74,9 @@ class Lookahead:
         for b in [b for b in shards_of if b < now]:
             del shards_of[b]
         order, seen = [], set()
-        for b in range(now, min(now + AHEAD_BATCHES, self.num_batches)):
+        for b in range(now, now + AHEAD_BATCHES):
+            if b not in shards_of and not self.more(b):
+                break
             if b not in shards_of:
                 shards_of[b] = self.gather.shards_of(self.batch_ids(b)).tolist()
             for g in shards_of[b]:

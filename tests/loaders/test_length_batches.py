@@ -6,6 +6,8 @@ tests/contract.py)."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -87,8 +89,9 @@ def test_a_windows_batches_are_dealt_a_permutation_in_steps_of_one_length(batche
 def _run(epochs, epoch_batches=None):
     """Every batch of the next pass, as lists of ids."""
     p = epochs.start()
-    out = [epochs.batch_ids(p, b).tolist() for b in range(p.num_batches)]
-    epochs.taken(p, p.num_batches)
+    out = [epochs.batch_ids(p, b).tolist() for b in epochs.batches(p)]
+    assert len(out) == epochs.count(p)
+    epochs.taken(p, len(out))
     return out
 
 
@@ -113,6 +116,45 @@ def test_a_budgets_counts_made_in_threads_are_the_counts_of_one_thread(lengths, 
     assert plans[0] == plans[1] and len(plans[0]) > 6  # windows past the first four: threads counted them
     served = sorted(i for g in range(plan.total) for i in plan.batch(g).tolist())
     assert served == list(range(len(lengths)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), min_size=80, max_size=1500), max_tokens=st.integers(1, 20000),
+       seed=st.integers(0, 2**32), data=st.data())
+def test_a_plan_counts_its_windows_only_as_far_as_its_batches_are_asked_for(lengths, max_tokens, seed, data):
+    """The first batch needs the first windows' counts, not the epoch's; any batch asked for in
+    any order (a resumed cursor's, a worker's) is the one of the plan counted whole."""
+    from loaders.order import planned
+
+    lengths = np.asarray(lengths, np.int64)
+    whole = _epochs(lengths, Budget(max_tokens=max_tokens), seed=seed, window=16).plan(0, 1)
+    batches = [whole.batch(g).tolist() for g in range(whole.total)]
+    lazy = _epochs(lengths, Budget(max_tokens=max_tokens), seed=seed, window=16).plan(0, 1)
+    assert lazy.exists(0) and lazy.batch(0).tolist() == batches[0]
+    assert lazy._counts.counted <= planned.COUNT_WINDOWS < lazy.num_windows  # 80 lengths or more: 5 windows or more
+    for g in data.draw(st.lists(st.integers(0, len(batches) + 3), max_size=12)):
+        assert lazy.exists(g) == (g < len(batches))
+        if g < len(batches):
+            assert lazy.batch(g).tolist() == batches[g]
+    assert lazy.starts.tolist() == whole.starts.tolist()
+
+
+def test_a_pass_by_a_budget_starts_and_checkpoints_without_counting_its_epoch():
+    """What a loop does with the first batch of a pass (start, has, the ids, taken, a state)
+    counts the first windows only; len() counts them all."""
+    from loaders.order import planned
+
+    lengths = np.random.default_rng(0).integers(1, 3000, 20000)
+    for world, drop_last in ((1, False), (3, True)):
+        epochs = _epochs(lengths, Budget(max_tokens=6000), window=16, world=world, drop_last=drop_last)
+        p = epochs.start()
+        first = [epochs.batch_ids(p, b) for b in itertools.islice(epochs.batches(p), 2)]
+        epochs.taken(p, 2)
+        state = epochs.state_dict()
+        plan = epochs.plan(0, world)
+        assert len(first) == 2 and plan._counts.counted <= 2 * planned.COUNT_WINDOWS < plan.num_windows
+        assert state["cursor"] == 2 * world and epochs.count(p) == len(list(epochs.batches(p))) > 100
+        assert plan._counts.counted == plan.num_windows
 
 
 @settings(max_examples=80, deadline=None)
@@ -153,7 +195,7 @@ def test_a_resume_at_any_cursor_goes_on_with_the_plan_on_any_world_size(lengths,
     for r in range(w1):
         epochs = _epochs(lengths, budget, world=w1, rank=r, seed=seed)
         p = epochs.start()
-        take = min(int(at * p.num_batches), max(p.num_batches - 1, 0))
+        take = min(int(at * epochs.count(p)), max(epochs.count(p) - 1, 0))
         heads.append([epochs.batch_ids(p, b).tolist() for b in range(take)])
         epochs.taken(p, take)
         states.append(epochs.state_dict())
@@ -191,7 +233,7 @@ def test_an_epoch_of_a_billion_samples_opens_and_gives_its_first_batch_from_one_
                           bucket_by="length", column="tokens", shuffle=True, order=None, seed=1, drop_last=False,
                           rank=3, world_size=8, source="s")
     p = epochs.start()
-    assert abs(p.num_batches - n / 256 / 8) < n / 65536  # within a batch a window of N / (256 x 8)
+    assert abs(epochs.count(p) - n / 256 / 8) < n / 65536  # within a batch a window of N / (256 x 8)
     ids = epochs.batch_ids(p, 0)
     assert len(set(ids.tolist())) == len(ids) and len(ids) <= 256 and ids.max() > n // 100
     assert np.ptp(lengths(ids)) <= 10  # of about one length: 65,536 lengths of 1,000 values sorted
@@ -232,7 +274,7 @@ def test_loader_bucket_by_length_takes_each_clip_once_in_batches_of_one_length(b
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_the_last_rounds_batches_repeated_or_dropped_are_counted(built, drop_last):
     ds = MMapDataset(built["audio"], columns=["audio", "key"])
-    total = Loader(ds, 4, seed=3, bucket_by="length")._epochs.upcoming().num_batches  # the plan's, on one rank
+    total = len(Loader(ds, 4, seed=3, bucket_by="length"))  # the plan's, on one rank
     world = next(w for w in (5, 6, 7) if total % w)  # a last round short: the last rank repeats, or it is dropped
     loader = Loader(ds, 4, seed=3, bucket_by="length", rank=world - 1, world_size=world, drop_last=drop_last)
     taken = sum(1 for _ in loader)

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders.order.orders import Permutation, epoch_order
-from loaders.order.sampler import Epochs, Pass, resolve_topology, sliced, worker_batches
+from loaders.order.sampler import Epochs, Pass, resolve_topology, sliced
 from packer.errors import ConfigError
 
 orders = st.sampled_from(["random", "sequential", "block"])
@@ -272,10 +272,13 @@ def test_a_state_loads_only_into_a_loader_of_the_same_samples_and_order():
             _epochs(100, 10, seed=1, source="a").load_state_dict(bad)
 
 
-@given(batches=st.integers(0, 200), workers=st.integers(1, 9))
-def test_worker_batches_partition(batches, workers):
-    got = sorted(b for w in range(workers) for b in worker_batches(batches, w, workers))
-    assert got == list(range(batches))
+@given(n=st.integers(0, 2000), batch=st.integers(1, 40), workers=st.integers(1, 9))
+def test_workers_shares_partition_the_pass(n, batch, workers):
+    epochs = Epochs(n, batch, shuffle=True, order=None, seed=0, drop_last=False, rank=0, world_size=1)
+    p = epochs.upcoming()
+    got = sorted(b for w in range(workers) for b in epochs.batches(p, w, workers))
+    assert got == list(range(p.num_batches)) == list(epochs.batches(p))
+    assert [epochs.clip(p, k) for k in (0, 1, 5, 10**6)] == [min(k, p.num_batches) for k in (0, 1, 5, 10**6)]
 
 
 def test_topology_sources(monkeypatch):
@@ -287,22 +290,25 @@ def test_topology_sources(monkeypatch):
 
 @settings(max_examples=30, deadline=None)
 @given(n=st.integers(1, 300), batch=st.integers(1, 40), world=st.integers(1, 3), cursor=st.integers(0, 300),
-       order=st.sampled_from(["random", "block", "sequential"]))
-def test_what_a_lookahead_reads_is_the_pass_then_the_next_epoch(n, batch, world, cursor, order):
-    """`Epochs.ahead_of(p)`: the batches of pass p, then those of the next epoch from its start,
-    as the epochs themselves give them, whatever their own caches hold meanwhile."""
+       order=st.sampled_from(["random", "block", "sequential"]), workers=st.integers(1, 3))
+def test_what_a_lookahead_reads_is_the_pass_then_the_next_epoch(n, batch, world, cursor, order, workers):
+    """`Epochs.ahead_of(p, w, k)`: worker w's batches (w, w + k, ...) of pass p, then its batches
+    of the next epoch from its start, as the epochs themselves give them, whatever their own
+    caches hold meanwhile."""
     kw = dict(shuffle=True, order=order, seed=3, drop_last=False, rank=world - 1, world_size=world)
     epochs = Epochs(n, batch, **kw)
     epochs.load_state_dict({**epochs.state_dict(), "epoch": 2, "cursor": min(cursor, n)})
     p = epochs.start()
-    ids, count = epochs.ahead_of(p)
     following = Epochs(n, batch, **kw)
     following.set_epoch(3)
     q = following.start()
-    assert count == p.num_batches + q.num_batches
-    for b in reversed(range(count)):  # backwards: a chunk cache shared with the epochs would be stale
-        want = epochs.batch_ids(p, b) if b < p.num_batches else following.batch_ids(q, b - p.num_batches)
-        assert np.array_equal(ids(b), want)
+    for worker in range(workers):
+        ids, more = epochs.ahead_of(p, worker, workers)
+        want = [epochs.batch_ids(p, b) for b in range(worker, p.num_batches, workers)]
+        want += [following.batch_ids(q, b) for b in range(worker, q.num_batches, workers)]
+        assert [more(i) for i in range(len(want) + 2)] == [True] * len(want) + [False] * 2
+        for i in reversed(range(len(want))):  # backwards: a chunk cache shared with the epochs would be stale
+            assert np.array_equal(ids(i), want[i])
 
 
 @settings(max_examples=200, deadline=None)
