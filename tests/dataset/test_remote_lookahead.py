@@ -29,7 +29,7 @@ def test_the_fetch_ahead_waits_out_a_cold_first_batch_without_spinning():
             return np.zeros(0, np.int64)
 
     gather = Gather()
-    ahead = Lookahead(gather, lambda b: np.zeros(0, np.int64), 4)
+    ahead = Lookahead(gather, lambda b: np.zeros(0, np.int64), lambda b: b < 4)
     waits, wait = [], ahead._wake.wait
     ahead._wake.wait = lambda timeout=None: waits.append(1) or wait(timeout)
     try:
