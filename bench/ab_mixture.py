@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     from loaders import Mixture, MMapDataset
 
-    from .loaders_bench import prepare_image_thirds, prepare_images
+    from .prepare import prepare_image_thirds, prepare_images
 
     from loaders import Loader
 

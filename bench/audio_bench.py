@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from . import report
-from .loaders_bench import PIN, _prepared, _progress, machine
+from .loaders_bench import PIN, _progress, machine
+from .prepare import prepare_dataset
 from .measure import MachineLoad, MemcpyLimit, dir_bytes, files_under, load_line, measure
 from .peers import MP_CONTEXT
 
@@ -116,8 +117,9 @@ def bench_audio(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     from .sounds import make_audio_folders
 
-    raw, out, build_s = _prepared(work, "audio", args.clips, lambda r: make_audio_folders(r, args.clips, seed=0),
-                                  {"sample_rate": RATE, "shard_size": "64MB"})
+    raw, out, build_s = prepare_dataset(work, "audio", args.clips,
+                                        lambda r: make_audio_folders(r, args.clips, seed=0),
+                                        {"sample_rate": RATE, "shard_size": "64MB"})
     bs, passes, workers, seed = args.batch_size, args.passes, args.workers, 0
     cores = os.cpu_count() or 1
     clips = AudioClips(out, seconds=args.seconds, seed=seed)

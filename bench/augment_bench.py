@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from . import data
-from .loaders_bench import _prepared, machine
+from .loaders_bench import machine
+from .prepare import prepare_dataset
 from .measure import measure
 
 
@@ -89,8 +90,8 @@ def bench_augment(args) -> dict:
     work.mkdir(parents=True, exist_ok=True)
     count, bs, size, store = args.images, args.batch_size, args.size, args.store_size
     make = lambda raw: data.make_image_folders(raw, count, seed=0)  # noqa: E731  crops up to 640 px, any aspect
-    _, fixed, _ = _prepared(work, "aug-fixed", count, make, {"image_size": size})
-    _, aspect, _ = _prepared(work, "aug-aspect", count, make, {"image_size": store, "keep_aspect": True})
+    _, fixed, _ = prepare_dataset(work, "aug-fixed", count, make, {"image_size": size})
+    _, aspect, _ = prepare_dataset(work, "aug-aspect", count, make, {"image_size": store, "keep_aspect": True})
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     reps = args.reps or (20 if cuda else 5)

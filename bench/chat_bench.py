@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from . import report
-from .loaders_bench import PIN, _prepared, _progress, machine
+from .loaders_bench import PIN, _progress, machine
+from .prepare import prepare_dataset
 from .measure import MachineLoad, _one_pass, load_line, measure
 from .peers import MP_CONTEXT
 
@@ -193,9 +194,9 @@ def bench_chat(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
     count = min(args.conversations, QUICK_CONVERSATIONS) if args.quick else args.conversations
     model = model_folder(work / "model-minimind")
-    raw, out, build_s = _prepared(work, "chat", count, lambda r: write_minimind(r / "sft.jsonl", count, seed=0),
-                                  {"tokenizer": model / "tokenizer.json",
-                                   "chat_template": model / "tokenizer_config.json"})
+    raw, out, build_s = prepare_dataset(work, "chat", count, lambda r: write_minimind(r / "sft.jsonl", count, seed=0),
+                                        {"tokenizer": model / "tokenizer.json",
+                                         "chat_template": model / "tokenizer_config.json"})
     tok = AutoTokenizer.from_pretrained(str(model), local_files_only=True)
     bs, workers, results = args.chat, args.workers, []
     masks = check_masks(out, MinimindStyleSFT(raw / "sft.jsonl", tok, pad=False), 200)

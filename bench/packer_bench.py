@@ -20,7 +20,8 @@ from pathlib import Path
 from packer.system import link_or_copy
 
 from . import data
-from .loaders_bench import machine, prepare_images, prepare_text
+from .loaders_bench import machine
+from .prepare import prepare_images, prepare_text
 from .measure import PeakMemory, disk_write_rate, evict
 
 # The raw image rate is a rate: an evenly spread sample of the photos gives it, in a fraction of

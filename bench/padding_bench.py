@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from . import data, report
-from .loaders_bench import _prepared, machine
+from .loaders_bench import machine
+from .prepare import prepare_dataset
 from .measure import MachineLoad
 
 STEP_MS = 5.0  # the stand-in step of a random batch of the mean padded size; others in proportion to theirs
@@ -46,11 +47,13 @@ def prepare(work: Path, args) -> list[dict]:
     from .sounds import make_audio_folders
 
     tokenizer = data.minilm_tokenizer()
-    _, audio, _ = _prepared(work, "audio", args.clips, lambda r: make_audio_folders(r, args.clips, seed=0),
-                            {"sample_rate": 16000, "shard_size": "64MB"})
-    _, pairs, _ = _prepared(work, "padding-pairs", args.images, lambda r: data.make_pairs(r, args.images, seed=2, max_side=96),
-                            {"tokenizer": tokenizer, "image_size": 32})
-    _, skewed, _ = _prepared(work, "skewed", args.docs, lambda r: make_skewed(r, args.docs), {"tokenizer": tokenizer})
+    _, audio, _ = prepare_dataset(work, "audio", args.clips, lambda r: make_audio_folders(r, args.clips, seed=0),
+                                  {"sample_rate": 16000, "shard_size": "64MB"})
+    _, pairs, _ = prepare_dataset(work, "padding-pairs", args.images,
+                                  lambda r: data.make_pairs(r, args.images, seed=2, max_side=96),
+                                  {"tokenizer": tokenizer, "image_size": 32})
+    _, skewed, _ = prepare_dataset(work, "skewed", args.docs, lambda r: make_skewed(r, args.docs),
+                                   {"tokenizer": tokenizer})
     return [{"name": "audio (real clips, 16 kHz)", "dir": audio, "column": "audio", "element": "frame"},
             {"name": "captions", "dir": pairs, "column": "tokens", "element": "token"},
             {"name": "skewed (lognormal documents)", "dir": skewed, "column": "tokens", "element": "token"}]

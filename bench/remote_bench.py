@@ -27,7 +27,8 @@ from pathlib import Path
 from . import data
 from .measure import alternated, dir_bytes, timed_pass
 from .stores import link, raw_get_rate
-from .loaders_bench import _prepared, machine, prepare_images
+from .loaders_bench import machine
+from .prepare import prepare_dataset, prepare_images
 
 ORDERS = ("sequential", "block", "random")
 LIMITS = (1.0, 0.5, 0.3, 0.1)
@@ -50,8 +51,8 @@ def bench_remote(args) -> dict:
     work = args.work or Path(tempfile.mkdtemp(prefix="mmpack-bench-remote-"))
     work.mkdir(parents=True, exist_ok=True)
     raw, _, _ = prepare_images(work, args.images)
-    _, out, _ = _prepared(work, f"images-{args.shard_size}", args.images, lambda r: shutil.copytree(raw, r),
-                          {"shard_size": args.shard_size})
+    _, out, _ = prepare_dataset(work, f"images-{args.shard_size}", args.images, lambda r: shutil.copytree(raw, r),
+                                {"shard_size": args.shard_size})
     local = MMapDataset(out)
     total = local.manifest.size_bytes
     with ExitStack() as stack:
@@ -122,8 +123,9 @@ def bench_remote(args) -> dict:
              f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
         jpeg = None
         if getattr(args, "jpeg", False):  # the JPEG lane of the same crops, beside the pixels through the link
-            _, jpeg_out, _ = _prepared(work, f"images-jpeg-{args.shard_size}", args.images, lambda r: shutil.copytree(
-                raw, r), {"shard_size": args.shard_size, "store": "jpeg"})
+            _, jpeg_out, _ = prepare_dataset(work, f"images-jpeg-{args.shard_size}", args.images,
+                                             lambda r: shutil.copytree(raw, r),
+                                             {"shard_size": args.shard_size, "store": "jpeg"})
             packer.push(jpeg_out, jpeg := url + "-jpeg")
         linked = _through_link(endpoint, args.link_mb, opened, url, local.manifest, loader_kw, jpeg) if args.url is None \
             else None
@@ -171,7 +173,7 @@ def _small(work: Path, args, url: str):
     import packer
 
     side = getattr(args, "block_side", 16)
-    _, small_out, _ = _prepared(work, "small", args.block_samples, lambda r: data.make_image_folders(
+    _, small_out, _ = prepare_dataset(work, "small", args.block_samples, lambda r: data.make_image_folders(
         r, args.block_samples, seed=1, min_side=side, max_side=3 * side), {"image_size": side, "shard_size": "64KB"})
     packer.push(small_out, url + "-small")
     return MMapDataset(small_out), url + "-small"
