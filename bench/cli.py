@@ -258,7 +258,7 @@ def _main(argv: list[str] | None) -> int:
 
         result, text, plot = bench_loaders(args), report.loaders_table, report.plot_loaders
     elif args.command == "sweep":
-        from .loaders_bench import bench_sweep
+        from .sweep_bench import bench_sweep
 
         result, text, plot = bench_sweep(args), report.sweep_table, report.plot_sweep
     elif args.command == "augment":
