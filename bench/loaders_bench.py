@@ -10,7 +10,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -77,189 +79,284 @@ def machine() -> dict:
             "platform": platform.platform()}
 
 
-def bench_loaders(args) -> dict:
-    from loaders import Loader, Mixture, MMapDataset, PackedDocuments, StatefulDataLoader, TokenWindows
+@dataclass(frozen=True)
+class _Images:
+    """The photo crops every image row reads: the raw files and their labels (the baselines and
+    peers read them), the mmpack build of them and what making each cost."""
 
-    load = MachineLoad()
-    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work: Path
+    raw: Path
+    ds: Any  # MMapDataset of the build, columns image and label
+    files: list[Path]  # the build's files (evicted with --cold)
+    raw_files: list[Path]
+    labels: list[int]
+    conv: dict  # mmpack's conversion: build seconds, bytes on disk
+    raw_conv: dict
+    on_the_fly_limit: int  # samples a pass of a decoding baseline reads
+
+
+def _images(args, work: Path) -> _Images:
+    from loaders import MMapDataset
+
     raw, out, build_s = prepare_images(work, args.images)
     ds = MMapDataset(out, columns=["image", "label"])
-    bs, passes, workers = args.batch_size, args.passes, args.workers
-    cores = os.cpu_count() or 1
-    sample_bytes = ds.columns["image"].sample_nbytes
-    memcpy = MemcpyLimit(bs * sample_bytes)  # by thread count, measured again before each row
-    files = [ds.reader.root / f.path for s in ds.manifest.shards for f in s.files]
     raw_files = sorted(p for p in raw.rglob("*") if p.is_file())
     classes = sorted({p.parent.name for p in raw_files})
-    labels = [classes.index(p.parent.name) for p in raw_files]
-    on_the_fly_limit = min(len(raw_files), 4 * bs)
-    mmpack_conv = {"convert_s": build_s, "disk_bytes": dir_bytes(out)}
-    raw_conv = {"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)}
-    results: list[dict] = []
-    arch = getattr(args, "arch", "resnet18")
-    if args.model:  # real networks: a ResNet (--arch) for images, a small transformer for tokens
-        from .models import ARCHS, model_steps
+    return _Images(work=work, raw=raw, ds=ds, files=[ds.reader.root / f.path for s in ds.manifest.shards for f in s.files],
+                   raw_files=raw_files, labels=[classes.index(p.parent.name) for p in raw_files],
+                   conv={"convert_s": build_s, "disk_bytes": dir_bytes(out)},
+                   raw_conv={"convert_s": 0.0, "disk_bytes": sum(p.stat().st_size for p in raw_files)},
+                   on_the_fly_limit=min(len(raw_files), 4 * args.batch_size))
 
-        from packer.builder.text import load_tokenizer
 
-        model_name = ARCHS[arch]
-        model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024, arch)
-        with Loader(ds, bs, device=model[0]) as one:
-            resident = _resident_rate(one, model[1], args.stall_steps)
+class _Rows:
+    """The rows of one `bench loaders` run, in the order measured: each with the memcpy of its
+    thread count measured again before it, a system that breaks is a row with its error, and each
+    row is said on stderr when it is done."""
 
-    def run(name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images", n_passes=passes,
-            threads=min(workers, cores) or 1):
+    def __init__(self, args, sample_bytes: int):
+        self.args, self.sample_bytes = args, sample_bytes
+        self.memcpy = MemcpyLimit(args.batch_size * sample_bytes)  # by thread count, measured again before each row
+        self.results: list[dict] = []
+        self.model = self.resident = None  # with --model: (device, image step, token step), the step's own rate
+
+    def run(self, name, family, make_iter, count_of, conversion, cold_files, limit=None, kind="images",
+            n_passes=None, threads=None) -> dict:
+        """One row: `n_passes` timed passes (default --passes) on `threads` (default the DataLoader's
+        workers, at least 1), and with --step-ms or --model a loop with that step."""
+        args = self.args
+        threads = (min(args.workers, os.cpu_count() or 1) or 1) if threads is None else threads
         r = {"system": name, "family": family, "kind": kind, "threads": threads, **conversion}
-        memcpy.measure(threads)
+        self.memcpy.measure(threads)
         try:
-            r.update(measure(make_iter, count_of, passes=n_passes, limit=limit,
+            r.update(measure(make_iter, count_of, passes=args.passes if n_passes is None else n_passes, limit=limit,
                              cold_files=cold_files if args.cold else None))
             if args.step_ms is not None or args.model:
-                step = (model[1] if kind == "images" else model[2]) if args.model else None
+                step = (self.model[1] if kind == "images" else self.model[2]) if args.model else None
                 r["stall"] = stall(make_iter(), args.step_ms or 0, steps=args.stall_steps, mode=args.step_mode,
                                    step=step)
                 if args.model and kind == "images" and r["stall"]["steps"]:
-                    loop = r["stall"]["steps"] * bs / (r["stall"]["wait_s"] + r["stall"]["step_s"])
-                    r["stall"].update(samples_per_s=loop, pct_resident=100 * loop / resident)
+                    loop = r["stall"]["steps"] * args.batch_size / (r["stall"]["wait_s"] + r["stall"]["step_s"])
+                    r["stall"].update(samples_per_s=loop, pct_resident=100 * loop / self.resident)
         except Exception as exc:  # noqa: BLE001 - a system that breaks is a row with its error
             r["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
         if "samples_per_s" in r and kind == "images":
-            r["mb_per_s"] = r["samples_per_s"] * sample_bytes / 1e6
-        results.append(r)
+            r["mb_per_s"] = r["samples_per_s"] * self.sample_bytes / 1e6
+        self.results.append(r)
         _progress(r)
         return r
 
-    # each Loader row: steady passes of one Loader, and the first pass of fresh ones (a job that
-    # makes a Loader per epoch, or runs one short epoch, gets that)
-    for threads in sorted(set(getattr(args, "threads_list", None) or {1, cores})):
-        loader = Loader(ds, bs, num_threads=threads)
-        r = run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
-                lambda b: len(b["label"]), mmpack_conv, files, threads=threads)
-        r["first_pass_samples_per_s"] = first_pass_rate(lambda t=threads: Loader(ds, bs, num_threads=t),
-                                                        lambda b: len(b["label"]))
-    # its default: a thread count from the machine, against the machine's best memcpy
-    for t in sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)}):
-        memcpy.measure(t)
-    loader = Loader(ds, bs)
-    r = run("mmpack Loader, default threads", "mmpack", lambda: loader, lambda b: len(b["label"]), mmpack_conv,
-            files, threads=cores)
-    r.update(threads=loader.num_threads, best_memcpy=True, default=True,
-             system=f"mmpack Loader, default ({loader.num_threads} threads)")
-    r["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
-    single = r
-    if getattr(args, "jpeg", False):
-        _jpeg_lane(work, raw, args.images, bs, single, run, model[0] if args.model else None)
-    if args.model and model[0].type != "cpu":  # the batch put on the GPU by the Loader (copied ahead, side stream)
-        run(f"mmpack Loader(device={model[0].type}), default threads", "mmpack",
-            lambda: Loader(ds, bs, device=model[0]), lambda b: len(b["label"]), mmpack_conv, files,
-            threads=loader.num_threads)
-    # as many samples from a mixture of the same crops cut in 3 datasets, 5:3:2
-    parts = [MMapDataset(out, columns=["image", "label"]) for out in prepare_image_thirds(work, args.images)]
-    mixture = Mixture(parts, [5, 3, 2], num_samples=len(ds))
-    loader = Loader(mixture, bs)
-    r = run(f"mmpack Loader over a Mixture of 3 datasets, default ({loader.num_threads} threads)", "mmpack",
-            lambda: loader, lambda b: len(b["label"]), mmpack_conv, files, threads=loader.num_threads)
-    if "samples_per_s" in r and "samples_per_s" in single:  # the share, from passes of the two alternated
-        from .measure import alternated
-
-        shares = alternated(Loader(ds, bs), loader, rounds=5)
-        r.update(of_one_source_pct=100 * statistics.median(shares), of_one_source_range_pct=[100 * min(shares),
-                                                                                          100 * max(shares)])
-    from loaders.batch import native
-
-    if native.LIB is not None:  # the same Loader without its C copies: what an install without a compiler gets
-        lib, native.LIB = native.LIB, None
-        try:
-            loader = Loader(ds, bs)
-            r = run("mmpack Loader, numpy copies", "mmpack", lambda: loader, lambda b: len(b["label"]), mmpack_conv,
-                    files, threads=cores)
-            r.update(threads=loader.num_threads, best_memcpy=True,
-                     system=f"mmpack Loader, default, numpy copies ({loader.num_threads} threads)")
-        finally:
-            native.LIB = lib
-    batched = StatefulDataLoader(ds.batched(bs), num_workers=workers, pin_memory=PIN,
-                                 multiprocessing_context=MP_CONTEXT if workers else None)
-    run(f"mmpack batched + StatefulDataLoader({workers} worker processes)", "mmpack", lambda: batched,
-        lambda b: len(b["label"]), mmpack_conv, files)
-    run(f"MMapDataset + DataLoader({workers} workers, collate)", "mmpack",
-        lambda: torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,
-                                            multiprocessing_context=MP_CONTEXT if workers else None),
-        lambda b: len(b["label"]), mmpack_conv, files)
-    otf = OnTheFlyImages(raw_files, labels, ds.columns["image"].shape[0])
-    run(f"on-the-fly Pillow + DataLoader({workers} workers)", "baseline",
-        lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,
-                                            multiprocessing_context=MP_CONTEXT if workers else None),
-        lambda b: len(b["label"]), raw_conv, raw_files, limit=on_the_fly_limit, n_passes=1)
-
-    peer_state = {}
-    src = peers.Source(ds, raw_files, labels, ds.columns["image"].shape[0])
-    for module, adapter in peers.ADAPTERS.items():
-        reason = "left out (--no-peers)" if getattr(args, "no_peers", False) else peers.availability(module)
-        peer_state[module] = reason or "ran"
-        if reason:
-            results.append({"system": peers.NAMES[module], "family": "peer", "kind": "images", "skipped": reason})
-            _progress(results[-1])
-            continue
-        for system in adapter(src, bs, workers):
-            target = work / "peers" / system.name.split(" +")[0].replace(" ", "-").lower()
-            try:
-                conv = peers.timed_convert(system, target)
-            except Exception as exc:  # noqa: BLE001
-                results.append({"system": system.name, "family": "peer", "kind": "images",
-                                "error": f"conversion failed: {type(exc).__name__}: {str(exc)[:160]}"})
+    def against_memcpy(self) -> None:
+        """Each row's rate as a share of the best memcpy of its thread count seen over the whole run."""
+        for r in self.results:
+            if "samples_per_s" not in r:
                 continue
-            run(system.name, "peer", lambda s=system, t=target: s.loader(t), system.count_of, conv,
-                files_under(target), limit=on_the_fly_limit if system.jpeg else None,
-                n_passes=1 if system.jpeg else passes)
+            limit = max(self.memcpy.best.values()) if r.get("best_memcpy") else self.memcpy(r["threads"])
+            if r.get("kind") == "tokens":
+                r["tokens_per_s"] = r.pop("samples_per_s")
+                r["pct_memcpy"] = 100 * r["tokens_per_s"] * r.get("token_bytes", 8) / limit  # bytes of the tokens written
+            else:
+                r["pct_memcpy"] = 100 * r["samples_per_s"] * self.sample_bytes / limit
 
-    text_raw, text_out, text_build_s = prepare_text(work, args.text_mb)
-    tw = TokenWindows(text_out, 1024)
-    tloader = Loader(tw, 32)
-    r = run("mmpack TokenWindows(1024) via Loader", "mmpack", lambda: tloader, lambda b: b[0].numel(),
-            {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
-    flat = work / "tokens-1024.bin"  # nanoGPT's train.bin: the same token stream as one flat file, as stored
-    stream = np.concatenate([tw._reader.column(k, "tokens").values for k in range(len(tw._reader.manifest.shards))])
-    stream.tofile(flat)
-    r = run(f"hand-rolled memmap gather (nanoGPT: sorted fancy index, {stream.dtype.name})", "peer",
-            lambda: hand_rolled_windows(flat, stream.dtype, 1024, 32, len(tw) // 32), lambda b: b[0].numel(),
-            {"convert_s": text_build_s, "disk_bytes": flat.stat().st_size}, [flat], kind="tokens")
-    r["token_bytes"] = stream.dtype.itemsize  # it leaves the widening to int64 to the model's device
-    pdocs = Loader(PackedDocuments(text_out, 2048), 8)
-    run("mmpack PackedDocuments(2048) via Loader", "mmpack", lambda: pdocs, lambda b: b["tokens"].numel(),
-        {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
-    texts = [p.read_text(encoding="utf-8") for p in sorted(text_raw.rglob("*.txt"))]
-    otf_text = OnTheFlyText(texts, data.minilm_tokenizer())
-    run(f"on-the-fly tokenizers + DataLoader({workers} workers)", "baseline",
-        lambda: torch.utils.data.DataLoader(otf_text, batch_size=8, shuffle=True, num_workers=workers,
-                                            collate_fn=torch.cat, multiprocessing_context=MP_CONTEXT if workers else None),
-        lambda b: b.numel(), {"convert_s": 0.0, "disk_bytes": sum(len(t.encode()) for t in texts)},
-        files_under(text_raw), kind="tokens", n_passes=1)
-    for r in results:  # against the best memcpy of the row's thread count seen over the whole run
-        if "samples_per_s" not in r:
-            continue
-        limit = max(memcpy.best.values()) if r.get("best_memcpy") else memcpy(r["threads"])
-        if r.get("kind") == "tokens":
-            r["tokens_per_s"] = r.pop("samples_per_s")
-            r["pct_memcpy"] = 100 * r["tokens_per_s"] * r.get("token_bytes", 8) / limit  # bytes of the tokens written
-        else:
-            r["pct_memcpy"] = 100 * r["samples_per_s"] * sample_bytes / limit
 
+def bench_loaders(args) -> dict:
+    """The rows in the order they are measured: the Loader's, a Mixture, numpy copies, DataLoaders
+    and the on-the-fly baseline, the peers, then tokens; each against memcpy and the baselines."""
+    load = MachineLoad()
+    work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    images = _images(args, work)
+    ds = images.ds
+    rows = _Rows(args, ds.columns["image"].sample_nbytes)
+    if args.model:  # real networks: a ResNet (--arch) for images, a small transformer for tokens
+        model_name, rows.model, rows.resident = _model(ds, args.batch_size, getattr(args, "arch", "resnet18"),
+                                                       args.stall_steps)
+    single = _loader_rows(rows, images)
+    _mixture_row(rows, images, single)
+    _numpy_copies_row(rows, images)
+    _dataloader_rows(rows, images)
+    peer_state = _peer_rows(rows, images)
+    _token_rows(rows, work)
+    rows.against_memcpy()
+    results, memcpy, sample_bytes = rows.results, rows.memcpy, rows.sample_bytes
     _ratios(results)
     return {
         "command": "bench loaders", "machine": machine(), "load": load.report(), "memcpy_bytes_per_s": memcpy(1),
         "default_vs_explicit": _default_vs_explicit(results),
         "memcpy_by_threads": {str(k): v for k, v in sorted(memcpy.best.items())},
-        "memcpy_images_per_s": memcpy(1) / sample_bytes, "batch_size": bs, "workers": workers,
+        "memcpy_images_per_s": memcpy(1) / sample_bytes, "batch_size": args.batch_size, "workers": args.workers,
         "num_images": len(ds), "image_shape": list(ds.columns["image"].shape), "results": results,
         "peers": peer_state, "step_ms": args.step_ms, "step_mode": "model" if args.model else args.step_mode,
-        "model": (f"{model_name} (images), a 4-layer transformer (tokens) on {model[0]}") if args.model else None,
-        "resident_samples_per_s": resident if args.model else None,
+        "model": (f"{model_name} (images), a 4-layer transformer (tokens) on {rows.model[0]}") if args.model else None,
+        "resident_samples_per_s": rows.resident if args.model else None,
         "cache": ("warm for every rate; cold = one pass right after evicting the system's files from the page "
                   "cache with posix_fadvise(DONTNEED)") if args.cold else "warm (run with --cold for cold passes)",
         "notes": ["conversion for mmpack = packer build from the raw files (decode included); for a peer's "
                   "decoded variant = writing the pixels mmpack decoded (decode not included)"],
     }
+
+
+def _model(ds, bs: int, arch: str, stall_steps: int) -> tuple[str, tuple, float]:
+    """--model: the images' network's name, (device, image step, token step), and the image step's
+    own rate on batches already on its device (`_resident_rate`)."""
+    from loaders import Loader
+    from packer.builder.text import load_tokenizer
+
+    from .models import ARCHS, model_steps
+
+    model = model_steps(load_tokenizer(data.minilm_tokenizer()).get_vocab_size(), 1024, arch)
+    with Loader(ds, bs, device=model[0]) as one:
+        return ARCHS[arch], model, _resident_rate(one, model[1], stall_steps)
+
+
+def _loader_rows(rows: _Rows, images: _Images) -> dict:
+    """The Loader's rows: one per --threads-list count, its default against the machine's best
+    memcpy, the JPEG lane (--jpeg) and the batch put on the GPU (--model on CUDA); the default row."""
+    from loaders import Loader
+
+    args, ds, bs, cores = rows.args, images.ds, rows.args.batch_size, os.cpu_count() or 1
+    # each Loader row: steady passes of one Loader, and the first pass of fresh ones (a job that
+    # makes a Loader per epoch, or runs one short epoch, gets that)
+    for threads in sorted(set(getattr(args, "threads_list", None) or {1, cores})):
+        loader = Loader(ds, bs, num_threads=threads)
+        r = rows.run(f"mmpack Loader, {threads} thread(s)", "mmpack", lambda loader=loader: loader,
+                     lambda b: len(b["label"]), images.conv, images.files, threads=threads)
+        r["first_pass_samples_per_s"] = first_pass_rate(lambda t=threads: Loader(ds, bs, num_threads=t),
+                                                        lambda b: len(b["label"]))
+    # its default: a thread count from the machine, against the machine's best memcpy
+    for t in sorted({min(2 ** k, cores) for k in range(cores.bit_length() + 1)}):
+        rows.memcpy.measure(t)
+    loader = Loader(ds, bs)
+    single = rows.run("mmpack Loader, default threads", "mmpack", lambda: loader, lambda b: len(b["label"]),
+                      images.conv, images.files, threads=cores)
+    single.update(threads=loader.num_threads, best_memcpy=True, default=True,
+                  system=f"mmpack Loader, default ({loader.num_threads} threads)")
+    single["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
+    device = rows.model[0] if args.model else None
+    if getattr(args, "jpeg", False):
+        _jpeg_lane(images.work, images.raw, args.images, bs, single, rows.run, device)
+    if args.model and device.type != "cpu":  # the batch put on the GPU by the Loader (copied ahead, side stream)
+        rows.run(f"mmpack Loader(device={device.type}), default threads", "mmpack",
+                 lambda: Loader(ds, bs, device=device), lambda b: len(b["label"]), images.conv, images.files,
+                 threads=loader.num_threads)
+    return single
+
+
+def _mixture_row(rows: _Rows, images: _Images, single: dict) -> None:
+    """As many samples from a mixture of the same crops cut in 3 datasets, 5:3:2; with the default
+    row (`single`) measured, its rate as a share of one source's, from passes of the two alternated."""
+    from loaders import Loader, Mixture, MMapDataset
+
+    ds, bs = images.ds, rows.args.batch_size
+    parts = [MMapDataset(out, columns=["image", "label"]) for out in prepare_image_thirds(images.work, rows.args.images)]
+    mixture = Mixture(parts, [5, 3, 2], num_samples=len(ds))
+    loader = Loader(mixture, bs)
+    r = rows.run(f"mmpack Loader over a Mixture of 3 datasets, default ({loader.num_threads} threads)", "mmpack",
+                 lambda: loader, lambda b: len(b["label"]), images.conv, images.files, threads=loader.num_threads)
+    if "samples_per_s" in r and "samples_per_s" in single:
+        from .measure import alternated
+
+        shares = alternated(Loader(ds, bs), loader, rounds=5)
+        r.update(of_one_source_pct=100 * statistics.median(shares), of_one_source_range_pct=[100 * min(shares),
+                                                                                          100 * max(shares)])
+
+
+def _numpy_copies_row(rows: _Rows, images: _Images) -> None:
+    """The default Loader without its C copies: what an install without a compiler gets (no row
+    where the C library is not built)."""
+    from loaders import Loader
+    from loaders.batch import native
+
+    if native.LIB is None:
+        return
+    lib, native.LIB = native.LIB, None
+    try:
+        loader = Loader(images.ds, rows.args.batch_size)
+        r = rows.run("mmpack Loader, numpy copies", "mmpack", lambda: loader, lambda b: len(b["label"]), images.conv,
+                     images.files, threads=os.cpu_count() or 1)
+        r.update(threads=loader.num_threads, best_memcpy=True,
+                 system=f"mmpack Loader, default, numpy copies ({loader.num_threads} threads)")
+    finally:
+        native.LIB = lib
+
+
+def _dataloader_rows(rows: _Rows, images: _Images) -> None:
+    """The rows in --workers DataLoader processes: mmpack's batched view in a StatefulDataLoader,
+    MMapDataset with collate, and the on-the-fly baseline decoding the raw files with Pillow."""
+    from loaders import StatefulDataLoader
+
+    ds, bs, workers = images.ds, rows.args.batch_size, rows.args.workers
+    context = MP_CONTEXT if workers else None
+    batched = StatefulDataLoader(ds.batched(bs), num_workers=workers, pin_memory=PIN, multiprocessing_context=context)
+    rows.run(f"mmpack batched + StatefulDataLoader({workers} worker processes)", "mmpack", lambda: batched,
+             lambda b: len(b["label"]), images.conv, images.files)
+    rows.run(f"MMapDataset + DataLoader({workers} workers, collate)", "mmpack",
+             lambda: torch.utils.data.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,
+                                                 multiprocessing_context=context),
+             lambda b: len(b["label"]), images.conv, images.files)
+    otf = OnTheFlyImages(images.raw_files, images.labels, ds.columns["image"].shape[0])
+    rows.run(f"on-the-fly Pillow + DataLoader({workers} workers)", "baseline",
+             lambda: torch.utils.data.DataLoader(otf, batch_size=bs, shuffle=True, num_workers=workers, pin_memory=PIN,
+                                                 multiprocessing_context=context),
+             lambda b: len(b["label"]), images.raw_conv, images.raw_files, limit=images.on_the_fly_limit, n_passes=1)
+
+
+def _peer_rows(rows: _Rows, images: _Images) -> dict:
+    """Each peer's systems (bench/peers.py) on the same crops, converted to its format first; a peer
+    not installed (or --no-peers) a skipped row. Returns each peer's state: 'ran' or why not."""
+    args, bs = rows.args, rows.args.batch_size
+    peer_state = {}
+    src = peers.Source(images.ds, images.raw_files, images.labels, images.ds.columns["image"].shape[0])
+    for module, adapter in peers.ADAPTERS.items():
+        reason = "left out (--no-peers)" if getattr(args, "no_peers", False) else peers.availability(module)
+        peer_state[module] = reason or "ran"
+        if reason:
+            rows.results.append({"system": peers.NAMES[module], "family": "peer", "kind": "images", "skipped": reason})
+            _progress(rows.results[-1])
+            continue
+        for system in adapter(src, bs, args.workers):
+            target = images.work / "peers" / system.name.split(" +")[0].replace(" ", "-").lower()
+            try:
+                conv = peers.timed_convert(system, target)
+            except Exception as exc:  # noqa: BLE001
+                rows.results.append({"system": system.name, "family": "peer", "kind": "images",
+                                     "error": f"conversion failed: {type(exc).__name__}: {str(exc)[:160]}"})
+                continue
+            rows.run(system.name, "peer", lambda s=system, t=target: s.loader(t), system.count_of, conv,
+                     files_under(target), limit=images.on_the_fly_limit if system.jpeg else None,
+                     n_passes=1 if system.jpeg else args.passes)
+    return peer_state
+
+
+def _token_rows(rows: _Rows, work: Path) -> None:
+    """The token rows on --text-mb of real text: TokenWindows and PackedDocuments through the Loader,
+    nanoGPT's hand-rolled gather from one flat file, and tokenizing on the fly in DataLoader workers."""
+    from loaders import Loader, PackedDocuments, TokenWindows
+
+    workers = rows.args.workers
+    text_raw, text_out, text_build_s = prepare_text(work, rows.args.text_mb)
+    tw = TokenWindows(text_out, 1024)
+    tloader = Loader(tw, 32)
+    rows.run("mmpack TokenWindows(1024) via Loader", "mmpack", lambda: tloader, lambda b: b[0].numel(),
+             {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
+    flat = work / "tokens-1024.bin"  # nanoGPT's train.bin: the same token stream as one flat file, as stored
+    stream = np.concatenate([tw._reader.column(k, "tokens").values for k in range(len(tw._reader.manifest.shards))])
+    stream.tofile(flat)
+    r = rows.run(f"hand-rolled memmap gather (nanoGPT: sorted fancy index, {stream.dtype.name})", "peer",
+                 lambda: hand_rolled_windows(flat, stream.dtype, 1024, 32, len(tw) // 32), lambda b: b[0].numel(),
+                 {"convert_s": text_build_s, "disk_bytes": flat.stat().st_size}, [flat], kind="tokens")
+    r["token_bytes"] = stream.dtype.itemsize  # it leaves the widening to int64 to the model's device
+    pdocs = Loader(PackedDocuments(text_out, 2048), 8)
+    rows.run("mmpack PackedDocuments(2048) via Loader", "mmpack", lambda: pdocs, lambda b: b["tokens"].numel(),
+             {"convert_s": text_build_s, "disk_bytes": dir_bytes(text_out)}, files_under(text_out), kind="tokens")
+    texts = [p.read_text(encoding="utf-8") for p in sorted(text_raw.rglob("*.txt"))]
+    otf_text = OnTheFlyText(texts, data.minilm_tokenizer())
+    rows.run(f"on-the-fly tokenizers + DataLoader({workers} workers)", "baseline",
+             lambda: torch.utils.data.DataLoader(otf_text, batch_size=8, shuffle=True, num_workers=workers,
+                                                 collate_fn=torch.cat,
+                                                 multiprocessing_context=MP_CONTEXT if workers else None),
+             lambda b: b.numel(), {"convert_s": 0.0, "disk_bytes": sum(len(t.encode()) for t in texts)},
+             files_under(text_raw), kind="tokens", n_passes=1)
 
 
 def _jpeg_lane(work: Path, raw: Path, count: int, bs: int, pixels: dict, run, device=None) -> None:
