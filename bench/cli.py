@@ -38,28 +38,39 @@ def _floats(text: str) -> list[float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    cores = os.cpu_count() or 1
     ap = argparse.ArgumentParser(prog="bench", description="mmpack benchmarks (tables, JSON, PNG)")
     sub = ap.add_subparsers(dest="command", required=True)
+    for add in (_loaders_parser, _sweep_parser, _packer_parser, _augment_parser, _doctor_parser, _remote_parser,
+                _sampler_parser):  # in this order in --help
+        add(sub)
+    return ap
 
-    def common(p, images, text_mb, *, plot: bool = True):
-        p.add_argument("--images", type=int, default=images, help="sample photo crops to use")
-        p.add_argument("--text-mb", type=float, default=text_mb, help="MB of real text (Python sources)")
-        p.add_argument("--quick", action="store_true", help="small sizes: well within 3 minutes on 2 cores")
-        p.add_argument("--work", type=Path, help="keep the raw and built data here and reuse them")
-        p.add_argument("--json", type=Path, help="write every figure and the machine's description here")
-        if plot:
-            p.add_argument("--plot", type=Path, help="write a PNG plot here (needs mmpack[plot])")
 
-    def stall_args(p, default_ms):
-        p.add_argument("--step-ms", type=float, default=default_ms,
-                       help="simulate a training step of T ms per batch and report the time spent waiting")
-        p.add_argument("--step-mode", choices=("sleep", "busy"), default="sleep",
-                       help="sleep (a GPU-like step: CPU free) or busy (a CPU-bound step)")
-        p.add_argument("--stall-steps", type=int, default=30, help="steps per stall measurement")
+def _common(p, images, text_mb, *, plot: bool = True) -> None:
+    """The data and output flags most subcommands share."""
+    p.add_argument("--images", type=int, default=images, help="sample photo crops to use")
+    p.add_argument("--text-mb", type=float, default=text_mb, help="MB of real text (Python sources)")
+    p.add_argument("--quick", action="store_true", help="small sizes: well within 3 minutes on 2 cores")
+    p.add_argument("--work", type=Path, help="keep the raw and built data here and reuse them")
+    p.add_argument("--json", type=Path, help="write every figure and the machine's description here")
+    if plot:
+        p.add_argument("--plot", type=Path, help="write a PNG plot here (needs mmpack[plot])")
 
+
+def _stall_args(p, default_ms) -> None:
+    """A stand-in training step per batch, and how long the loop waits for data with it."""
+    p.add_argument("--step-ms", type=float, default=default_ms,
+                   help="simulate a training step of T ms per batch and report the time spent waiting")
+    p.add_argument("--step-mode", choices=("sleep", "busy"), default="sleep",
+                   help="sleep (a GPU-like step: CPU free) or busy (a CPU-bound step)")
+    p.add_argument("--stall-steps", type=int, default=30, help="steps per stall measurement")
+
+
+def _loaders_parser(sub) -> None:
+    """bench loaders, and its --audio, --chat and --padding rows."""
+    cores = os.cpu_count() or 1
     lo = sub.add_parser("loaders", help="loaders side by side on the same data, against memcpy")
-    common(lo, 3000, 8)
+    _common(lo, 3000, 8)
     lo.add_argument("--batch-size", type=int, default=None, help="default 256 (64 with --padding)")
     lo.add_argument("--passes", type=int, default=3, help="timed passes after a warm-up (median)")
     lo.add_argument("--workers", type=int, default=2, help="DataLoader worker processes for every DataLoader row")
@@ -73,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--model", action="store_true",
                     help="a real training step per batch (ResNet-18 for images, a small transformer for tokens; on "
                          "CUDA when there is one) instead of --step-ms")
-    stall_args(lo, None)
+    _stall_args(lo, None)
     lo.add_argument("--arch", choices=("resnet18", "resnet50"), default="resnet18",
                     help="with --model: the images' network (default resnet18)")
     lo.add_argument("--audio", action="store_true",
@@ -96,18 +107,26 @@ def _parser() -> argparse.ArgumentParser:
     lo.add_argument("--padding-batches", type=int, default=200,
                     help="batches timed a row with --padding (whole epochs, at least this many)")
 
+
+def _sweep_parser(sub) -> None:
+    """bench sweep: the grid of workers or threads by batch size."""
+    cores = os.cpu_count() or 1
     sw = sub.add_parser("sweep", help="num_workers / threads x batch_size: throughput, and the share of a loop with a stand-in step "
                         "spent waiting (bench doctor's measure)")
-    common(sw, 2000, 0)
+    _common(sw, 2000, 0)
     sw.add_argument("--workers-list", type=_ints, default=[0, 1, 2, 4])
     sw.add_argument("--threads-list", type=_ints, default=sorted({1, 2, cores}))
     sw.add_argument("--batch-sizes", type=_ints, default=[64, 256])
-    stall_args(sw, 20.0)
+    _stall_args(sw, 20.0)
 
+
+def _packer_parser(sub) -> None:
+    """bench packer: build rates, and --map."""
+    cores = os.cpu_count() or 1
     pk = sub.add_parser("packer", help="build throughput vs raw per-core decode / tokenize rates; zstd")
     # 24 MB of text (most of the distinct sample text): long enough that the build's start-up
     # (imports, tokenizer load, scan) is a small share of it, so the rate is throughput
-    common(pk, 6000, 24, plot=False)
+    _common(pk, 6000, 24, plot=False)
     pk.add_argument("--workers-list", type=_ints, default=sorted({1, cores}))
     pk.add_argument("--shard-size", default="64MB", help="shard size for the builds (default 64MB)")
     pk.add_argument("--text-shard-size", default=None,
@@ -130,14 +149,21 @@ def _parser() -> argparse.ArgumentParser:
     pk.add_argument("--cold", action="store_true",
                     help="also time image builds with the photos evicted from the page cache before each "
                          "(posix_fadvise DONTNEED), against the same cached raw rate")
+
+
+def _augment_parser(sub) -> None:
+    """bench augment: transforms against a model step."""
     au = sub.add_parser("augment", help="GPU/CPU transforms against a model step; keep-aspect vs fixed storage")
-    common(au, 1500, 0)
+    _common(au, 1500, 0)
     au.add_argument("--batch-size", type=int, default=256)
     au.add_argument("--size", type=int, default=224, help="crop size the model sees (and the fixed storage's S)")
     au.add_argument("--store-size", type=int, default=256, help="keep-aspect storage's shorter side")
     au.add_argument("--passes", type=int, default=3, help="timed Loader passes after a warm-up (median)")
     au.add_argument("--reps", type=int, default=None, help="timed calls per transform (default 20 on CUDA, 5 on a CPU)")
 
+
+def _doctor_parser(sub) -> None:
+    """bench doctor: a training script, watched."""
     do = sub.add_parser("doctor", help="whether your training script waits for data, why, and what to try",
                         description="bench doctor [--steps N] [--json R] [--plot R.png] -- python train.py ARGS...")
     do.add_argument("--steps", type=int, default=50, help="training steps to watch, then the script is stopped "
@@ -155,10 +181,13 @@ def _parser() -> argparse.ArgumentParser:
     do.add_argument("--plot", type=Path, default=None, help="per-step waiting and working, as a PNG")
     do.add_argument("script", nargs=argparse.REMAINDER, help="-- python train.py ARGS...")
 
+
+def _remote_parser(sub) -> None:
+    """bench remote: object storage, and its --nodes and --throttle modes."""
     from .stores import S3_SERVERS
 
     re_ = sub.add_parser("remote", help="Loader from object storage vs local disk and raw GETs; cache limits")
-    common(re_, 3000, 0)
+    _common(re_, 3000, 0)
     re_.add_argument("--batch-size", type=int, default=256)
     re_.add_argument("--passes", type=int, default=3, help="cold and warm passes (median)")
     re_.add_argument("--shard-size", default="8MB", help="shard size of the dataset pushed (default 8MB)")
@@ -189,6 +218,9 @@ def _parser() -> argparse.ArgumentParser:
     re_.add_argument("--node-caches", type=_floats, default=[1.0, 0.5, 0.25],
                      help="with --nodes: cache limits, as shares of a node's part of the dataset (default 1,0.5,0.25)")
 
+
+def _sampler_parser(sub) -> None:
+    """bench sampler: orders and plans over many samples."""
     sa = sub.add_parser("sampler", help="open an order over N samples and take a batch: time and peak RSS")
     sa.add_argument("--samples", type=_ints, default=[10**6, 10**8, 10**9, 10**10],
                     help="sample counts (default 1e6,1e8,1e9,1e10)")
@@ -198,7 +230,6 @@ def _parser() -> argparse.ArgumentParser:
     sa.add_argument("--batch-size", type=int, default=256)
     sa.add_argument("--json", type=Path, help="write every figure here")
     sa.add_argument("--quick", action="store_true", help="1e6 and 1e10 only (plans by length: 1e7)")
-    return ap
 
 
 QUICK = {"loaders": {"images": 768, "text_mb": 1.5, "passes": 2, "clips": 300, "docs": 3000, "padding_batches": 64,
