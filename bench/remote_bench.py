@@ -23,6 +23,7 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import NamedTuple
 
 from . import data
 from .measure import alternated, dir_bytes, timed_pass
@@ -41,12 +42,40 @@ def _say(text: str) -> None:
     print(f"  {text}", file=sys.stderr, flush=True)
 
 
+class _Server(NamedTuple):
+    """The store the dataset is pushed to."""
+
+    url: str  # where the dataset is pushed
+    name: str | None  # the loopback server's (stores.S3_SERVERS); None with --url
+    shown: str  # what the JSON's "url" says
+    endpoint: str | None  # the loopback server's; None with --url
+
+
+def _serve(stack: ExitStack, args, work: Path) -> _Server:
+    """--url with the AWS environment, or an S3 server on loopback (--s3-server) for the life of
+    `stack`, the AWS environment set to reach it."""
+    from .stores import KEY, SECRET, S3_SERVERS, s3_server_named
+
+    if args.url is not None:
+        return _Server(args.url, None, args.url, None)
+    server = work / "s3"
+    shutil.rmtree(server, ignore_errors=True)
+    server.mkdir()
+    name = s3_server_named(getattr(args, "s3_server", None))
+    serve, shown = S3_SERVERS[name]
+    endpoint = stack.enter_context(serve(server))
+    os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
+                      AWS_REGION=os.environ.get("AWS_REGION", "us-east-1"))
+    return _Server("s3://mmpack-bench/images", name, shown, endpoint)
+
+
 def bench_remote(args) -> dict:
-    from loaders import Loader, MMapDataset
+    """The crops pushed to the store, then (unless --throttle or --nodes, each alone) every row in
+    the order measured: raw GETs and local disk, cold and warm epochs, zstd, the link, the peers,
+    a first batch by rows, cache limits and ranks."""
+    from loaders import MMapDataset
     import packer
     from packer.remote import DOWNLOADS
-
-    from .stores import KEY, SECRET, S3_SERVERS, s3_server_named
 
     work = args.work or Path(tempfile.mkdtemp(prefix="mmpack-bench-remote-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -56,17 +85,8 @@ def bench_remote(args) -> dict:
     local = MMapDataset(out)
     total = local.manifest.size_bytes
     with ExitStack() as stack:
-        url, server_name, store = args.url, None, args.url  # store: what the JSON's "url" says
-        if url is None:
-            server = work / "s3"
-            shutil.rmtree(server, ignore_errors=True)
-            server.mkdir()
-            server_name = s3_server_named(getattr(args, "s3_server", None))
-            serve, store = S3_SERVERS[server_name]
-            endpoint = stack.enter_context(serve(server))
-            os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET,
-                              AWS_REGION=os.environ.get("AWS_REGION", "us-east-1"))
-            url = "s3://mmpack-bench/images"
+        server = _serve(stack, args, work)
+        url = server.url
         start = time.perf_counter()
         packer.push(out, url)
         push_s = time.perf_counter() - start
@@ -78,85 +98,23 @@ def bench_remote(args) -> dict:
             return MMapDataset(where, cache_dir=caches / str(next(fresh)), cache_limit=limit)
 
         if getattr(args, "throttle", False) and args.url is None:  # a store that throttles, alone
-            from .throttle_bench import bench_throttle
-
-            keys = [f.path for s in local.manifest.shards for f in s.files if f.size_bytes <= 1 << 16]
-            return {"command": "bench remote --throttle", "machine": machine(), "url": store, "s3_server": server_name,
-                    "throttle": bench_throttle(endpoint, url, keys, storm_s=6.0)}
+            return _throttled(server, local)
         if getattr(args, "nodes", 0) and args.url is None:  # the multi-node job alone, on the small images
-            from .nodes_bench import bench_nodes
-
-            small, where = _small(work, args, url) if args.block_samples else (local, url)
-            return {"command": "bench remote --nodes", "machine": machine(), "url": store, "s3_server": server_name,
-                    "images": len(small), "shards": len(small.manifest.shards), "dataset_bytes": small.manifest.size_bytes,
-                    "batch_size": args.batch_size, "nodes": bench_nodes(where, endpoint, small, caches, args.nodes,
-                                                                         args.ranks_per_node, args.link_mb,
-                                                                         args.batch_size, args.node_caches,
-                                                                         args.block_window)}
-
-        raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
-        to_disk = max(raw_get_rate(url, local.manifest, DOWNLOADS, into=caches / "raw") for _ in range(2))
-        _say(f"raw GET rate {raw_rate / 1e6:,.0f} MB/s into memory, {to_disk / 1e6:,.0f} MB/s into files")
+            return _nodes(args, work, server, local, caches)
         loader_kw = dict(batch_size=args.batch_size, seed=0)
-        Loader(local, **loader_kw)  # imports, first maps
-        local_rates = []
-        for _ in range(args.passes + 1):
-            n, s, _ = timed_pass(Loader(local, **loader_kw))
-            local_rates.append(n / s)
-        local_rate = statistics.median(local_rates[1:])
-        _say(f"local disk {local_rate:,.0f} images/s")
-        cold, warm = [], []
-        for p in range(args.passes):  # the last pass's cache kept for the warm ones
-            ds = opened()
-            cold.append(_cold(ds, total, loader_kw, drop=p < args.passes - 1))
-        for _ in range(args.passes):
-            n, s, _ = timed_pass(Loader(ds, **loader_kw))
-            warm.append(n / s)
-        cold_rate = statistics.median(c["bytes_per_s"] for c in cold)
-        # the warm share from rounds alternating the two Loaders: rows timed apart differ by more
-        warm_shares = alternated(Loader(local, **loader_kw), Loader(ds, **loader_kw), rounds=args.passes + 2)
-        _say(f"cold {cold_rate / 1e6:,.0f} MB/s, warm {statistics.median(warm):,.0f} images/s, "
-             f"{100 * statistics.median(warm_shares):.0f}% of local disk alternated")
-        packer.push(out, url + "-zstd", zstd=ZSTD_LEVEL)
-        zstd = [_cold(opened(where=url + "-zstd"), total, loader_kw, drop=True) for _ in range(args.passes)]
-        _say(f"zstd -{ZSTD_LEVEL} cold {statistics.median(c['bytes_per_s'] for c in zstd) / 1e6:,.0f} MB/s restored, "
-             f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
-        jpeg = None
-        if getattr(args, "jpeg", False):  # the JPEG lane of the same crops, beside the pixels through the link
-            _, jpeg_out, _ = prepare_dataset(work, f"images-jpeg-{args.shard_size}", args.images,
-                                             lambda r: shutil.copytree(raw, r),
-                                             {"shard_size": args.shard_size, "store": "jpeg"})
-            packer.push(jpeg_out, jpeg := url + "-jpeg")
-        linked = _through_link(endpoint, args.link_mb, opened, url, local.manifest, loader_kw, jpeg) if args.url is None \
-            else None
-        peers = None
-        if getattr(args, "peers", False) and args.url is None:
-            from .remote_peers import peer_rows
-
-            peers = peer_rows(local, url, work, endpoint, args.batch_size, args.workers)
-            for row in peers:
-                _say(f"{row['system']}: {row.get('skipped') or row.get('error') or row['epochs']}")
+        raw_rate, to_disk, local_rate = _raw_and_local(url, local, caches, loader_kw, args.passes)
+        cold, warm, warm_shares = _cold_and_warm(opened, local, loader_kw, args.passes)
+        zstd = _zstd_cold(out, url, opened, total, loader_kw, args.passes)
+        jpeg = _jpeg_pushed(args, work, raw, url)
+        linked = _through_link(server.endpoint, args.link_mb, opened, url, local.manifest, loader_kw, jpeg) \
+            if args.url is None else None
+        peers = _peer_rows(args, server, local, work)
         rows_first = _rows_first(opened, local, loader_kw, args.passes)
         _say("a cold first batch by rows (as for a dataset whose first batch's shards hold over 512 MiB): "
              f"{rows_first['first_batch_s']:.2f} s")
-        counts: dict = {}  # what crossed, counted by a proxy in front of the server (not by our counters)
-        with (link(endpoint, None, counts) if args.url is None else contextlib.nullcontext(None)) as proxy:
-            if proxy is not None:
-                os.environ["AWS_ENDPOINT_URL"] = proxy
-            limits = [_limited(opened, url, caches, local, share, order, loader_kw, counts)
-                      for order in ORDERS for share in LIMITS]
-            if proxy is not None:
-                os.environ["AWS_ENDPOINT_URL"] = endpoint
-        ranks = [_rank(opened, local, rank, "sequential", loader_kw) for rank in range(RANKS)]
-        # block order needs a dataset many times its window (8,192 samples): small samples, in
-        # shards well under a block (1,024 samples), since a shard at a block's edge is read in two
-        # windows and a small cache downloads it twice
-        if args.block_samples:
-            small, _ = _small(work, args, url)
-            opened_small = functools.partial(opened, where=url + "-small")
-            limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw, {}))
-            ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
-    return {"command": "bench remote", "machine": machine(), "url": store, "s3_server": server_name,
+        limits, ranks = _limits_and_ranks(args, work, server, opened, caches, local, loader_kw)
+    cold_rate = statistics.median(c["bytes_per_s"] for c in cold)
+    return {"command": "bench remote", "machine": machine(), "url": server.shown, "s3_server": server.name,
             "images": len(local), "shards": len(local.manifest.shards), "dataset_bytes": total,
             "batch_size": args.batch_size, "downloads_at_once": DOWNLOADS, "push_bytes_per_s": total / push_s,
             "raw_get_bytes_per_s": raw_rate, "raw_get_to_files_bytes_per_s": to_disk, "local_samples_per_s": local_rate,
@@ -165,6 +123,131 @@ def bench_remote(args) -> dict:
             "warm_samples_per_s": statistics.median(warm), "warm_of_local": statistics.median(warm_shares),
             "warm_of_local_range": [min(warm_shares), max(warm_shares)],
             "limits": limits, "ranks": ranks, "peers": peers}
+
+
+def _throttled(server: _Server, local) -> dict:
+    """--throttle: GETs of the dataset's small files through a store that throttles (throttle_bench)."""
+    from .throttle_bench import bench_throttle
+
+    keys = [f.path for s in local.manifest.shards for f in s.files if f.size_bytes <= 1 << 16]
+    return {"command": "bench remote --throttle", "machine": machine(), "url": server.shown, "s3_server": server.name,
+            "throttle": bench_throttle(server.endpoint, server.url, keys, storm_s=6.0)}
+
+
+def _nodes(args, work: Path, server: _Server, local, caches: Path) -> dict:
+    """--nodes: a job of N nodes (nodes_bench), on the small images where --block-samples makes them."""
+    from .nodes_bench import bench_nodes
+
+    small, where = _small(work, args, server.url) if args.block_samples else (local, server.url)
+    return {"command": "bench remote --nodes", "machine": machine(), "url": server.shown, "s3_server": server.name,
+            "images": len(small), "shards": len(small.manifest.shards), "dataset_bytes": small.manifest.size_bytes,
+            "batch_size": args.batch_size, "nodes": bench_nodes(where, server.endpoint, small, caches, args.nodes,
+                                                                 args.ranks_per_node, args.link_mb,
+                                                                 args.batch_size, args.node_caches,
+                                                                 args.block_window)}
+
+
+def _raw_and_local(url: str, local, caches: Path, loader_kw: dict, passes: int) -> tuple[float, float, float]:
+    """What a remote epoch is held against: the store's raw GET rate into memory and into files
+    (best of 2), and the Loader's images/s from local disk (median of `passes` after a warm-up)."""
+    from loaders import Loader
+    from packer.remote import DOWNLOADS
+
+    raw_rate = max(raw_get_rate(url, local.manifest, DOWNLOADS) for _ in range(2))
+    to_disk = max(raw_get_rate(url, local.manifest, DOWNLOADS, into=caches / "raw") for _ in range(2))
+    _say(f"raw GET rate {raw_rate / 1e6:,.0f} MB/s into memory, {to_disk / 1e6:,.0f} MB/s into files")
+    Loader(local, **loader_kw)  # imports, first maps
+    local_rates = []
+    for _ in range(passes + 1):
+        n, s, _ = timed_pass(Loader(local, **loader_kw))
+        local_rates.append(n / s)
+    local_rate = statistics.median(local_rates[1:])
+    _say(f"local disk {local_rate:,.0f} images/s")
+    return raw_rate, to_disk, local_rate
+
+
+def _cold_and_warm(opened, local, loader_kw: dict, passes: int) -> tuple[list[dict], list[float], list[float]]:
+    """`passes` cold epochs, each from an empty cache, then `passes` warm ones on the last one's
+    cache (images/s), and the warm Loader's share of local disk's in rounds alternating the two."""
+    from loaders import Loader
+
+    total = local.manifest.size_bytes
+    cold, warm = [], []
+    for p in range(passes):  # the last pass's cache kept for the warm ones
+        ds = opened()
+        cold.append(_cold(ds, total, loader_kw, drop=p < passes - 1))
+    for _ in range(passes):
+        n, s, _ = timed_pass(Loader(ds, **loader_kw))
+        warm.append(n / s)
+    cold_rate = statistics.median(c["bytes_per_s"] for c in cold)
+    # the warm share from rounds alternating the two Loaders: rows timed apart differ by more
+    warm_shares = alternated(Loader(local, **loader_kw), Loader(ds, **loader_kw), rounds=passes + 2)
+    _say(f"cold {cold_rate / 1e6:,.0f} MB/s, warm {statistics.median(warm):,.0f} images/s, "
+         f"{100 * statistics.median(warm_shares):.0f}% of local disk alternated")
+    return cold, warm, warm_shares
+
+
+def _zstd_cold(out: Path, url: str, opened, total: int, loader_kw: dict, passes: int) -> list[dict]:
+    """The dataset pushed again compressed (URL-zstd), and `passes` cold epochs of it."""
+    import packer
+
+    packer.push(out, url + "-zstd", zstd=ZSTD_LEVEL)
+    zstd = [_cold(opened(where=url + "-zstd"), total, loader_kw, drop=True) for _ in range(passes)]
+    _say(f"zstd -{ZSTD_LEVEL} cold {statistics.median(c['bytes_per_s'] for c in zstd) / 1e6:,.0f} MB/s restored, "
+         f"{statistics.median(c['link_share'] for c in zstd):.2f}x the dataset over the link")
+    return zstd
+
+
+def _jpeg_pushed(args, work: Path, raw: Path, url: str) -> str | None:
+    """--jpeg: the JPEG lane of the same crops built and pushed to URL-jpeg (read beside the pixels
+    through the link); its URL, or None."""
+    import packer
+
+    if not getattr(args, "jpeg", False):
+        return None
+    _, jpeg_out, _ = prepare_dataset(work, f"images-jpeg-{args.shard_size}", args.images,
+                                     lambda r: shutil.copytree(raw, r),
+                                     {"shard_size": args.shard_size, "store": "jpeg"})
+    packer.push(jpeg_out, jpeg := url + "-jpeg")
+    return jpeg
+
+
+def _peer_rows(args, server: _Server, local, work: Path) -> list[dict] | None:
+    """--peers on a loopback server: WebDataset, LitData and Streaming with their own S3 readers."""
+    if not (getattr(args, "peers", False) and args.url is None):
+        return None
+    from .remote_peers import peer_rows
+
+    peers = peer_rows(local, server.url, work, server.endpoint, args.batch_size, args.workers)
+    for row in peers:
+        _say(f"{row['system']}: {row.get('skipped') or row.get('error') or row['epochs']}")
+    return peers
+
+
+def _limits_and_ranks(args, work: Path, server: _Server, opened, caches: Path, local,
+                      loader_kw: dict) -> tuple[list[dict], list[dict]]:
+    """Each order at each cache limit (LIMITS), what crossed counted by a proxy in front of a
+    loopback server; RANKS ranks on caches of their own; and with --block-samples the block
+    order's rows on the dataset of small images."""
+    url, endpoint = server.url, server.endpoint
+    counts: dict = {}  # what crossed, counted by a proxy in front of the server (not by our counters)
+    with (link(endpoint, None, counts) if args.url is None else contextlib.nullcontext(None)) as proxy:
+        if proxy is not None:
+            os.environ["AWS_ENDPOINT_URL"] = proxy
+        limits = [_limited(opened, url, caches, local, share, order, loader_kw, counts)
+                  for order in ORDERS for share in LIMITS]
+        if proxy is not None:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+    ranks = [_rank(opened, local, rank, "sequential", loader_kw) for rank in range(RANKS)]
+    # block order needs a dataset many times its window (8,192 samples): small samples, in
+    # shards well under a block (1,024 samples), since a shard at a block's edge is read in two
+    # windows and a small cache downloads it twice
+    if args.block_samples:
+        small, _ = _small(work, args, url)
+        opened_small = functools.partial(opened, where=url + "-small")
+        limits.append(_limited(opened_small, url + "-small", caches, small, BLOCK_LIMIT, "block", loader_kw, {}))
+        ranks += [_rank(opened_small, small, rank, "block", loader_kw) for rank in range(RANKS)]
+    return limits, ranks
 
 
 def _small(work: Path, args, url: str):
