@@ -14,6 +14,8 @@ from hypothesis import settings
 
 from bench import data, dialogue, sounds
 
+from .scheduling import TIMING, TimingLast
+
 N_CROPS = 60
 
 # property tests check values, never time: a loaded machine (CI's, the suite's other test process)
@@ -23,19 +25,38 @@ settings.load_profile("mmpack")
 
 
 # The test files that take most of the suite's time, longest first (`python -m pytest
-# --durations=0` on the 2-core VM, 2026-11-27). With `--dist loadfile` (pyproject's addopts) each
-# worker takes whole files, these first, so neither waits on the other's long file at the end,
-# and a file's module fixtures are made once. A file not listed runs after them.
-SLOW_FIRST = ("tests/dataset/test_remote.py", "tests/test_bench.py", "tests/test_doctor.py", "tests/dataset/test_remote_faults.py",
+# --durations=0` on the 2-core VM, 2026-11-27; test_remote.py's parts 2026-12-07). Each worker
+# takes whole files (pyproject's addopts, scheduling.TimingLast), these first, so neither waits on
+# the other's long file at the end, and a file's module fixtures are made once. A file not listed
+# runs after them; the tests marked `timing` run last of all.
+SLOW_FIRST = ("tests/test_bench.py", "tests/test_doctor.py", "tests/dataset/test_remote_resume.py",
+              "tests/dataset/test_remote_cache.py", "tests/dataset/test_remote_transfer.py",
+              "tests/dataset/test_remote_faults.py",
               "tests/loaders/test_resume_contract.py", "tests/test_reliability.py", "tests/test_scripts.py",
               "tests/test_readme.py", "tests/loaders/test_loader.py", "tests/builder/test_pool.py",
               "tests/builder/test_build_e2e.py", "tests/test_anywhere.py", "tests/test_fuzz.py",
               "tests/builder/test_audio.py", "tests/loaders/test_augment.py", "tests/dataset/test_archive.py")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test by its group
 def pytest_collection_modifyitems(items):
+    """The slow files first; the tests marked `timing` last, in a group of their own, which
+    `scheduling.TimingLast` runs in one process once every other test is done."""
     rank = {path: i for i, path in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: a file keeps its order
+    items.sort(key=lambda item: (_timed(item), rank.get(item.nodeid.split("::")[0], len(rank))))  # stable
+    for item in filter(_timed, items):
+        item.add_marker(pytest.mark.xdist_group(TIMING))
+
+
+def _timed(item) -> bool:
+    return item.get_closest_marker(TIMING) is not None
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Whole files to each test process (pyproject's `--dist loadgroup`), the timing tests last and alone."""
+    if config.getvalue("dist") == "loadgroup":
+        return TimingLast(config, log)
+    return None
 
 
 @pytest.fixture(params=["numpy", "native", "native streamed"])
