@@ -250,6 +250,7 @@ def test_bench_packer_smallest(work, tmp_path, capsys):
     assert "* under 5 s" in text and "--images " in text and "--text-mb " in text
 
 
+@pytest.mark.timing
 def test_stall_on_any_iterable():
     slow = ({"x": torch.zeros(2)} for _ in range(6))
     r = bench.stall(slow, step_ms=1, warmup=1)
@@ -264,13 +265,14 @@ def test_stall_on_any_iterable():
                 yield 1
 
     r = bench.stall(Starving(), step_ms=1, warmup=0, steps=8)
-    assert r["steps"] == 8 and r["wait_share"] > 0.5  # re-iterated for a second epoch
-    assert r["wait"]["p50_ms"] >= 15
+    assert r["steps"] == 8 and r["wait_s"] > 4 * r["step_s"]  # re-iterated for a second epoch
+    assert r["wait"]["p50_ms"] >= 15  # its 20 ms sleep (sleeps overshoot, never undershoot)
 
 
+@pytest.mark.timing
 def test_stall_is_the_doctors_measure_of_a_loop():
-    """A loader whose batches take 10 ms and a 30 ms step: both the doctor's watch over the loop
-    and stall() report about a quarter of it waiting."""
+    """A loader whose batches take 10 ms and a 30 ms step: the doctor's watch over the loop and
+    stall() report about the same share of it waiting, less than its steps."""
     import time
 
     from bench import doctor
@@ -288,18 +290,17 @@ def test_stall_is_the_doctors_measure_of_a_loop():
         time.sleep(0.03)
     watched = w.main()
     share = sum(watched["waits"][1:]) / (sum(watched["waits"][1:]) + sum(watched["steps"][1:]))
-    assert r["steps"] == 10 and 0.15 < r["wait_share"] < 0.4 and abs(r["wait_share"] - share) < 0.1
+    assert r["steps"] == 10 and r["wait_s"] < r["step_s"] and 0.5 < r["wait_share"] / share < 2
     assert 100 * (1 - r["wait_share"]) == pytest.approx(r["gpu_util_pct"])
 
 
 def test_plot_is_checked_before_the_run_and_offered_only_where_there_is_one(tmp_path, monkeypatch, capsys):
-    import time
+    from bench import loaders_bench
 
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
-    started = time.monotonic()
-    with pytest.raises(SystemExit, match="--plot needs matplotlib"):
+    monkeypatch.setattr(loaders_bench, "bench_loaders", lambda args: pytest.fail("the run started before --plot"))
+    with pytest.raises(SystemExit, match="--plot needs matplotlib"):  # said at once, not after the whole run
         main(["loaders", "--quick", "--plot", str(tmp_path / "x.png")])
-    assert time.monotonic() - started < 5  # said at once, not after the whole run
     with pytest.raises(SystemExit):
         main(["sampler", "--plot", str(tmp_path / "x.png")])
     assert "unrecognized arguments: --plot" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from .test_doctor import ROOT, _doctor
 pytest.importorskip("transformers")
 
 
+@pytest.mark.timing
 def test_a_chat_sft_dataset_is_told_the_exact_packer_build_and_the_packed_documents_line(tmp_path):
     from bench import dialogue
     from bench.chat_bench import model_folder

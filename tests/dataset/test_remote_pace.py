@@ -72,6 +72,7 @@ def test_a_burst_of_slowdowns_is_ridden_out_at_a_lower_rate(s3, built, tmp_path,
         proxy.close()
 
 
+@pytest.mark.timing
 def test_a_store_that_restarts_is_ridden_out_and_one_that_never_answers_is_an_error_in_seconds(s3, built, tmp_path,
                                                                                              monkeypatch, capsys):
     """Refused connections are tried again until the deadline, not ten times (over in about 2 s,
@@ -109,13 +110,14 @@ def test_a_store_that_restarts_is_ridden_out_and_one_that_never_answers_is_an_er
     assert err.count("\n") == 1 and url in err, err
     # a try silent for READ_TIMEOUT_S, then past the deadline: an error (each try waited out the
     # client's 30 s before, ten of them)
-    assert took < 15, f"a store that never answers took {took:.0f} s to be an error"
+    assert took < 3 * (3 + client.READ_TIMEOUT_S), f"a store that never answers took {took:.0f} s to be an error"
     monkeypatch.setenv("MMPACK_REMOTE_DEADLINE", "soon")
     assert main(["info", url]) == 2
     err = capsys.readouterr().err
     assert "MMPACK_REMOTE_DEADLINE" in err and err.count("\n") == 1
 
 
+@pytest.mark.timing
 def test_refused_connections_are_tried_again_until_the_deadline_not_a_count(monkeypatch):
     """A store that refuses (restarting) is tried again until MMPACK_REMOTE_DEADLINE, whatever
     the number of tries: ten quick refusals were over in about 5 s."""
@@ -136,4 +138,4 @@ def test_refused_connections_are_tried_again_until_the_deadline_not_a_count(monk
     start = time.monotonic()
     with pytest.raises(Exception):  # noqa: B017 - obstore's own error class, whichever version
         client.get(obstore, store, "nothing/manifest.json")
-    assert time.monotonic() - start >= 3.5
+    assert time.monotonic() - start >= 0.85 * 4  # the deadline's 4 s, not ten quick tries
