@@ -110,7 +110,9 @@ def check_crops(otf: OnTheFlyAudio, clips, keys: list[str], batch_size: int, epo
 
 
 def bench_audio(args) -> dict:
-    from loaders import AudioClips, Loader, MMapDataset
+    """The on-the-fly baseline, then the Loader's rows (`_packed_rows`), each against memcpy and the
+    baseline, with a check that both cut the same crops."""
+    from loaders import AudioClips
 
     load = MachineLoad()
     work = Path(args.work or tempfile.mkdtemp(prefix="mmpack-bench-"))
@@ -121,7 +123,6 @@ def bench_audio(args) -> dict:
                                         lambda r: make_audio_folders(r, args.clips, seed=0),
                                         {"sample_rate": RATE, "shard_size": "64MB"})
     bs, passes, workers, seed = args.batch_size, args.passes, args.workers, 0
-    cores = os.cpu_count() or 1
     clips = AudioClips(out, seconds=args.seconds, seed=seed)
     frames = clips.frames
     sample_bytes = frames * 2  # an int16 crop: what a batch holds per clip, padding included
@@ -153,37 +154,8 @@ def bench_audio(args) -> dict:
     run(f"on-the-fly (soundfile + soxr), DataLoader {workers} workers", "baseline", lambda dl=dl: dl, raw_conv, files,
         max(workers, 1))
     del dl  # its persistent workers end with it
-    # a Loader's epoch of 2000 clips takes milliseconds: a timed pass is several epochs, 64 batches at least
-    epochs = -(-64 * bs // len(clips))
-
-    def passes_of(loader):
-        return lambda: itertools.chain.from_iterable(loader for _ in range(epochs))
-
-    for t in sorted(set(args.threads_list or {1, cores})):
-        loader = Loader(AudioClips(out, seconds=args.seconds, seed=seed), bs, num_threads=t, seed=seed)
-        run(f"mmpack Loader(AudioClips), {t} thread(s)", "mmpack", passes_of(loader), mmpack_conv, packed_files, t)
-    # whole clips, each batch padded to its longest: the bytes moved are counted, not F per clip
-    t = max(args.threads_list or [cores])
-    whole = Loader(MMapDataset(out, columns=["audio", "label"]), bs, num_threads=t, seed=seed)
-    moved = {"bytes": 0, "clips": 0}
-
-    def tally(b):
-        moved["bytes"] += b["audio"].numel() * b["audio"].element_size()
-        moved["clips"] += len(b["label"])
-        return len(b["label"])
-
-    r = run(f"mmpack Loader(MMapDataset) whole clips, {t} thread(s)", "mmpack", passes_of(whole), mmpack_conv,
-            packed_files, t, count_of=tally)
-    if "samples_per_s" in r:
-        r.update(mb_per_s=r["samples_per_s"] * moved["bytes"] / moved["clips"] / 1e6, whole_clips=True,
-                 audio_s_per_clip=float(clips._lengths.mean()) / clips.sample_rate)
-    base = next((r["samples_per_s"] for r in results if r["family"] == "baseline" and "samples_per_s" in r), None)
-    for r in results:  # against the best memcpy of the row's thread count seen over the whole run
-        if "samples_per_s" in r:
-            r["audio_s_per_s"] = r["samples_per_s"] * r.get("audio_s_per_clip", args.seconds)
-            r["pct_memcpy"] = 100 * r["mb_per_s"] * 1e6 / memcpy(r["threads"])
-            if base:
-                r["x_on_the_fly"] = r["samples_per_s"] / base
+    _packed_rows(run, out, clips, args, seed, mmpack_conv, packed_files)
+    _per_row(results, memcpy, args.seconds)
     return {"command": "bench loaders --audio", "kind": "audio", "machine": machine(), "load": load.report(),
             "batch_size": bs, "workers": workers, "seconds": args.seconds, "frames": frames, "sample_rate": RATE,
             "num_clips": len(clips), "raw_bytes": raw_conv["disk_bytes"],
@@ -195,6 +167,50 @@ def bench_audio(args) -> dict:
             "notes": ["conversion for mmpack = packer build --sample-rate 16000 from the raw files (decode and "
                       "resampling included)", "the on-the-fly DataLoader keeps its workers between epochs "
                       "(persistent_workers): their start-up is not timed"]}
+
+
+def _packed_rows(run, out: Path, clips, args, seed: int, conversion: dict, files: list[Path]) -> None:
+    """The Loader's rows, each measured by `run`: AudioClips crops at each --threads-list count,
+    and whole clips (a MMapDataset, each batch padded to its longest) at the most threads."""
+    from loaders import AudioClips, Loader, MMapDataset
+
+    bs, cores = args.batch_size, os.cpu_count() or 1
+    # a Loader's epoch of 2000 clips takes milliseconds: a timed pass is several epochs, 64 batches at least
+    epochs = -(-64 * bs // len(clips))
+
+    def passes_of(loader):
+        return lambda: itertools.chain.from_iterable(loader for _ in range(epochs))
+
+    for t in sorted(set(args.threads_list or {1, cores})):
+        loader = Loader(AudioClips(out, seconds=args.seconds, seed=seed), bs, num_threads=t, seed=seed)
+        run(f"mmpack Loader(AudioClips), {t} thread(s)", "mmpack", passes_of(loader), conversion, files, t)
+    # whole clips, each batch padded to its longest: the bytes moved are counted, not F per clip
+    t = max(args.threads_list or [cores])
+    whole = Loader(MMapDataset(out, columns=["audio", "label"]), bs, num_threads=t, seed=seed)
+    moved = {"bytes": 0, "clips": 0}
+
+    def tally(b):
+        moved["bytes"] += b["audio"].numel() * b["audio"].element_size()
+        moved["clips"] += len(b["label"])
+        return len(b["label"])
+
+    r = run(f"mmpack Loader(MMapDataset) whole clips, {t} thread(s)", "mmpack", passes_of(whole), conversion,
+            files, t, count_of=tally)
+    if "samples_per_s" in r:
+        r.update(mb_per_s=r["samples_per_s"] * moved["bytes"] / moved["clips"] / 1e6, whole_clips=True,
+                 audio_s_per_clip=float(clips._lengths.mean()) / clips.sample_rate)
+
+
+def _per_row(results: list[dict], memcpy: MemcpyLimit, seconds: float) -> None:
+    """Each measured row's audio seconds per second, its share of the best memcpy of its thread
+    count seen over the whole run, and its speed over the on-the-fly baseline's."""
+    base = next((r["samples_per_s"] for r in results if r["family"] == "baseline" and "samples_per_s" in r), None)
+    for r in results:
+        if "samples_per_s" in r:
+            r["audio_s_per_s"] = r["samples_per_s"] * r.get("audio_s_per_clip", seconds)
+            r["pct_memcpy"] = 100 * r["mb_per_s"] * 1e6 / memcpy(r["threads"])
+            if base:
+                r["x_on_the_fly"] = r["samples_per_s"] / base
 
 
 def _summary(results: list[dict]) -> list[dict]:
