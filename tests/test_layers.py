@@ -1,6 +1,6 @@
 """The layering docs/design.md describes, held by a test: which package may import which, no
 training process pulls in the build's decoders, no import cycle, and importing a module changes
-nothing of the importer's environment.
+nothing of the importer's environment. And the sizes: no module over 450 lines, no function over 80.
 
 Imports are read from the source (ast), those inside functions included: a lazy import is still
 a dependency. Only `if TYPE_CHECKING:` blocks are left out.
@@ -159,3 +159,26 @@ MAX_LINES = 450  # a module past this holds more than one concept (shared/STYLE.
 def test_no_module_is_over_450_lines():
     long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
     assert long == {}
+
+
+MAX_FUNCTION_LINES = 80  # a function past this does more than one thing (issue 65, shared/STYLE.md "Sizes")
+FUNCTION_DIRS = (*PACKAGES, "scripts")
+
+
+def long_functions(bound: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Every function or method in packer/, loaders/, bench/ and scripts/ longer than `bound` lines
+    (from its `def`, decorators not counted, to its last line), as 'path:line name (N lines)'."""
+    found = []
+    for top in FUNCTION_DIRS:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    n = node.end_lineno - node.lineno + 1
+                    if n > bound:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({n} lines)")
+    return found
+
+
+def test_no_function_is_over_80_lines():
+    long = long_functions()
+    assert long == [], f"split by concept (one function per mode, row kind, subcommand): {long}"
