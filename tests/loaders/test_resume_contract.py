@@ -187,19 +187,34 @@ def test_a_state_of_another_order_is_refused_saying_what_differs(built, saved, l
 
 @pytest.mark.parametrize("saved,loading", ACCEPTED)
 def test_a_state_loads_where_only_threads_ranks_or_an_ungrouped_batch_size_differ(built, saved, loading):
-    """...and the loaded loader stands where the saved one stopped: the same epoch and cursor (the
-    samples every rank took), its next batch none of those already taken on one rank."""
+    """...and the loaded loader stands where the saved one stopped: each rank of the saved world
+    takes two batches and saves the same state, its cursor the samples they all took; each rank of
+    the loaded world goes on from there to the epoch's end, with the samples none of them took:
+    every sample once, but for a rank's padding (a repeat) and the tail drop_last leaves."""
     ds = MMapDataset(built["aspect"], columns=["image", "key"])
-    saver = _loader(ds, saved)
-    it = iter(saver)
-    taken = [k for _ in range(2) for k in next(it)["key"]]
-    state = saver.state_dict()
-    loaded = _loader(ds, loading)
-    loaded.load_state_dict(state)
-    again = loaded.state_dict()
-    assert (again["epoch"], again["cursor"]) == (state["epoch"], state["cursor"]) and state["cursor"] > 0
-    if saver._epochs.world_size == loaded._epochs.world_size == 1:
-        assert not set(next(iter(loaded))["key"]) & set(taken)
+    taken, states = Counter(), []
+    for saver in _ranks(ds, saved):
+        it = iter(saver)
+        taken.update(k for _ in range(2) for k in next(it)["key"])
+        states.append(saver.state_dict())
+    state = states[0]
+    assert all(s == state for s in states) and state["cursor"] == sum(taken.values()) > 0
+    rest = Counter()
+    for loader in _ranks(ds, loading):
+        loader.load_state_dict(state)
+        again = loader.state_dict()
+        assert (again["epoch"], again["cursor"]) == (state["epoch"], state["cursor"])
+        rest.update(k for batch in loader for k in batch["key"])
+        assert loader.epoch == state["epoch"] + 1  # the epoch's end came
+    world, once = loading.get("world_size", 1), Counter(ds[i]["key"] for i in range(len(ds)))
+    assert sum((taken + rest - once).values()) < world  # a repeat a rank at most, to even the ranks out
+    left = len(once.keys() - taken.keys() - rest.keys())
+    assert left < (world * loading.get("batch_size", 8) if loading.get("drop_last") else 1), left
+
+
+def _ranks(ds, options: dict) -> list[Loader]:
+    """A loader so for each rank of its world size."""
+    return [_loader(ds, {**options, "rank": rank}) for rank in range(options.get("world_size", 1))]
 
 
 @pytest.mark.parametrize("reader", ["Loader(TokenWindows)", "Loader(PackedDocuments)", "Loader(Mixture)",
