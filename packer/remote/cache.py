@@ -13,9 +13,10 @@ files come and go per shard. The rules, each for a failure users of peers have m
   URL) and renamed into place. A process killed at any instant leaves at most a part file,
   which no reader maps and the next accounting removes (its flock is gone with its writer).
 - A file is checked again before a process maps it (a shard's data files when it is pinned, the
-  index files at each open, `check_index`): one whose size, times or inode differ from the stamp
-  taken when its checksum last held (`packer.remote.stamps`) is hashed again, and removed and
-  fetched again when it no longer matches; a flipped byte is never served.
+  index files at each open, `packer.remote.entry.check_index`): one whose size, times or inode
+  differ from the stamp taken when its checksum last held (`packer.remote.stamps`) is hashed
+  again, and removed and fetched again when it no longer matches; a flipped byte is never
+  served.
 - A cache this process cannot write (a read-only mount of a filled one) is read as it is; a
   file it lacks, or one that no longer matches, is one line saying so.
 - A shard a process maps is pinned (a shared flock on the shard's pin file, held while it is
@@ -332,9 +333,6 @@ class ShardCache:
     def _unchanged(self, k: int) -> bool:
         return unchanged(self.root, self.bulk[k])
 
-    def index_unchanged(self) -> bool:
-        return all(unchanged(self.root, files) for files in _by_dir(self.index).values())
-
     def check(self, k: int) -> tuple[list, list]:
         """Shard k's present files every one hashed again (`packer verify URL --cache`), under its
         fetch lock: (those that match, those that did not, now removed to be fetched again)."""
@@ -354,24 +352,6 @@ class ShardCache:
                     os.unlink(self.root / entry.path)
                     ledger.add(-entry.size_bytes)
         return good, bad
-
-    def check_index(self, every: bool = False) -> list[fmt.FileEntry]:
-        """The entry's index files (mapped whole at every open) whose stamp differs (`every`: all
-        of them) hashed again, and those that no longer match fetched again (the creation lock
-        held by the caller); the ones fetched again. In a read-only cache, an IntegrityError."""
-        fetched = []
-        for files in _by_dir(self.index).values():
-            _, bad = recheck(self.root, files, every)
-            for entry in bad:
-                path = self.root / entry.path
-                if not os.access(path.parent, os.W_OK):
-                    raise IntegrityError(f"{path}: this cached file no longer matches its checksum, and the cache is "
-                                         "read-only; fetch it again where the cache can be written")
-                path.unlink()
-                fetch_file(self.store, self.url, entry, path)
-                recheck(self.root, [entry], every=True)  # its stamp
-                fetched.append(entry)
-        return fetched
 
     def _check_read_only(self, k: int) -> bool:
         """Shard k of a cache this process cannot write: every file there and matching its
@@ -439,9 +419,3 @@ class ShardCache:
         total, present = count_files([self.shard_dir(k) for k in range(len(self.bulk))], self.bulk)
         return total + scratch_bytes(self.root), present  # and the live gathers' rows (a dead one's removed)
 
-
-def _by_dir(entries: list[fmt.FileEntry]) -> dict[str, list[fmt.FileEntry]]:
-    out: dict = {}
-    for e in entries:
-        out.setdefault(e.path.rsplit("/", 1)[0], []).append(e)
-    return out

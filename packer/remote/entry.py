@@ -16,6 +16,7 @@ from packer.errors import ConfigError, IntegrityError
 from packer.remote.cache import ShardCache
 from packer.remote.limits import check_limit
 from packer.remote.rows import Rows, drop_dead
+from packer.remote.stamps import recheck, unchanged
 from packer.remote import transfer
 from packer.remote.transfer import fetch_file, files_of, pull, read_published
 from packer.remote import placement
@@ -66,16 +67,47 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
     return cache
 
 
+def index_unchanged(cache: ShardCache) -> bool:
+    """Whether the entry's index files are as their stamps say (`packer.remote.stamps`): a stat each."""
+    return all(unchanged(cache.root, files) for files in _by_dir(cache.index).values())
+
+
+def check_index(cache: ShardCache, every: bool = False) -> list[fmt.FileEntry]:
+    """The entry's index files (mapped whole at every open) whose stamp differs (`every`: all
+    of them) hashed again, and those that no longer match fetched again (the creation lock
+    held by the caller); the ones fetched again. In a read-only cache, an IntegrityError."""
+    fetched = []
+    for files in _by_dir(cache.index).values():
+        _, bad = recheck(cache.root, files, every)
+        for entry in bad:
+            path = cache.root / entry.path
+            if not os.access(path.parent, os.W_OK):
+                raise IntegrityError(f"{path}: this cached file no longer matches its checksum, and the cache is "
+                                     "read-only; fetch it again where the cache can be written")
+            path.unlink()
+            fetch_file(cache.store, cache.url, entry, path)
+            recheck(cache.root, [entry], every=True)  # its stamp
+            fetched.append(entry)
+    return fetched
+
+
+def _by_dir(entries: list[fmt.FileEntry]) -> dict[str, list[fmt.FileEntry]]:
+    out: dict = {}
+    for e in entries:
+        out.setdefault(e.path.rsplit("/", 1)[0], []).append(e)
+    return out
+
+
 def _open_entry(url: str, root: Path, cache: ShardCache, manifest: fmt.Manifest, packed) -> ShardCache:
     """The entry made (or checked) with its manifest and index files (see `open_cached`)."""
     if (root / fmt.MANIFEST_NAME).is_file():
-        if cache.index_unchanged() and not _changed_manifests(root, manifest):
+        if index_unchanged(cache) and not _changed_manifests(root, manifest):
             return cache
         if not os.access(root.parent, os.W_OK):  # a read-only cache: checked, never fetched into
             if _changed_manifests(root, manifest):
                 raise IntegrityError(f"{root}: its manifest is not the one {url} publishes, and the cache is "
                                      "read-only; fetch it again where the cache can be written")
-            cache.check_index()
+            check_index(cache)
             return cache
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -85,7 +117,7 @@ def _open_entry(url: str, root: Path, cache: ShardCache, manifest: fmt.Manifest,
     with lock:
         flock(lock)
         if (root / fmt.MANIFEST_NAME).is_file():
-            cache.check_index()  # an index file changed since it was checked: hashed, fetched again if it differs
+            check_index(cache)  # an index file changed since it was checked: hashed, fetched again if it differs
             for path in _changed_manifests(root, manifest):  # a copy written over: the store's again
                 write_atomic(path, manifest.to_json())
         else:
@@ -95,7 +127,7 @@ def _open_entry(url: str, root: Path, cache: ShardCache, manifest: fmt.Manifest,
                 if not (root / fmt.MANIFEST_NAME).is_file():
                     shutil.rmtree(root, ignore_errors=True)
                 raise
-            cache.check_index(every=True)  # their stamps
+            check_index(cache, every=True)  # their stamps
     return cache
 
 

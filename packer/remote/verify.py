@@ -48,14 +48,14 @@ def verify_cache(url: str, cache_dir=None, *, on_progress=None) -> dict:
     there hashed against the manifest; one that no longer matches is removed, to be fetched
     again by the next reader that needs it (an index file, which every open maps, at once).
     {"files", "size_bytes", "removed": [paths], "cache"}, with "empty" where nothing is cached."""
-    from packer.remote.entry import entry_dir, open_cached
+    from packer.remote.entry import check_index, entry_dir, open_cached
 
     published = read_published(url)
     root = entry_dir(url, published[0], cache_dir)
     if not (root / fmt.MANIFEST_NAME).is_file():  # none to check: not made here (an open would fetch its index)
         return {"files": 0, "size_bytes": 0, "removed": [], "cache": str(root), "empty": True}
     cache = open_cached(url, cache_dir, published=published)
-    fetched = cache.check_index(every=True)
+    fetched = check_index(cache, every=True)
     checked, size = len(cache.index), sum(e.size_bytes for e in cache.index)
     removed = [e.path for e in fetched]
     for k in range(len(cache.bulk)):
