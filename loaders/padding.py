@@ -34,9 +34,7 @@ class Padding:
     def end(self) -> None:
         """The pass went to its end: the batches of its last round dropped (drop_last) are known."""
         p, epochs = self._pass
-        dropped = getattr(epochs, "dropped", None)
-        if dropped:
-            self.epochs[p.epoch]["dropped_batches"] = dropped(p)
+        self.epochs[p.epoch]["dropped_batches"] = epochs.dropped(p)
 
     def measure(self, batch) -> tuple[int, int, int, int]:
         """(samples, real, padded, over budget) of a batch on the host."""
@@ -58,8 +56,7 @@ class Padding:
         if self.budget is not None:
             totals["over_budget"] += over
         p, epochs = self._pass
-        repeats = getattr(epochs, "repeats", None)
-        if repeats is not None and repeats(p, self._b):
+        if epochs.repeats(p, self._b):
             totals["repeated_batches"] += 1
         self._b += 1
 

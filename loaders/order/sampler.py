@@ -229,6 +229,16 @@ class Epochs:
             yield b
             b += step
 
+    def repeats(self, p: Pass, b: int) -> bool:
+        """Whether this rank's batch b of pass p repeats batches of the epoch (counted by `padding`):
+        a plan by length's last round made whole; samples, not batches, repeat here."""
+        return False
+
+    def dropped(self, p: Pass) -> int:
+        """Batches of the epoch no rank takes in pass p (counted by `padding`): none here, where
+        drop_last drops samples."""
+        return 0
+
     def clip(self, p: Pass, n: int) -> int:
         """min(n, batches of pass p), counting no further than batch n."""
         return n if n <= 0 or self.has(p, n - 1) else self.count(p)
