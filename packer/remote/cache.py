@@ -35,11 +35,12 @@ files come and go per shard. The rules, each for a failure users of peers have m
   A fetch ahead evicts only shards used later than its own, and gives up when that frees too
   little. The bytes held and the shards present are kept in a ledger (`Ledger`), so neither
   a download nor an eviction counts every shard's files, which on a dataset of many shards
-  took most of a limited cache's time. A reader whose own mapped shards leave no room is
-  refused with the bytes it needs; one that waits on other processes' pins waits outside the
-  shard's fetch lock (another reader may fetch it meanwhile) and gives up after
-  WAIT_FOR_ROOM_S, saying so. A killed fetch's part files go at the shard's next fetch, with a
-  limit or without one.
+  took most of a limited cache's time. A reader whose own holdings leave no room (the shards
+  it maps, those its reads by rows pin and their rows: `packer.remote.rows` tells the cache
+  of them, whose pins no eviction could take) is refused with the bytes it needs; one that
+  waits on other processes' pins waits outside the shard's fetch lock (another reader may
+  fetch it meanwhile) and gives up after WAIT_FOR_ROOM_S, saying so. A killed fetch's part
+  files go at the shard's next fetch, with a limit or without one.
 - Only the files the manifest lists, under the entry's own dir, are ever removed: a local
   dataset is never a cache.
 """
@@ -51,6 +52,7 @@ import dataclasses
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -61,7 +63,7 @@ from packer.errors import ConfigError, IntegrityError
 from packer.remote import cachedir, client
 from packer.remote.ledger import Ledger
 from packer.remote.parts import count_files, drop_abandoned_parts, open_pin, part_file, whole
-from packer.remote.evict import evict
+from packer.remote.evict import drop_shard, evict
 from packer.remote.limits import check_limit
 from packer.remote.blocks import list_bytes
 from packer.remote.rows import ROW_REQUESTS, Rows, scratch_bytes
@@ -123,6 +125,7 @@ class ShardCache:
                 f.close()
             self._pid, self._pins, self._soft, self._guard = os.getpid(), {}, set(), threading.Lock()
             self._used: set[int] = set()  # the shards this process pinned: eviction tells them from others'
+            self._rows = weakref.WeakSet()  # this process's reads by rows (`acquire_rows`): their pins are its own
             self._store, self.traffic = None, Traffic(self.root)
             self._held, self._others = None, None
             if self.root.parent.is_dir():
@@ -218,12 +221,22 @@ class ShardCache:
         for k in self.pinned():
             self.release(k)
 
+    def drop(self, k: int) -> bool:
+        """Shard k's files removed now, unless a process maps it (this one too): a shard the cache
+        holds that a batch reads by rows instead, its files making room for its rows."""
+        return drop_shard(self._here(), k)
+
     # -- reads by rows (`packer.remote.rows`): a batch's rows of shards not held whole
+    def rows_held(self) -> tuple[set[int], int]:
+        """The shards this process's reads by rows pin, and the bytes of the rows they reserved."""
+        readers = list(self._here()._rows)
+        return set().union(*(r.pinned() for r in readers)), sum(r.reserved for r in readers)
+
     def acquire_rows(self, rows: Rows, spans: dict[int, dict[str, np.ndarray]]) -> tuple[Path | None, set[str]]:
         """For each shard k of `spans` (the byte spans a batch reads of its files, by path), its
         files read by rows present in the scratch of `rows` (a gather's), its other files in the
         entry, and the shard pinned until `drop_rows`: the scratch dir, and the paths read so."""
-        self._here()
+        self._here()._rows.add(rows)  # its pins and rows are this process's own (`rows_held`)
         rows.lists([p for by_file in spans.values() for p in by_file])
         rowed, whole_files = {}, {}
         for k, by_file in spans.items():
@@ -254,14 +267,8 @@ class ShardCache:
                 if self._room(ledger, need, None):
                     ledger.add(need)
                     return
-            with self._guard:
-                mapped = sum(self.sizes[j] for j in self._pins if j not in self._soft)
-            check_limit(self.url, self.limit, self.index_bytes + mapped + rows.reserved + need,
-                        "this reader's index files and the shards and rows of its current batch", limit=self.limit)
-            if time.monotonic() > deadline:
-                raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
-                                  f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
-            time.sleep(0.05)
+            self._check_own(need)
+            self._wait_for_room(deadline)
 
     def fetch(self, shards) -> None:
         """Every shard of `shards` present (DOWNLOADS at once), none left pinned: a whole
@@ -288,10 +295,26 @@ class ShardCache:
                 got = self._download(k, rank, files)
                 if got is not None:
                     return False if got else None
-            if time.monotonic() > deadline:
-                raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
-                                  f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
-            time.sleep(0.05)
+            self._wait_for_room(deadline)
+
+    def _wait_for_room(self, deadline: float) -> None:
+        """A short wait for other processes to unpin shards (`_check_own` said that only theirs
+        can make room); past `deadline`, the one line saying so."""
+        if time.monotonic() > deadline:
+            raise ConfigError(f"{self.url}: the cache {self.root} stayed full of shards other processes are "
+                              f"reading for {WAIT_FOR_ROOM_S} s; raise cache_limit for the node's readers")
+        time.sleep(0.05)
+
+    def _check_own(self, need: int) -> None:
+        """The refusal where what this process holds of the entry and `need` more exceed the limit:
+        its index files, the shards it maps, the files of those its reads by rows pin and their
+        rows. No eviction takes its pins, and no wait for other processes would make room."""
+        with self._guard:
+            mapped = {j for j in self._pins if j not in self._soft}
+        rowed, reserved = self.rows_held()
+        files = sum(e.size_bytes for j in rowed - mapped for e in self.bulk[j] if whole(self.root / e.path, e.size_bytes))
+        check_limit(self.url, self.limit, self.index_bytes + sum(self.sizes[j] for j in mapped) + files + reserved + need,
+                    "this reader's index files, the shards it maps and the rows it reads", limit=self.limit)
 
     def _download(self, k: int, rank: float | None = None, files: list | None = None) -> bool | None:
         """Shard k's missing files (of `files`, else all) fetched (True); False for a fetch ahead
@@ -384,11 +407,8 @@ class ShardCache:
             if self._room(ledger, need, rank):
                 ledger.add(need)
                 return [part_file(self.root / e.path, e.size_bytes) for e in entries]
-        if rank is None:  # none now; none ever, when this reader's own mapped shards leave too little
-            with self._guard:
-                mapped = sum(self.sizes[j] for j in self._pins if j not in self._soft)
-            check_limit(self.url, self.limit, self.index_bytes + mapped + need,
-                        "this reader's index files and the shards of its current batch", limit=self.limit)
+        if rank is None:  # none now; none ever, when this reader's own holdings leave too little
+            self._check_own(need)
         return None
 
     def _room(self, ledger: Ledger, need: int, rank: float | None) -> bool:

@@ -1,5 +1,6 @@
 """Eviction from a cache entry (`packer.remote.cache`'s rules): the shards no process maps, then
-this process's soft pins, those used farthest ahead first."""
+this process's soft pins, those used farthest ahead first; and one shard's files on request
+(`drop_shard`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ def evict(cache, over: int, rank: float | None, ledger: Ledger) -> bool:
     next_use = cache.next_use or (lambda j: float("inf"))
     with cache._guard:
         mine, soft, used = set(cache._pins), set(cache._soft), set(cache._used)
+    mine |= cache.rows_held()[0]  # shards its reads by rows pin: its own, not another process's
     present = [j for j in ledger.present() if j not in mine]
 
     def last_use(j):
@@ -40,18 +42,43 @@ def evict(cache, over: int, rank: float | None, ledger: Ledger) -> bool:
     for j in candidates:
         if j in soft:
             cache.release(j)
-        with open(cache.shard_dir(j) / PIN, "ab") as pin:
-            if not flock(pin, block=False):
-                continue  # another process reads it
-            for entry in cache.bulk[j]:
-                try:
-                    size = (cache.root / entry.path).stat().st_size
-                    os.unlink(cache.root / entry.path)
-                except FileNotFoundError:
-                    continue
-                over -= size
-                ledger.add(-size)
-            ledger.add(0, j, present=False)
+        freed = _remove(cache, j, ledger)
+        if freed is None:
+            continue  # another process reads it
+        over -= freed
         if over <= 0:
             return True
     return False
+
+
+def drop_shard(cache, k: int) -> bool:
+    """Shard k's files removed now (`ShardCache.drop`), unless a process maps it: this one (k
+    pinned, or softly pinned and then released), or another (its pin taken); whether they went."""
+    with cache._guard:
+        if k in cache._pins and k not in cache._soft:
+            return False
+        soft = k in cache._pins
+    if soft:
+        cache.release(k)
+    if k in cache.rows_held()[0]:
+        return False
+    with cache._accounting() as ledger:
+        return _remove(cache, k, ledger) is not None
+
+
+def _remove(cache, j: int, ledger: Ledger) -> int | None:
+    """Shard j's files removed, if no process maps it (an exclusive flock on its pin file, not
+    waited for): the bytes freed, or None."""
+    freed = 0
+    with open(cache.shard_dir(j) / PIN, "ab") as pin:
+        if not flock(pin, block=False):
+            return None
+        for entry in cache.bulk[j]:
+            try:
+                size = (cache.root / entry.path).stat().st_size
+                os.unlink(cache.root / entry.path)
+            except FileNotFoundError:
+                continue
+            freed += size
+        ledger.add(-freed, j, present=False)
+    return freed

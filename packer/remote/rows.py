@@ -136,6 +136,11 @@ class Rows:
         if old is not None:
             old.close()
 
+    def pinned(self) -> set[int]:
+        """The shards this gather's batch pins (their small files mapped from the entry)."""
+        with self._guard:
+            return set(self._state.pins)
+
     def drop(self) -> None:
         self._state.drop()
 
