@@ -24,6 +24,7 @@ import torch
 from packer.errors import ConfigError
 from packer.dataset.format import columns_text as fmt_columns
 from packer.dataset.reader import ColumnArrays, DatasetReader
+from packer.remote.limits import budgets, held_whole
 
 from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
@@ -157,39 +158,43 @@ class ColumnGather:
 
     def _resident(self, needed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
         """A remote dataset's shards of a batch mapped (fetched and pinned first), or their rows
-        (`_by_rows`); under a cache limit, those no longer needed (nor in the lookahead's window)
-        unmapped and unpinned."""
+        (`_by_rows`). Under a cache limit, those of the last batch go first (`_let_go`), and the
+        batch's whole shards are pinned before its rows take room: its rows had evicted present
+        shards it then fetched again whole, into a cache its own rows and pins held."""
         if self._pid != os.getpid():
             self._pid, self._rowed, self._rows = os.getpid(), {}, {}
             for g in list(self._live):
                 self._drop(g, pinned=False)
         self._drop_rows()
-        rowed = self._rows_wanted([g for g in needed if g not in self._live]) if self.rows_pass or self.cold else []
-        if rowed:  # (the lookahead waits until they are copied: whole shards would share the link and CPU)
-            self._by_rows(rowed, shard, rows)
-            needed = [g for g in needed if g not in self._rowed]
-        else:  # whole shards: the lookahead fetches them beside this gather
-            self.cold = False
         if any(r.cache is not None and r.cache.limit is not None for r in self.readers):
-            # under a limit only the batch's shards stay mapped (a mapped shard cannot be
-            # evicted); those the lookahead still wants stay softly pinned, the others go
-            window = self.lookahead.window() if self.lookahead is not None else frozenset()
-            for g in self._live - set(needed):
-                self._drop(g, soften=g in window)
-            first = 0
-            for r in self.readers:  # pins the lookahead took for shards that left its window
-                if r.cache is not None:
-                    for k in r.cache.pinned():
-                        if first + k not in window and first + k not in self._live:
-                            r.cache.release(k)
-                first += len(r.shard_ends)
+            self._let_go(needed)
+        rowed = self._rows_wanted(needed, shard) if self.rows_pass or self.cold else []
+        if not rowed:  # whole shards: the lookahead fetches them beside this gather
+            self.cold = False
         for g in needed:
-            if g in self._live:
+            if g in self._live or g in rowed:
                 continue
             r, k = self._shards[g]
             r.cache.acquire(k)
             self._live.add(g)
             self._remap(g)
+        if rowed:  # (the lookahead waits until they are copied: whole shards would share the link and CPU)
+            self._by_rows(rowed, shard, rows)
+
+    def _let_go(self, needed: list[int]) -> None:
+        """Under a limit only the batch's shards stay mapped (a mapped shard cannot be evicted):
+        the last batch's others go, softly pinned where the lookahead still wants them, and so do
+        the pins the lookahead took for shards that left its window."""
+        window = self.lookahead.window() if self.lookahead is not None else frozenset()
+        for g in self._live - set(needed):
+            self._drop(g, soften=g in window)
+        first = 0
+        for r in self.readers:
+            if r.cache is not None:
+                for k in r.cache.pinned():
+                    if first + k not in window and first + k not in self._live:
+                        r.cache.release(k)
+            first += len(r.shard_ends)
 
     def rows_of(self, r):
         """This process's reads by rows (`packer.remote.rows.Rows`) of reader `r`'s cache."""
@@ -199,18 +204,51 @@ class ColumnGather:
             self._rows[id(r)] = Rows(r.cache._here())
         return self._rows[id(r)]
 
-    def _rows_wanted(self, candidates: list[int]) -> list[int]:
-        """Of a batch's shards not mapped here, those read by rows: not in the cache, of a reader
+    def _rows_wanted(self, needed: list[int], shard: np.ndarray) -> list[int]:
+        """Of a batch's shards, those read by rows: not mapped here nor in the cache, of a reader
         whose files have block lists; in a cold batch only where they hold over COLD_ROWS_BYTES (a
-        cold batch whose shards come about as soon as its rows would reads them whole)."""
-        missing = [g for g in candidates if self._shards[g][0].cache is not None and
+        cold batch whose shards come about as soon as its rows would reads them whole). Under a
+        limit, also those mapped or in the cache that it cannot hold whole beside the rows
+        (`_unheld`)."""
+        missing = [g for g in needed if g not in self._live and self._shards[g][0].cache is not None and
                    not self._shards[g][0].cache.present(self._shards[g][1])]
         if not self.rows_pass and sum(self.shard_bytes(g) for g in missing) <= COLD_ROWS_BYTES:
             return []  # (decided before asking the store for a block list)
         rowed = [g for g in missing if self.rows_of(self._shards[g][0]).usable()]
         if not self.rows_pass and sum(self.shard_bytes(g) for g in rowed) <= COLD_ROWS_BYTES:
             return []
-        return rowed
+        return rowed + self._unheld([g for g in needed if g not in missing], rowed, shard)
+
+    def _unheld(self, held: list[int], rowed: list[int], shard: np.ndarray) -> list[int]:
+        """Of a batch's shards mapped here or present in a limited cache (`held`), those read by
+        rows all the same, unmapped and their files removed (`ShardCache.drop`) to make room for
+        the rows: all but those that the room the limit leaves this process (`limits.budgets`)
+        holds beside the batch's other rows (and shards that cannot be read so), the ones with
+        most of its rows first (`limits.held_whole`). One that another process maps stays whole: its bytes are held
+        either way."""
+        room, out = budgets(self), []
+        counts = np.bincount(shard, minlength=len(self._shards))
+        for key, nbytes in room.items():
+            def of(gs, key=key):
+                return [g for g in gs if id(self.cache_of(g)) == key]
+            wanted = sorted((g for g in of(held) if self.rows_of(self._shards[g][0]).usable()), key=lambda g: -counts[g])
+            besides = sum(self._row_bytes(g, counts[g]) for g in of(rowed)) + \
+                sum(self.shard_bytes(g) for g in of(held) if g not in wanted)
+            whole = held_whole(nbytes, besides, [(self.shard_bytes(g), self._row_bytes(g, counts[g])) for g in wanted])
+            for g in [g for g, keep in zip(wanted, whole) if not keep]:
+                if g in self._live:
+                    self._drop(g)
+                if self.cache_of(g).drop(self._shards[g][1]):
+                    out.append(g)
+        return out
+
+    def _row_bytes(self, g: int, n: int) -> int:
+        """About the bytes `n` rows of shard g take read by rows: its files read so in proportion,
+        its other files whole."""
+        r, k = self._shards[g]
+        ranged = set(self.rows_of(r).block) & {r.values_path(k, c.name) for c in self.columns}
+        num = max(1, int(self._ends[g] - self._starts[g]))
+        return sum(e.size_bytes * int(n) // num if e.path in ranged else e.size_bytes for e in r.cache.bulk[k])
 
     def _by_rows(self, rowed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
         """The batch's rows of shards `rowed` fetched by range and mapped (see `rows_pass`)."""

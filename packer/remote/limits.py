@@ -163,6 +163,23 @@ def check_room(gather, batch_ids, num_batches: int, order: str | None = None, wi
                             f"{window or 8192:,} samples a rank)"))
 
 
+def held_whole(room: int, held: int, shards: list[tuple[int, int]]) -> list[bool]:
+    """Which of a batch's shards mapped or present in a limited cache it holds whole, the others'
+    rows read by range: `shards` is each one's (bytes whole, bytes of the batch's rows in it), the
+    first preferred; each is held whole while it, the rows of those after it and `held` (what the
+    batch holds besides: the rows of its shards not in the cache) fit `room` (`budgets`). A shard
+    read whole from the cache costs no request; a batch that held every one it found there left
+    its rows no room (they evicted the very shards it then fetched again whole, and it waited on
+    itself)."""
+    rest = sum(rows for _, rows in shards)
+    out = []
+    for whole, rows in shards:
+        rest -= rows
+        out.append(held + whole + rest <= room)
+        held += whole if out[-1] else rows
+    return out
+
+
 def random_fetches(shard_bytes: int, samples: int, shards: int, room: int, share: float = 1.0) -> float:
     """About how many times its shards (`shard_bytes` in all, `samples` over `shards`) an epoch
     in random order fetches through `room` bytes of a cache, the node reading `share` of each

@@ -18,6 +18,17 @@ from .remote import NEEDS_SERVER, _bytes_on_disk, _killed_reader, _shard_bytes, 
 pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or SeaweedFS is missing
 
 
+@pytest.fixture(scope="module")
+def rows_48k(tmp_path_factory):
+    """Photos of 128 x 128 (rows of 49,152 bytes, 48 KiB: a block each, so read by rows) in 16 shards of 8."""
+    from bench import data
+
+    root = tmp_path_factory.mktemp("rows48k")
+    data.make_image_folders(root / "raw", 128, seed=5, max_side=160)
+    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", "128", "--shard-size", "8", "-q"]) == 0
+    return root / "out"
+
+
 def test_random_order_at_a_third_of_the_dataset_reads_its_rows_by_range_within_the_limit(s3, large_rows, tmp_path,
                                                                                         monkeypatch):
     """A random batch reads every shard, so whole shards under a limit of a third were refused (or
@@ -46,6 +57,42 @@ def test_random_order_at_a_third_of_the_dataset_reads_its_rows_by_range_within_t
         for a, b in zip(got, Loader(local, 16, seed=3), strict=True):
             assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
         assert _bytes_on_disk(cache) <= limit
+    finally:
+        proxy.close()
+
+
+def test_a_random_epoch_at_40_percent_through_a_cache_holding_whole_shards_completes_within_the_limit(
+        s3, rows_48k, tmp_path, monkeypatch):
+    """A random epoch under a limit of 40% reads its batches by rows, and maps whole the shards the
+    cache holds already (left by an earlier pass in order, or by samples read by index). A batch's
+    rows took their room first, evicting present shards the same batch was to map, which it then
+    fetched again whole into a cache its own rows held: it waited 120 s for "other processes" (there
+    were none) and failed. The epoch completes, its batches the local ones, within the limit, at
+    most 1.2x the dataset over the link."""
+    from packer.remote import cache as cache_module
+
+    monkeypatch.setattr(cache_module, "WAIT_FOR_ROOM_S", 5)  # (a wait for room that never comes fails sooner)
+    url = _url(tmp_path, "rows48k")
+    assert main(["push", str(rows_48k), url]) == 0
+    local, total = MMapDataset(rows_48k), _shard_bytes(rows_48k)
+    assert len(local.manifest.shards) == 16 and local[0]["image"].numel() == 48 * 1024
+    limit = MMapDataset(url, cache_dir=tmp_path / "other")._cache.index_bytes + total * 4 // 10
+    proxy = _through_proxy(s3, monkeypatch)
+    try:
+        for warm in ("in order", "by index"):
+            cache = tmp_path / warm.replace(" ", "-")
+            ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+            if warm == "in order":
+                for a, b in zip(Loader(ds, 32, shuffle=False), Loader(local, 32, shuffle=False), strict=True):
+                    assert a["key"] == b["key"]
+            else:
+                assert all(torch.equal(ds[i]["image"], local[i]["image"]) for i in range(0, len(local), 16))
+            assert sum(ds.reader.cache.present(k) for k in range(16)) >= 4, warm  # whole shards held
+            before = proxy.body_bytes
+            for a, b in zip(Loader(ds, 32, seed=0), Loader(local, 32, seed=0), strict=True):
+                assert a["key"] == b["key"] and torch.equal(a["image"], b["image"]) and torch.equal(a["label"], b["label"])
+                assert _bytes_on_disk(cache) <= limit
+            assert (proxy.body_bytes - before) / total <= 1.2, (warm, (proxy.body_bytes - before) / total)
     finally:
         proxy.close()
 
