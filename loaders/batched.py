@@ -8,9 +8,10 @@ import warnings
 
 import torch
 
-from packer.remote import Lookahead, check_first_batches, check_workers
+from packer.remote import Lookahead, check_workers
 
-from loaders.source import as_source, epochs_of, gather
+from loaders.batch.source import BatchSource
+from loaders.source import bind, gather
 from loaders.order.orders import WINDOW
 from loaders.order.sampler import Epochs, Order, Pass
 
@@ -21,13 +22,14 @@ class EpochDataset(torch.utils.data.IterableDataset):
 
     _epochs: Epochs
     _epoch_given = False
+    source: BatchSource | None = None  # what its batches are gathered from (MMapIterableDataset: its own reads)
 
     def _fetch_ahead(self, source, p: Pass, b: int) -> None:
         """Over a URL (`source`: the gather of a remote dataset), the shards of this worker's
         coming batches of pass p fetched ahead, as a Loader's are (`packer.remote.Lookahead`):
         its batches w, w+k, ... of the pass, then of the next (what its cache should keep); `b`:
         the batch it makes now."""
-        if not getattr(source, "remote", False):
+        if source is None or not source.remote:
             return
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
@@ -87,12 +89,10 @@ class BatchedDataset(EpochDataset):
                  world_size: int | None = None, columns: list[str] | None = None, bucket_by: str | None = None,
                  max_tokens: int | None = None, max_seconds: float | None = None, cost: str = "linear",
                  block_window: int = WINDOW):
-        self.source = as_source(dataset, columns)
-        self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
-                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
-                                 max_tokens=max_tokens, max_seconds=max_seconds, cost=cost,
-                                 block_window=block_window)
-        check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
+        self.source, self._epochs = bind(dataset, batch_size, columns=columns, shuffle=shuffle, order=order, seed=seed,
+                                         drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
+                                         max_tokens=max_tokens, max_seconds=max_seconds, cost=cost,
+                                         block_window=block_window)
 
     def __len__(self) -> int:
         return self._epochs.num_batches()

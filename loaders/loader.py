@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from packer.remote import Lookahead, check_first_batches
+from packer.remote import Lookahead
 from packer.system import available_cores, local_ranks
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
-from loaders.source import as_source, epochs_of, gather
+from loaders.source import as_source, bind, gather
 from loaders.cuda import to_device
 from loaders.device_decode import choose, decoded_on
 from loaders.order.orders import WINDOW
@@ -148,11 +148,12 @@ class Loader(Resumable):
         if isinstance(dataset, (str, os.PathLike)):
             dataset = MMapDataset(dataset)
         self._dataset = dataset
-        self.source = as_source(dataset, columns)
-        self._epochs = epochs_of(self.source, batch_size, shuffle=shuffle, order=order, seed=seed,
-                                 drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
-                                 max_tokens=max_tokens, max_seconds=max_seconds, cost=cost,
-                                 block_window=block_window)
+        # the JPEG lane: decoded on the device by nvJPEG (`loaders.device_decode`), or in the gather's threads
+        self._decode = choose(jpeg_decode, device, as_source(dataset, columns).encoded)
+        self.source, self._epochs = bind(dataset, batch_size, columns=columns, device_decode=self._decode is not None,
+                                         shuffle=shuffle, order=order, seed=seed, drop_last=drop_last, rank=rank,
+                                         world_size=world_size, bucket_by=bucket_by, max_tokens=max_tokens,
+                                         max_seconds=max_seconds, cost=cost, block_window=block_window)
         self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
         if num_threads is None or self._timed:
             self.num_threads = default_threads()
@@ -160,18 +161,11 @@ class Loader(Resumable):
             self.num_threads = check_int("num_threads", num_threads, 1, 1 << 12)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.device = device
-        # the JPEG lane: decoded on the device by nvJPEG (`loaders.device_decode`), or in the gather's threads
-        # (a source of its own: the flag below is this Loader's alone)
-        encoded = any(getattr(c, "encoded", False) for c in getattr(self.source, "columns", None) or ())
-        self._decode = choose(jpeg_decode, device, encoded)
-        if self._decode is not None:
-            self.source.device_decode = True
         self.num_buffers = check_int("num_buffers", num_buffers, 2, 1 << 12)
         self._ring: Ring | None = None
         self._pool = None
         self._pool_threads = 0  # the size of _pool (0: none made yet)
         self._running: set = set()  # this Loader's open producers (`loaders.producer`)
-        check_first_batches(self.source, self._epochs)  # a cache limit too small for a batch: refused now
 
     @property
     def dataset(self):
@@ -241,7 +235,7 @@ class Loader(Resumable):
             self._time_threads(p, ring)
         pool, threads = self._pool_of(self.num_threads), self.num_threads
         ahead = None
-        if getattr(source, "remote", False) and epochs.has(p, 0) and not source.all_mapped():  # fetched ahead
+        if source.remote and epochs.has(p, 0) and not source.all_mapped():  # fetched ahead
             ahead = Lookahead(source, *epochs.ahead_of(p))
 
         def make(b: int, needed, stop=_NEVER):
@@ -306,8 +300,7 @@ class Loader(Resumable):
         remote dataset's shards, now."""
         stop_all(self._running)
         self._running.clear()
-        if hasattr(self.source, "release"):  # a remote dataset's shards: unpinned, for the cache to evict
-            self.source.release()
+        self.source.release()  # a remote dataset's shards: unpinned, for the cache to evict
         if self._pool is not None:
             self._pool.shutdown()
         self._pool, self._pool_threads, self._ring = None, 0, None

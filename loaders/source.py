@@ -8,16 +8,14 @@ views: this module, above them, joins them.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
-import torch
 
 from packer.errors import ConfigError
+from packer.remote import check_first_batches
 
-from loaders.batch.buffers import Memory
 from loaders.batch.gather import ColumnGather
 from loaders.batch.ragged import frames_of
+from loaders.batch.source import Batchable, BatchSource
 from loaders.order.buckets import Bucketed, aspect_bucket
 from loaders.order.lengths import Budget
 from loaders.order.orders import WINDOW
@@ -26,34 +24,30 @@ from loaders.order.sampler import Epochs
 from loaders.padding import Padding
 
 
-class BatchSource(Protocol):
-    """What Loader needs of a dataset: its size, its identity, buffers, and a gather of ids."""
-
-    source_id: str  # what a sample id means (dataset and view): part of the resume state
-
-    def __len__(self) -> int: ...
-
-    def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]: ...
-
-    def gather(self, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1) -> dict: ...
-
-
-def as_source(dataset, columns: list[str] | None = None) -> BatchSource:
-    """The batch source of a view: an MMapDataset's (of `columns`), or the view itself."""
-    if hasattr(dataset, "batch_source"):
-        return dataset.batch_source(columns)
-    if not all(hasattr(dataset, name) for name in ("alloc", "gather", "source_id", "__len__")):
+def as_source(dataset, columns: list[str] | None = None, *, device_decode: bool = False) -> BatchSource:
+    """The batch source a loader reads (`loaders.batch.source`): an MMapDataset's (of `columns`),
+    or the view itself; checked here, once, so nothing later asks the source what it offers."""
+    if not isinstance(dataset, Batchable):
         raise ConfigError(f"a Loader reads an MMapDataset, a dataset dir, TokenWindows or PackedDocuments, not "
                           f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
-    if columns is not None:
-        raise ConfigError("columns= applies to an MMapDataset only")
-    return dataset
+    return dataset.batch_source(columns, device_decode=device_decode)
+
+
+def bind(dataset, batch_size: int | None, *, columns: list[str] | None = None, device_decode: bool = False,
+         **order) -> tuple[BatchSource, Epochs]:
+    """What Loader and BatchedDataset are made of: the dataset's batch source and its epochs
+    (`epochs_of`, `order` its keywords), a remote dataset's cache limit checked against the
+    first batches."""
+    source = as_source(dataset, columns, device_decode=device_decode)
+    epochs = epochs_of(source, batch_size, **order)
+    check_first_batches(source, epochs)  # a cache limit too small for a batch: refused now
+    return source, epochs
 
 
 def gather(source: BatchSource, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1, *, epoch: int):
     """Batch `ids` of `epoch`: a view whose samples change with the epoch (`per_epoch`:
     AudioClips' crops) is told it."""
-    if getattr(source, "per_epoch", False):
+    if source.per_epoch:
         return source.gather(ids, buffers, pool, num_threads, epoch=epoch)
     return source.gather(ids, buffers, pool, num_threads)
 
@@ -65,7 +59,7 @@ def epochs_of(source: BatchSource, batch_size: int | None, *, bucket_by: str | N
     `bucket_by="aspect"` batches whose images share an aspect-ratio bucket, or with
     `bucket_by="length"` (`"length:COLUMN"`), `max_tokens` or `max_seconds` batches planned by
     length (`loaders.order.planned`). Their `padding` counts the batches' ragged column."""
-    stream = source if hasattr(source, "order_for") else None
+    stream = source.order_stream()
     if (bucket_by or "").startswith("length") or max_tokens is not None or max_seconds is not None:
         return _planned(source, batch_size, bucket_by=bucket_by or "length", max_tokens=max_tokens,
                         max_seconds=max_seconds, cost=cost, **kwargs)
@@ -76,12 +70,12 @@ def epochs_of(source: BatchSource, batch_size: int | None, *, bucket_by: str | N
     if bucket_by is not None:
         if bucket_by != "aspect":
             raise ConfigError(f"bucket_by must be 'aspect', 'length', 'length:COLUMN' or None, not {bucket_by!r}")
-        if stream is not None or not hasattr(source, "shapes_of"):
+        if stream is not None or not isinstance(source, ColumnGather):
             raise ConfigError("bucket_by='aspect' groups the images of one MMapDataset (not a Mixture or a view)")
         column = source.image_column()
         stream = Bucketed(AspectOf(source, column), batch_size, bucket_by=bucket_by, column=column)
     epochs = Epochs(len(source), batch_size, source=source.source_id, stream=stream, **kwargs)
-    gather = _columns_of(source)
+    gather = source.column_gather
     name = length_column(gather, None, required=False) if gather is not None else None
     epochs.padding = Padding(name) if name else None
     return epochs
@@ -93,7 +87,7 @@ def _planned(source: BatchSource, batch_size: int | None, *, bucket_by: str, max
     if bucket_by != "length" and not bucket_by.startswith("length:"):
         raise ConfigError(f"a budget (max_tokens, max_seconds) plans batches by length: bucket_by is 'length', "
                           f"'length:COLUMN' or None with it, not {bucket_by!r}")
-    gather = _columns_of(source)
+    gather = source.column_gather
     if gather is None:
         raise ConfigError(f"{type(source).__name__} has no ragged column to plan batches by length (its rows all "
                           "have one length); bucket_by='length' and max_tokens batch an MMapDataset, a Mixture of "
@@ -104,19 +98,12 @@ def _planned(source: BatchSource, batch_size: int | None, *, bucket_by: str, max
     budget = Budget(batch_size=batch_size, max_tokens=max_tokens, cost=cost)
     if block_window != WINDOW:
         raise ConfigError(f"block_window={block_window} is block order's window over one dataset without bucket_by")
-    stream = source if hasattr(source, "order_for") else None
+    stream = source.order_stream()
     positions_of = stream.order_for if stream is not None else DatasetOrder(len(source), WINDOW)
     epochs = LengthEpochs(len(source), budget, positions_of=positions_of, lengths=RaggedLengths(gather.readers, name),
                           bucket_by=bucket_by, column=name, source=source.source_id, **kwargs)
     epochs.padding = Padding(name, budget if max_tokens is not None else None)
     return epochs
-
-
-def _columns_of(source):
-    """The gather of dataset columns under a source (an MMapDataset's, a Mixture of them), else None."""
-    if isinstance(source, ColumnGather):
-        return source
-    return getattr(source, "column_gather", None)
 
 
 def length_column(gather, name: str | None, *, required: bool = True) -> str | None:

@@ -81,8 +81,7 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
         else:  # as torchdata's (and DataLoader's): in order unless shuffle=True
             dataset = BatchedDataset(dataset, batch_size, **{"shuffle": False, **order})
         self.batches = dataset
-        source = getattr(dataset, "source", None)
-        check_workers(source, dataset._epochs, num_workers)  # each worker maps its own batch's shards
+        check_workers(dataset.source, dataset._epochs, num_workers)  # each worker maps its own batch's shards
         self._keys = _PassKeys(dataset._epochs)
         super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,
                          collate_fn=_as_is, pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,

@@ -33,6 +33,7 @@ from loaders.batch.decode import Decoders, decode_copy, jpeg_bytes
 from loaders.batch.ragged import (AUDIO_BUFFER_BYTES, RAGGED_BUFFER_BYTES, frames_of, gather_ragged, gather_strings,
                                   shapes_at)
 from loaders.batch.rows import in_shares, rows_copy
+from loaders.batch.source import BatchSource
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
 # A pass's first batch reads its rows by range when its shards not in the cache hold more than
@@ -41,12 +42,13 @@ BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sampl
 COLD_ROWS_BYTES = 512 * 2**20
 
 
-class ColumnGather:
+class ColumnGather(BatchSource):
     """Gathers the named columns of a dataset into batch buffers (see `alloc` / `gather`); of
     several datasets with the same columns (a `Mixture`'s), as if their shards were one
     dataset's, in the order given: sample ids of the second start after the first's."""
 
-    def __init__(self, reader: DatasetReader | list[DatasetReader], names: list[str], padding_value: int = 0):
+    def __init__(self, reader: DatasetReader | list[DatasetReader], names: list[str], padding_value: int = 0, *,
+                 device_decode: bool = False):
         readers = list(reader) if isinstance(reader, (list, tuple)) else [reader]
         for r in readers:
             r.check_columns(names)
@@ -86,7 +88,8 @@ class ColumnGather:
         self._largest_of: dict[str, tuple[int, ...]] = {}
         self._regions_of: dict[str, np.ndarray | None] = {}
         self._decoders = Decoders()  # the JPEG lane's decode threads, made when first needed
-        self.device_decode = False  # set by a Loader whose device decodes the JPEG lane (`loaders.device_decode`)
+        # the JPEG lane handed over as bytes, for a Loader's device to decode (`loaders.device_decode`)
+        self.device_decode = device_decode
 
     def __len__(self) -> int:
         return int(self._ends[-1]) if len(self._ends) else 0
@@ -103,6 +106,14 @@ class ColumnGather:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["reader"], state["names"], state.get("padding_value", 0))
         self.rows_pass, self.processes = state.get("rows_pass", False), state.get("processes", 1)
+
+    @property
+    def column_gather(self) -> ColumnGather:
+        return self
+
+    @property
+    def encoded(self) -> bool:
+        return any(c.encoded for c in self.columns)
 
     def image_column(self) -> str:
         """The column whose samples have their own sizes (height, width, channels): what a batch

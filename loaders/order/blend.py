@@ -19,7 +19,7 @@ import numpy as np
 
 from packer.errors import ConfigError
 
-from loaders.order.orders import Order, Permutation, derive_key, permute
+from loaders.order.orders import Order, Permutation, Stream, derive_key, permute
 
 SOURCE_KEY = 0x6D6978  # keys each source's own orders apart from a single dataset's with the same seed
 
@@ -100,7 +100,7 @@ def _span(first: int, count: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray
     return source[order], j[order]
 
 
-class Blend:
+class Blend(Stream):
     """The stream of a mixture of sources of `sizes` samples, by `weights`, cut into epochs of
     `num_samples` positions (mixture epoch e continues where e - 1 ended). Pure integers: any
     position of any epoch is computed alone, whatever the sizes."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from loaders.order.orders import Permutation
+from loaders.order.orders import Permutation, Stream
 
 STEPS_PER_OCTAVE = 8  # buckets a doubling of the aspect ratio spans: sides within 9% of each other
 WALK = 1 << 16  # positions of the permutation walked at once
@@ -83,7 +83,7 @@ class ShapeBuckets:
         self.out = np.concatenate(parts)
 
 
-class Bucketed:
+class Bucketed(Stream):
     """What `Epochs` orders an epoch by when batches are grouped by shape: `ShapeBuckets` of one
     batch each, dealt to ranks a whole batch at a time (so a rank's batch is one group, and the
     order does not depend on the rank count, but does on the batch size). `buckets` says what

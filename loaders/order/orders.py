@@ -20,6 +20,22 @@ import numpy as np
 
 Order = Literal["random", "sequential", "block"]
 ORDERS = ("random", "sequential", "block")
+
+
+class Stream:
+    """What orders an epoch instead of a permutation (a Mixture's blend, batches grouped by
+    shape), declared: `order_for` gives an epoch's positions -> ids; `deal_block`, the ids dealt
+    to a rank at once (a shape group's batch); `buckets`, what the order depends on beyond the
+    seed (part of the resume state); `source_state`, what a mixture records of its sources."""
+
+    deal_block = 1
+    buckets: dict | None = None
+
+    def order_for(self, *, order: Order, seed: int, epoch: int, num_samples: int | None = None):
+        raise NotImplementedError
+
+    def source_state(self, epoch: int, cursor: int) -> list | None:
+        return None
 ROUNDS = 8  # Feistel rounds: 4 make a strong pseudo-random permutation of a random round function
 WINDOW = 8192  # block order's window: the positions whose ids are shuffled among themselves
 PIN = 0x50494E  # the purpose that keys block order's assignment of blocks to parts

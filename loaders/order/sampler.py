@@ -154,8 +154,8 @@ class Epochs:
         self.source = source  # what the samples are (the content_id of a dataset, and the view)
         # a Mixture's blend, or batches grouped by shape: what orders an epoch instead of a permutation
         self.stream = stream
-        self.block = getattr(stream, "deal_block", 1)
-        self.buckets = getattr(stream, "buckets", None)  # batches grouped by shape: what their order depends on
+        self.block = stream.deal_block if stream is not None else 1
+        self.buckets = stream.buckets if stream is not None else None  # grouped by shape: what their order depends on
         self.epoch = 0
         self.cursor = 0
         self.slices = self.fresh_slices()  # of the epoch in progress
@@ -327,8 +327,9 @@ class Epochs:
                  "order": self.order, "seed": self.seed, "drop_last": bool(self.drop_last),
                  "buckets": dict(self.buckets) if self.buckets is not None else None, "epoch": self.epoch,
                  "cursor": self.cursor, "slices": self.slices, "pinned": self.pinned, "block_window": self.block_window}
-        if hasattr(self.stream, "source_state"):  # a mixture's sources' own epochs and cursors, for the record
-            state["sources"] = self.stream.source_state(self.epoch, self.cursor)
+        sources = self.stream.source_state(self.epoch, self.cursor) if self.stream is not None else None
+        if sources is not None:  # a mixture's sources' own epochs and cursors, for the record
+            state["sources"] = sources
         return state
 
     def load_state_dict(self, state: dict) -> None:

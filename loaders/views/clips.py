@@ -25,6 +25,7 @@ from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
 from loaders.batch.gather import ColumnGather
 from loaders.batch.rows import in_shares
+from loaders.batch.source import BatchSource
 from loaders.order.orders import Order, Permutation
 from loaders.views.dataset import Reopens, resolve_root
 
@@ -55,7 +56,7 @@ def to_float(audio: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"to_float takes an audio batch (int16 or float32), not {audio.dtype}")
 
 
-class AudioClips(Reopens):
+class AudioClips(Reopens, BatchSource):
     """Fixed-length random crops of an audio dataset dir, one per clip per epoch.
 
     Args:

@@ -25,6 +25,7 @@ from packer.remote.traffic import FIELDS
 
 from loaders.batch.canvas import images_canvas
 from loaders.batch.gather import ColumnGather, batch_dtype
+from loaders.batch.source import Batchable
 from loaders.batched import BatchedDataset
 
 
@@ -58,7 +59,7 @@ class Reopens:
         self._open()
 
 
-class MMapDataset(torch.utils.data.Dataset):
+class MMapDataset(torch.utils.data.Dataset, Batchable):
     """A packed dataset dir as a map-style dataset.
 
     Args:
@@ -170,9 +171,11 @@ class MMapDataset(torch.utils.data.Dataset):
             self.reader.release(shard)  # under a limit a sample's shard stays pinned only while it is read
         return out
 
-    def batch_source(self, columns: list[str] | None = None):
-        """The batch gather over `columns` (default: this dataset's), for Loader."""
-        return ColumnGather(self.reader, list(columns) if columns else self._names, self.padding_value)
+    def batch_source(self, columns: list[str] | None = None, *, device_decode: bool = False) -> ColumnGather:
+        """A batch gather over `columns` (default: this dataset's), a loader's own; with
+        `device_decode`, one that hands the JPEG lane over as bytes, for its device to decode."""
+        return ColumnGather(self.reader, list(columns) if columns else self._names, self.padding_value,
+                            device_decode=device_decode)
 
     def batched(self, batch_size: int | None = None, **kwargs):
         """Whole batches for an existing DataLoader (see `loaders.BatchedDataset`)."""

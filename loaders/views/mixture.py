@@ -21,13 +21,14 @@ from packer.errors import ConfigError
 
 from loaders.batch.buffers import Memory, empty
 from loaders.batch.gather import ColumnGather
+from loaders.batch.source import BatchSource
 from loaders.order.blend import Blend
-from loaders.order.orders import Order
+from loaders.order.orders import Order, Stream
 from loaders.views.dataset import MMapDataset
 from loaders.views.packed import PackedDocuments
 from loaders.views.tokens import TokenWindows
 
-class Mixture:
+class Mixture(BatchSource, Stream):
     """Several sources of one kind as one stream, by weight.
 
     Args:
@@ -77,6 +78,11 @@ class Mixture:
 
     def source_state(self, epoch: int, cursor: int) -> list[dict]:
         return self.blend.source_state(epoch, cursor)
+
+    def order_stream(self) -> Mixture:
+        """Itself: its blend orders its epochs. (Its shards are fetched as batches read them: a
+        lookahead and a cache check follow one dataset's gather.)"""
+        return self
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         out = self._parts[0].alloc(batch_size, memory)

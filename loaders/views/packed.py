@@ -28,6 +28,7 @@ from loaders.views.dataset import resolve_root
 from packer.errors import ConfigError
 from loaders.batch.buffers import Memory, empty
 from loaders.batch.ragged import ranges
+from loaders.batch.source import BatchSource
 
 Policy = Literal["best-fit", "in-order"]
 POLICIES = ("best-fit", "in-order")
@@ -125,7 +126,7 @@ def _best_fit(length: np.ndarray, seq_len: int) -> np.ndarray:
     return row
 
 
-class PackedDocuments:
+class PackedDocuments(BatchSource):
     """Rows of `seq_len` tokens of packed documents, as a Loader source.
 
     A batch is a dict: `tokens` int64 [B, seq_len] (`padding_value` after the last piece), `position_ids`

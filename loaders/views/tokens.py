@@ -21,12 +21,13 @@ from packer.dataset.reader import DatasetReader
 
 from loaders.views.dataset import Reopens, resolve_root
 from loaders.batch.buffers import Memory, empty
+from loaders.batch.source import BatchSource
 from loaders.order.orders import Order, Permutation
 
 ITER_CHUNK = 4096  # windows whose ids are computed at once when a TokenWindows is iterated directly
 
 
-class TokenWindows(Reopens):
+class TokenWindows(Reopens, BatchSource):
     """Token windows of a text (or pairs) dataset dir.
 
     Args:

@@ -56,11 +56,11 @@ def processes(gather) -> int:
     batch's: the node's ranks (LOCAL_WORLD_SIZE) times a loader's worker processes
     (`gather.processes`, which StatefulDataLoader sets: two workers whose batches each held half
     the limit waited 120 s on each other's pins, then failed)."""
-    return local_ranks() * max(1, getattr(gather, "processes", 1))
+    return local_ranks() * max(1, gather.processes)
 
 
 def sharers(gather) -> str:
-    workers = max(1, getattr(gather, "processes", 1))
+    workers = max(1, gather.processes)
     return "the node's other ranks" + (f" and this loader's {workers} worker processes" if workers > 1 else "")
 
 
@@ -80,7 +80,7 @@ def check_workers(source, epochs, workers: int) -> None:
     processes, each mapping its own batch's shards: the cache limit must hold them all, refused
     when the loader is made (StatefulDataLoader) or by a plain DataLoader's first worker to find
     them (it never told the dataset), not 120 s into a wait for room."""
-    if getattr(source, "remote", False) and workers > getattr(source, "processes", 1):
+    if source is not None and source.remote and workers > source.processes:
         source.processes = workers
         check_first_batches(source, epochs)
 
@@ -88,14 +88,13 @@ def check_workers(source, epochs, workers: int) -> None:
 def check_first_batches(source, epochs) -> None:
     """`check_room` for the next pass of `epochs` over a remote dataset's gather (else nothing):
     what Loader and BatchedDataset check when they are made."""
-    if getattr(source, "remote", False):
+    if source.remote:
         twin = epochs.twin()
         p = twin.upcoming()
-        order = getattr(epochs, "order", None)
-        check_room(source, lambda b: twin.batch_ids(p, b), twin.clip(p, FIRST_BATCHES), order,
-                   getattr(epochs, "block_window", None))
+        order = epochs.order
+        check_room(source, lambda b: twin.batch_ids(p, b), twin.clip(p, FIRST_BATCHES), order, epochs.block_window)
         if order == "random" and not source.rows_pass:
-            check_random(source, min(1.0, local_ranks() / max(1, getattr(epochs, "world_size", 1))))
+            check_random(source, min(1.0, local_ranks() / max(1, epochs.world_size)))
         if order == "block" and not source.rows_pass:
             check_window(source, epochs)
 
