@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from packer.errors import ConfigError
+from loaders.batch.source import BatchSource
 from loaders import BatchedDataset, Loader, MMapDataset, MMapIterableDataset, StatefulDataLoader, TokenWindows, to_device
 from loaders.batch.ragged import SHORT_PIECES
 
@@ -35,8 +36,8 @@ def pass_mode(request, monkeypatch):
     return request.param
 
 
-class Counted:
-    """A batch source (the protocol Loader reads) that counts the batches gathered, so a test
+class Counted(BatchSource):
+    """A batch source (the contract Loader reads, declared) that counts the batches gathered, so a test
     waits for the producer to have made them instead of sleeping."""
 
     def __init__(self, source):
