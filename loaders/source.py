@@ -1,8 +1,9 @@
 """What a Loader or a BatchedDataset reads, and in which order: the glue of the data flow view ->
-order -> gather. A view (`loaders.views`) gives a batch source, the one interface every view
-gives (`MMapDataset.batch_source`, `TokenWindows`, `PackedDocuments`, `Mixture`): its size, its
-identity, its buffers and a gather of sample ids into them (`loaders.batch`); `epochs_of` binds
-it to its epochs (`loaders.order`). The batch and order layers import neither each other nor the
+order -> gather. A view (`loaders.views`) gives a batch source, the contract every view keeps
+(`loaders.batch.source.BatchSource`: `MMapDataset.batch_source`, `TokenWindows`,
+`PackedDocuments`, `AudioClips`, `Mixture`): its size, its identity, its buffers and a gather of
+sample ids into them, with what only some offer declared by defaults; `epochs_of` binds it to
+its epochs (`loaders.order`), and `bind` makes both for Loader and BatchedDataset alike. The batch and order layers import neither each other nor the
 views: this module, above them, joins them.
 """
 
