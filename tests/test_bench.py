@@ -162,16 +162,16 @@ def test_bench_loaders_padding_rows_for_every_dataset_and_plan(work, tmp_path, c
 
 def test_bench_sampler_opens_ten_billion_samples_in_a_fresh_process(tmp_path, capsys):
     out = tmp_path / "sampler.json"
-    assert main(["sampler", "--samples", "1e6,1e10", "--length-samples", "1e6", "--json", str(out)]) == 0
+    assert main(["sampler", "--samples", "1e10", "--length-samples", "1e6", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["results"]
     plans = [r for r in rows if r["system"] in ("length plan (bucket_by)", "max_tokens plan")]
     assert [r["num_samples"] for r in plans] == [10**6, 10**6]
     assert all(r["seconds"] > 0 and r["resume_seconds"] > 0 and r["peak_rss_mb"] < 100 for r in plans)
     new = [r for r in rows if r["system"] in ("per-position", "mixture of 3 sources")]
-    assert [r["num_samples"] for r in new] == [10**6, 10**6, 10**10, 10**10]
+    assert [r["num_samples"] for r in new] == [10**10, 10**10]
     assert all(r["seconds"] > 0 and r["peak_rss_mb"] < 64 for r in new)  # nothing of size N
     old = [r for r in rows if r["system"].startswith("full")]
-    assert old[0]["seconds"] > 0 and "needs" in old[1]["skipped"]
+    assert len(old) == 1 and "needs" in old[0]["skipped"]  # 0.3's full permutation of 10^10: refused by its RAM
     assert "peak RSS" in capsys.readouterr().out
 
 
