@@ -1,11 +1,16 @@
 """How the bench measures: the memcpy limit, timed passes, memory of the whole process tree
-(RSS and PSS from /proc/PID/smaps_rollup), CPU seconds, page-cache eviction for cold runs. How
+(RSS and PSS from /proc/PID/smaps_rollup), CPU seconds, page-cache eviction for cold runs, the
+raw GET rate of a dataset in object storage (what `bench remote` and the doctor's link probe
+set a reader against). How
 long a loop waits for data is the doctor's measure (`bench.doctor.stall`)."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import resource
+import shutil
 import statistics
 import threading
 import time
@@ -286,3 +291,39 @@ def alternated(one, other, rounds: int, say=None) -> list[float]:
         if say:
             say(f"round {r}: {a:,.0f} images/s, then {b:,.0f} = {100 * b / a:.0f}%")
     return shares
+
+
+def raw_get_rate(url: str, manifest, threads: int, into: Path | None = None, most_bytes: int | None = None) -> float:
+    """Bytes/s of GETs of every data file of the dataset (`most_bytes`: its largest, up to about
+    that much), `threads` at once, into memory, or `into` new files in that folder (then
+    removed): what the node's disk lets a cold cache take."""
+    import obstore as obs
+
+    from packer.remote import client
+    from packer.remote.url import Remote
+
+    remote = Remote(url)
+    store = client.store(remote)
+    files = [f for s in manifest.shards for f in s.files]
+    if most_bytes is not None:
+        files.sort(key=lambda f: -f.size_bytes)
+        ends = list(itertools.accumulate(f.size_bytes for f in files))
+        files = files[:max(1, bisect.bisect_left(ends, most_bytes))]
+
+    def get(entry) -> int:
+        if into is None:
+            return sum(len(chunk) for chunk in client.get(obs, store, remote.key(entry.path)))
+        with open(into / entry.path.replace("/", "-"), "wb") as f:
+            for chunk in client.get(obs, store, remote.key(entry.path)):
+                f.write(chunk)
+            return f.tell()
+    if into is not None:
+        into.mkdir(parents=True)
+    try:
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            nbytes = sum(pool.map(get, files))
+        return nbytes / (time.perf_counter() - start)
+    finally:
+        if into is not None:
+            shutil.rmtree(into)

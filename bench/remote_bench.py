@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import data
-from .measure import alternated, dir_bytes, timed_pass
-from .stores import link, raw_get_rate
+from .measure import alternated, dir_bytes, raw_get_rate, timed_pass
+from .stores import link
 from .loaders_bench import machine
 from .prepare import prepare_dataset, prepare_images
 

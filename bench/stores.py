@@ -8,12 +8,10 @@ account's shared key. `link` puts a link of a given rate between a client and on
 from __future__ import annotations
 
 import base64
-import bisect
 import contextlib
 import datetime
 import hashlib
 import hmac
-import itertools
 import json
 import os
 import shutil
@@ -24,7 +22,6 @@ import sys
 import threading
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from packer.system import linux_libc
@@ -254,39 +251,3 @@ def link(upstream: str, bytes_per_s: float | None, counts: dict | None = None):
         yield f"http://127.0.0.1:{server.getsockname()[1]}"
     finally:
         server.close()
-
-
-def raw_get_rate(url: str, manifest, threads: int, into: Path | None = None, most_bytes: int | None = None) -> float:
-    """Bytes/s of GETs of every data file of the dataset (`most_bytes`: its largest, up to about
-    that much), `threads` at once, into memory, or `into` new files in that folder (then
-    removed): what the node's disk lets a cold cache take."""
-    import obstore as obs
-
-    from packer.remote import client
-    from packer.remote.url import Remote
-
-    remote = Remote(url)
-    store = client.store(remote)
-    files = [f for s in manifest.shards for f in s.files]
-    if most_bytes is not None:
-        files.sort(key=lambda f: -f.size_bytes)
-        ends = list(itertools.accumulate(f.size_bytes for f in files))
-        files = files[:max(1, bisect.bisect_left(ends, most_bytes))]
-
-    def get(entry) -> int:
-        if into is None:
-            return sum(len(chunk) for chunk in client.get(obs, store, remote.key(entry.path)))
-        with open(into / entry.path.replace("/", "-"), "wb") as f:
-            for chunk in client.get(obs, store, remote.key(entry.path)):
-                f.write(chunk)
-            return f.tell()
-    if into is not None:
-        into.mkdir(parents=True)
-    try:
-        start = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            nbytes = sum(pool.map(get, files))
-        return nbytes / (time.perf_counter() - start)
-    finally:
-        if into is not None:
-            shutil.rmtree(into)

@@ -110,7 +110,7 @@ def link_rate(loader) -> float | None:
         return None
     from packer.remote import DOWNLOADS
 
-    from ..stores import raw_get_rate
+    from ..measure import raw_get_rate
 
     cache = next(iter(found.values()))
     return raw_get_rate(cache.url, cache.manifest, DOWNLOADS, most_bytes=LINK_PROBE_BYTES)
