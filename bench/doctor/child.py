@@ -219,7 +219,7 @@ def child_main(argv: list[str]) -> None:
         dog.progress()
         interrupt.again()
     w.progress = progress
-    status = 0
+    status, stopped = 0, False
     try:
         classes = loader_classes()  # torch's import: a Ctrl-C now stops a script that never began
     except KeyboardInterrupt:
@@ -229,7 +229,7 @@ def child_main(argv: list[str]) -> None:
         try:
             _run_main(argv)
         except Stop:
-            pass
+            stopped = True
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 w.error = f"exit {exc.code}"
@@ -242,6 +242,14 @@ def child_main(argv: list[str]) -> None:
     dog.stop.set()
     w.progress = lambda: None
     write_report(w.diagnose(ceiling=not rank, probes=os.environ.get(PROBES_ENV) != "0"), report)
+    if stopped:
+        # stopped at the step limit mid-loop, the script ends here, as a signal would end it: its
+        # interpreter is not torn down around the loop's half-done state, where it aborted now and
+        # then after the report was written ("terminate called without an active exception", exit
+        # 134; twice in the suite, never on demand); the doctor ends what it left in its group
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     if status:  # the script's own status, as `python script.py` gives it (a CI step must see the failure)
         sys.exit(status)
 
