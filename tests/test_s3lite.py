@@ -18,10 +18,12 @@ import pytest
 import torch
 
 from bench import s3lite
-from bench.stores import KEY, SECRET, lite_server
+from bench.stores import lite_server
 from loaders import Loader, MMapDataset
 from packer.cli import main
 from packer.errors import ConfigError, IntegrityError
+
+from tests.dataset.remote import aws_env, photo_rows, pointed_at
 
 pytest.importorskip("obstore")
 
@@ -35,25 +37,14 @@ def endpoint(tmp_path_factory):
 @pytest.fixture
 def s3(endpoint, monkeypatch, tmp_path):
     """The standard AWS environment pointed at the server, and a cache of this test's own."""
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-                 "AWS_REGION": "us-east-1", "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
-        monkeypatch.setenv(k, v)
-    from packer.remote import transfer
-
-    monkeypatch.setattr(transfer, "DEFAULT_CACHE", tmp_path / "cache" / "mmpack" / "remote")
-    return endpoint
+    return pointed_at(endpoint, monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory) -> Path:
     """Photos of 112 x 112 (rows of 37,632 bytes: a block each, so a small cache reads them by
     ranged GETs) in 4 shards."""
-    from bench import data
-
-    root = tmp_path_factory.mktemp("rows")
-    data.make_image_folders(root / "raw", 32, seed=5, max_side=160)
-    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", "112", "--shard-size", "8", "-q"]) == 0
-    return root / "out"
+    return photo_rows(tmp_path_factory.mktemp("rows"), 32, 112)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +52,7 @@ def pushed(endpoint, rows, tmp_path_factory):
     """`rows` pushed once: its URL."""
     url = "s3://mmpack/lite/rows"
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-                     "AWS_REGION": "us-east-1"}.items():
+        for k, v in aws_env(endpoint).items():
             mp.setenv(k, v)
         assert main(["push", str(rows), url]) == 0
     return url

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from packer.cli import main
-
-from bench.stores import KEY, SECRET, s3_server
-from .remote import ROTATED
+from bench.stores import s3_server
+from .remote import ROTATED, photo_rows, pointed_at
 
 
 @pytest.fixture(scope="session")
@@ -20,21 +18,10 @@ def endpoint(tmp_path_factory):
 @pytest.fixture
 def s3(endpoint, monkeypatch, tmp_path):
     """The standard AWS environment pointed at the loopback server, and a cache of this test's own."""
-    for k, v in {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
-                 "AWS_REGION": "us-east-1", "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
-        monkeypatch.setenv(k, v)
-    from packer.remote import transfer
-
-    monkeypatch.setattr(transfer, "DEFAULT_CACHE", tmp_path / "cache" / "mmpack" / "remote")
-    return endpoint
+    return pointed_at(endpoint, monkeypatch, tmp_path)
 
 
 @pytest.fixture(scope="session")
 def large_rows(tmp_path_factory):
     """Photos of 112 x 112 (rows of 37,632 bytes: a block each, so read by rows) in 12 shards."""
-    from bench import data
-
-    root = tmp_path_factory.mktemp("rows")
-    data.make_image_folders(root / "raw", 96, seed=5, max_side=160)
-    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", "112", "--shard-size", "8", "-q"]) == 0
-    return root / "out"
+    return photo_rows(tmp_path_factory.mktemp("rows"), 96, 112)

@@ -30,6 +30,50 @@ NEEDS_SERVER = pytest.mark.skipif(_NO_SERVER is not None, reason=_NO_SERVER or "
 ROTATED = ("rotated-key", "rotated-secret")  # a second pair the server accepts: keys rotated mid-run
 
 
+def aws_env(endpoint: str) -> dict[str, str]:
+    """The standard AWS environment that points a client at a loopback server (SeaweedFS or ours)."""
+    from bench.stores import KEY, SECRET
+
+    return {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_REGION": "us-east-1"}
+
+
+def pointed_at(endpoint: str, monkeypatch, tmp_path) -> str:
+    """A test's environment pointed at the server (`aws_env`), with a cache of its own: the
+    endpoint. What each server's `s3` fixture does."""
+    for k, v in {**aws_env(endpoint), "XDG_CACHE_HOME": str(tmp_path / "cache")}.items():
+        monkeypatch.setenv(k, v)
+    from packer.remote import transfer
+
+    monkeypatch.setattr(transfer, "DEFAULT_CACHE", tmp_path / "cache" / "mmpack" / "remote")
+    return endpoint
+
+
+def profile(tmp_path, monkeypatch, keys: tuple[str, str]):
+    """No keys in the environment: a profile's credentials file holding `keys`, read again as it
+    changes (every 0.2 s at most); its path."""
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {keys[0]}\naws_secret_access_key = {keys[1]}\n")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("MMPACK_CREDENTIALS_REREAD_S", "0.2")
+    return creds
+
+
+def photo_rows(root, images: int, side: int):
+    """`images` photos packed at side x side in shards of 8 under `root` (rows of side**2 x 3
+    bytes: a block each, so a small cache reads them by range); the dataset's dir."""
+    from bench import data
+    from packer.cli import main
+
+    data.make_image_folders(root / "raw", images, seed=5, max_side=160)
+    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", str(side), "--shard-size", "8",
+                 "-q"]) == 0
+    return root / "out"
+
+
 def _url(tmp_path, name: str) -> str:
     return f"s3://mmpack/{hashlib.sha1(str(tmp_path).encode()).hexdigest()[:10]}/{name}"
 

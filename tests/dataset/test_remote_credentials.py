@@ -11,7 +11,7 @@ from loaders import Loader, MMapDataset
 from packer.cli import main
 
 from bench.stores import KEY, SECRET
-from .remote import NEEDS_SERVER, ROTATED, _url
+from .remote import NEEDS_SERVER, ROTATED, _url, profile
 
 pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or SeaweedFS is missing
 
@@ -26,13 +26,7 @@ def test_keys_from_a_profile_are_read_again_as_its_file_changes_so_a_rotation_mi
 
     url = _url(tmp_path, "images")
     assert main(["push", str(built["images"]), url]) == 0  # (with the environment's keys)
-    creds = tmp_path / "credentials"
-    creds.write_text(f"[default]\naws_access_key_id = {KEY}\naws_secret_access_key = {SECRET}\n")
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("MMPACK_CREDENTIALS_REREAD_S", "0.2")
+    creds = profile(tmp_path, monkeypatch, (KEY, SECRET))
     proxy = FaultyProxy(s3, [], target="/")
     monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
     try:

@@ -13,7 +13,7 @@ import torch
 from loaders import Loader, MMapDataset
 from packer.cli import main
 
-from .remote import NEEDS_SERVER, _url
+from .remote import NEEDS_SERVER, _url, profile
 
 pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or SeaweedFS is missing
 
@@ -36,19 +36,6 @@ def test_a_body_cut_off_on_the_manifest_and_on_a_first_shard_is_read_again(s3, b
         assert proxy.used == faults
     finally:
         proxy.close()
-
-
-def _profile(tmp_path, monkeypatch, keys: tuple[str, str]):
-    """No keys in the environment: a profile's credentials file holding `keys`, read again as it
-    changes (every 0.2 s at most); its path."""
-    creds = tmp_path / "credentials"
-    creds.write_text(f"[default]\naws_access_key_id = {keys[0]}\naws_secret_access_key = {keys[1]}\n")
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(creds))
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
-    monkeypatch.setenv("MMPACK_CREDENTIALS_REREAD_S", "0.2")
-    return creds
 
 
 def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_one_line(s3, built, tmp_path,
@@ -78,7 +65,7 @@ def test_keys_the_store_says_expired_are_read_again_and_keys_that_cannot_be_are_
             next(iter(Loader(ds, 8, seed=4)))
         assert "\n" not in str(got.value) and proxy.refusals and pacing.pace().retries == tries  # at once: none again
         proxy.refused = None
-        creds = _profile(tmp_path, monkeypatch, (KEY, SECRET))
+        creds = profile(tmp_path, monkeypatch, (KEY, SECRET))
         local, ds = MMapDataset(built["images"]), MMapDataset(url, cache_dir=tmp_path / "profile")
         proxy.refused = f"Credential={KEY}/".encode()  # expired, and the file not yet rewritten
         renewed = threading.Timer(1.0, creds.write_text, [f"[default]\naws_access_key_id = {ROTATED[0]}\n"

@@ -13,7 +13,7 @@ from packer.cli import main
 from packer.dataset import format as fmt
 from packer.errors import ConfigError, IntegrityError
 
-from .remote import NEEDS_SERVER, _bytes_on_disk, _killed_reader, _shard_bytes, _through_proxy, _url
+from .remote import NEEDS_SERVER, _bytes_on_disk, _killed_reader, _shard_bytes, _through_proxy, _url, photo_rows
 
 pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or SeaweedFS is missing
 
@@ -21,12 +21,7 @@ pytestmark = NEEDS_SERVER  # the S3 server's tests: skipped where obstore or Sea
 @pytest.fixture(scope="module")
 def rows_48k(tmp_path_factory):
     """Photos of 128 x 128 (rows of 49,152 bytes, 48 KiB: a block each, so read by rows) in 16 shards of 8."""
-    from bench import data
-
-    root = tmp_path_factory.mktemp("rows48k")
-    data.make_image_folders(root / "raw", 128, seed=5, max_side=160)
-    assert main(["build", str(root / "raw"), str(root / "out"), "--image-size", "128", "--shard-size", "8", "-q"]) == 0
-    return root / "out"
+    return photo_rows(tmp_path_factory.mktemp("rows48k"), 128, 128)
 
 
 def test_random_order_at_a_third_of_the_dataset_reads_its_rows_by_range_within_the_limit(s3, large_rows, tmp_path,
