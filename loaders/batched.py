@@ -11,7 +11,7 @@ import torch
 from packer.remote import Lookahead, check_workers
 
 from loaders.batch.source import BatchSource
-from loaders.source import bind, gather
+from loaders.source import as_source, bind, gather
 from loaders.order.orders import WINDOW
 from loaders.order.sampler import Epochs, Order, Pass
 
@@ -89,10 +89,10 @@ class BatchedDataset(EpochDataset):
                  world_size: int | None = None, columns: list[str] | None = None, bucket_by: str | None = None,
                  max_tokens: int | None = None, max_seconds: float | None = None, cost: str = "linear",
                  block_window: int = WINDOW):
-        self.source, self._epochs = bind(dataset, batch_size, columns=columns, shuffle=shuffle, order=order, seed=seed,
-                                         drop_last=drop_last, rank=rank, world_size=world_size, bucket_by=bucket_by,
-                                         max_tokens=max_tokens, max_seconds=max_seconds, cost=cost,
-                                         block_window=block_window)
+        self.source = as_source(dataset, columns)
+        self._epochs = bind(self.source, batch_size, shuffle=shuffle, order=order, seed=seed, drop_last=drop_last,
+                            rank=rank, world_size=world_size, bucket_by=bucket_by, max_tokens=max_tokens,
+                            max_seconds=max_seconds, cost=cost, block_window=block_window)
 
     def __len__(self) -> int:
         return self._epochs.num_batches()

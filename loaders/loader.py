@@ -149,11 +149,13 @@ class Loader(Resumable):
             dataset = MMapDataset(dataset)
         self._dataset = dataset
         # the JPEG lane: decoded on the device by nvJPEG (`loaders.device_decode`), or in the gather's threads
-        self._decode = choose(jpeg_decode, device, as_source(dataset, columns).encoded)
-        self.source, self._epochs = bind(dataset, batch_size, columns=columns, device_decode=self._decode is not None,
-                                         shuffle=shuffle, order=order, seed=seed, drop_last=drop_last, rank=rank,
-                                         world_size=world_size, bucket_by=bucket_by, max_tokens=max_tokens,
-                                         max_seconds=max_seconds, cost=cost, block_window=block_window)
+        self.source = as_source(dataset, columns)
+        self._decode = choose(jpeg_decode, device, self.source.encoded)
+        if self._decode is not None:  # a source of its own that hands the lane over as bytes
+            self.source = as_source(dataset, columns, device_decode=True)
+        self._epochs = bind(self.source, batch_size, shuffle=shuffle, order=order, seed=seed, drop_last=drop_last,
+                            rank=rank, world_size=world_size, bucket_by=bucket_by, max_tokens=max_tokens,
+                            max_seconds=max_seconds, cost=cost, block_window=block_window)
         self._timed = num_threads == "auto"  # chosen by timing at the first pass (see _time_threads)
         if num_threads is None or self._timed:
             self.num_threads = default_threads()

@@ -3,8 +3,9 @@ order -> gather. A view (`loaders.views`) gives a batch source, the contract eve
 (`loaders.batch.source.BatchSource`: `MMapDataset.batch_source`, `TokenWindows`,
 `PackedDocuments`, `AudioClips`, `Mixture`): its size, its identity, its buffers and a gather of
 sample ids into them, with what only some offer declared by defaults; `epochs_of` binds it to
-its epochs (`loaders.order`), and `bind` makes both for Loader and BatchedDataset alike. The batch and order layers import neither each other nor the
-views: this module, above them, joins them.
+its epochs (`loaders.order`), and `bind` does so for Loader and BatchedDataset alike, with the
+check of a remote dataset's cache limit. The batch and order layers import neither each other
+nor the views: this module, above them, joins them.
 """
 
 from __future__ import annotations
@@ -34,15 +35,13 @@ def as_source(dataset, columns: list[str] | None = None, *, device_decode: bool 
     return dataset.batch_source(columns, device_decode=device_decode)
 
 
-def bind(dataset, batch_size: int | None, *, columns: list[str] | None = None, device_decode: bool = False,
-         **order) -> tuple[BatchSource, Epochs]:
-    """What Loader and BatchedDataset are made of: the dataset's batch source and its epochs
+def bind(source: BatchSource, batch_size: int | None, **order) -> Epochs:
+    """What Loader and BatchedDataset make of a batch source (`as_source`): its epochs
     (`epochs_of`, `order` its keywords), a remote dataset's cache limit checked against the
     first batches."""
-    source = as_source(dataset, columns, device_decode=device_decode)
     epochs = epochs_of(source, batch_size, **order)
     check_first_batches(source, epochs)  # a cache limit too small for a batch: refused now
-    return source, epochs
+    return epochs
 
 
 def gather(source: BatchSource, ids: np.ndarray, buffers: dict, pool=None, num_threads: int = 1, *, epoch: int):

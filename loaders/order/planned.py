@@ -253,23 +253,14 @@ class LengthEpochs(Epochs):
         rest = max(self.plan(epoch, deal).total - cursor, 0)
         return rest // self.world_size if self.drop_last else -(-rest // self.world_size)
 
-    def fresh(self, epoch: int) -> Pass:
-        """Epoch `epoch`'s pass from its start: its batch count left to the plan, which counts its
-        windows as they are reached (a pass's first batch needs its first window's, not the N
-        lengths' pass a count of the epoch is)."""
-        return Pass(epoch, 0, None, self.fresh_slices())
-
-    def upcoming(self) -> Pass:
-        epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
-        if self.next_cursor:
-            return Pass(epoch, self.next_cursor, None, self.slices)
-        return self.fresh(epoch)
+    def known_count(self, cursor: int) -> None:
+        """None: a pass's batch count is left to the plan, which counts its windows as they are
+        reached (a pass's first batch needs its first window's, not the N lengths' pass a count of
+        the epoch is)."""
+        return None
 
     def per_rank(self, cursor: int | None = None) -> int:
         """Batches (not samples: they hold a varying number) this rank takes of the next pass."""
-        return self.count(self.upcoming())
-
-    def num_batches(self) -> int:
         return self.count(self.upcoming())
 
     def has(self, p: Pass, b: int) -> bool:

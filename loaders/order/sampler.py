@@ -186,8 +186,13 @@ class Epochs:
         else an epoch from its beginning (the next one after a pass left early)."""
         epoch = self.epoch + 1 if self.partial and not self.resuming else self.epoch
         if self.next_cursor:  # a resumed epoch keeps its parts, cut as they were
-            return Pass(epoch, self.next_cursor, self.num_batches(), self.slices, self.pinned)
-        return Pass(epoch, 0, self.num_batches(), self.fresh_slices())
+            return Pass(epoch, self.next_cursor, self.known_count(self.next_cursor), self.slices, self.pinned)
+        return self.fresh(epoch)
+
+    def known_count(self, cursor: int) -> int | None:
+        """This rank's batches of a pass from `cursor`, known before it starts (None where they are
+        known only at its end: a plan by length's)."""
+        return -(-self.per_rank(cursor) // self.batch_size)
 
     def fresh_slices(self) -> int:
         """The parts of an epoch started now: one per rank. A mixture's stream or batches
@@ -209,7 +214,8 @@ class Epochs:
                           batch_size=self.batch_size, drop_last=self.drop_last)
 
     def num_batches(self) -> int:
-        return -(-self.per_rank() // self.batch_size)
+        """This rank's batches of the next pass (over a plan by length, its epoch counted)."""
+        return self.count(self.upcoming())
 
     def has(self, p: Pass, b: int) -> bool:
         """Whether pass p has a batch b (this rank's, every rank as many): what a loop over a pass
@@ -267,7 +273,7 @@ class Epochs:
 
     def fresh(self, epoch: int) -> Pass:
         """Epoch `epoch`'s pass from its start."""
-        return Pass(epoch, 0, -(-self.per_rank(0) // self.batch_size), self.fresh_slices())
+        return Pass(epoch, 0, self.known_count(0), self.fresh_slices())
 
     def ahead_of(self, p: Pass, first: int = 0, step: int = 1):
         """(ids(i), more(i)): the i-th of batches first, first + step, ... of pass p, then of the
