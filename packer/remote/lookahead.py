@@ -75,9 +75,9 @@ class Lookahead:
             del shards_of[b]
         order, seen = [], set()
         for b in range(now, now + AHEAD_BATCHES):
-            if b not in shards_of and not self.more(b):
-                break
             if b not in shards_of:
+                if not self.more(b):
+                    break
                 shards_of[b] = self.gather.shards_of(self.batch_ids(b)).tolist()
             for g in shards_of[b]:
                 if g not in seen:
