@@ -286,6 +286,23 @@ def test_the_last_rounds_batches_repeated_or_dropped_are_counted(built, drop_las
     assert figures["dropped_batches"] == (total % world if drop_last else 0)
 
 
+def test_a_budgets_batches_are_the_same_whether_or_not_len_counted_the_epoch_first(built):
+    """From the user's side, on the real clips: a loop that never asks len() gets the batches, and
+    the count, of one that asks it first; and so do StatefulDataLoader's workers, each counting
+    the plan as they reach it."""
+    ds = MMapDataset(built["audio"], columns=["audio", "key"])
+
+    def keys(loader):
+        return [list(batch["key"]) for batch in loader]
+    counted = Loader(ds, max_seconds=0.5, seed=2)
+    total = len(counted)
+    want = keys(counted)
+    assert len(want) == total > 1
+    assert keys(Loader(ds, max_seconds=0.5, seed=2)) == want  # no len() first
+    workers = StatefulDataLoader(ds.batched(max_seconds=0.5, seed=2), num_workers=2)
+    assert keys(workers) == want
+
+
 def test_max_tokens_batches_hold_what_fits_the_budget_and_count_the_samples_over_it(built):
     captions = MMapDataset(built["pairs"], columns=["tokens", "key"])
     loader = Loader(captions, max_tokens=96, seed=1)
