@@ -8,9 +8,10 @@ import warnings
 
 import torch
 
-from packer.remote import Lookahead, check_workers
+from packer.remote import check_workers
 
 from loaders.batch.source import BatchSource
+from loaders.lookahead import Lookahead
 from loaders.source import as_source, bind, gather
 from loaders.order.orders import WINDOW
 from loaders.order.sampler import Epochs, Order, Pass
@@ -24,9 +25,15 @@ class EpochDataset(torch.utils.data.IterableDataset):
     _epoch_given = False
     source: BatchSource | None = None  # what its batches are gathered from (MMapIterableDataset: its own reads)
 
+    @property
+    def epochs(self) -> Epochs:
+        """The plan of its passes (`loaders.order.sampler.Epochs`): which ids each batch of each
+        epoch holds, a pure function of integers."""
+        return self._epochs
+
     def _fetch_ahead(self, source, p: Pass, b: int) -> None:
         """Over a URL (`source`: the gather of a remote dataset), the shards of this worker's
-        coming batches of pass p fetched ahead, as a Loader's are (`packer.remote.Lookahead`):
+        coming batches of pass p fetched ahead, as a Loader's are (`loaders.lookahead.Lookahead`):
         its batches w, w+k, ... of the pass, then of the next (what its cache should keep); `b`:
         the batch it makes now."""
         if source is None or not source.remote:
@@ -38,7 +45,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
             self._end_ahead()
             if source.all_mapped():
                 return
-            state = self._ahead = (os.getpid(), p, Lookahead(source, *self._epochs.ahead_of(p, worker, workers)))
+            state = self._ahead = (os.getpid(), p, Lookahead(source.residency, *self._epochs.ahead_of(p, worker, workers)))
         state[2].at((b - worker) // workers)
 
     def _end_ahead(self) -> None:
@@ -56,7 +63,7 @@ class EpochDataset(torch.utils.data.IterableDataset):
         w, w+k, ..., which DataLoader takes round-robin, so the order is the same for any k. At
         the pass's end the epochs move on (in-process, or in a persistent worker's copy). Over a
         URL (`source`, the gather of a remote dataset), the shards of this worker's coming
-        batches are fetched ahead, as a Loader's are (`packer.remote.Lookahead`)."""
+        batches are fetched ahead, as a Loader's are (`loaders.lookahead.Lookahead`)."""
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         if info is not None and info.id == 0:

@@ -19,11 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from packer.remote import Lookahead
 from packer.system import available_cores, local_ranks
 
 from loaders.batch import native
 from loaders.batch.ring import Ring
+from loaders.lookahead import Lookahead
 from loaders.source import as_source, bind, gather
 from loaders.cuda import to_device
 from loaders.device_decode import choose, decoded_on
@@ -238,7 +238,7 @@ class Loader(Resumable):
         pool, threads = self._pool_of(self.num_threads), self.num_threads
         ahead = None
         if source.remote and epochs.has(p, 0) and not source.all_mapped():  # fetched ahead
-            ahead = Lookahead(source, *epochs.ahead_of(p))
+            ahead = Lookahead(source.residency, *epochs.ahead_of(p))
 
         def make(b: int, needed, stop=_NEVER):
             buffers = ring.take(needed, stop)

@@ -164,7 +164,7 @@ def _padding(rec: dict) -> PaddingShare | None:
 
 
 def _node_traffic(loader) -> dict:
-    return {url: cache._here().traffic.node() for url, cache in caches(loader).items()}
+    return {url: cache.here().traffic.node() for url, cache in caches(loader).items()}
 
 
 def _remote(before: dict, after: dict, loop_s: float) -> RemoteTraffic | None:

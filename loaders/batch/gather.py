@@ -7,15 +7,15 @@ into the batch buffer (`loaders.batch.rows`); ragged images as one canvas of the
 sides (`loaders.batch.canvas`), by the same per-thread copies. Those start first, on the
 Loader's C pool (`loaders.batch.native`) or a thread pool; meanwhile this thread gathers the
 small columns: labels vectorised per shard, strings as one take per shard, ragged 1-D columns
-(tokens) padded, with their lengths (`loaders.batch.ragged`). A remote dataset's shards are
-mapped while its batches need them (fetched ahead by `packer.remote.lookahead`).
+(tokens) padded, with their lengths (`loaders.batch.ragged`). A remote dataset's shards (or a
+batch's rows of them) are mapped while its batches need them, as its residency says
+(`packer.remote.residency`; fetched ahead by `loaders.lookahead`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 from packer.errors import ConfigError
 from packer.dataset.format import columns_text as fmt_columns
 from packer.dataset.reader import ColumnArrays, DatasetReader
-from packer.remote.limits import budgets, held_whole
+from packer.remote.residency import Residency
 
 from loaders.batch import native
 from loaders.batch.buffers import Memory, batch_dtype, empty
@@ -36,10 +36,6 @@ from loaders.batch.rows import in_shares, rows_copy
 from loaders.batch.source import BatchSource
 
 BIG_SAMPLE_BYTES = 1024  # below this a column is gathered vectorised, not sample by sample
-# A pass's first batch reads its rows by range when its shards not in the cache hold more than
-# this: less comes about as fast whole (a few hundred ranged GETs against one GET a shard), and
-# more would keep it waiting in proportion to the dataset, not the batch
-COLD_ROWS_BYTES = 512 * 2**20
 
 
 class ColumnGather(BatchSource):
@@ -68,18 +64,9 @@ class ColumnGather(BatchSource):
         counts = [n for r in readers for n in np.diff([0, *r.shard_ends])]
         ends = np.cumsum(np.asarray(counts, dtype=np.int64)) if counts else np.zeros(0, np.int64)
         self._shards = [(r, k) for r in readers for k in range(len(r.shard_ends))]
-        # a remote dataset's shards are mapped while batches need them (`_resident`), the others None
-        self.remote = any(r.cache is not None for r in readers)
-        self._live: set[int] = set()
-        self._pid = os.getpid()  # a forked child holds none of its parent's pins: it maps afresh
-        self.lookahead = None  # a pass's `packer.remote.lookahead.Lookahead`, while one runs
-        # a remote batch's shards not held whole are read by rows (`packer.remote.rows`) where
-        # whole ones do not fit the cache limit (`rows_pass`, set by `check_room`) and in a
-        # pass's first batch (`cold`): it waits for its rows, not for every shard it touches
-        self.rows_pass, self.cold = False, True
-        self.processes = 1  # the loader's worker processes, each mapping its own batch's shards (`limits.budgets`)
-        self._rowed: dict[int, tuple] = {}  # shard -> (scratch dir, paths read by rows), this batch
-        self._rows: dict = {}  # this process's `packer.remote.rows.Rows` of each reader
+        # a remote dataset's shards are mapped while its residency holds them, the others None
+        self.residency = Residency(readers, ends, names, self._remap) if any(r.cache is not None for r in readers) \
+            else None
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._by_column: dict[str, list[ColumnArrays | None]] = {}
@@ -100,12 +87,14 @@ class ColumnGather(BatchSource):
         nothing in another process. The reader pickles as its path; what the checks of a cache
         limit decided (`packer.remote.limits`) goes with it: a spawned worker that lost
         `rows_pass` fetched whole shards the limit could not hold."""
+        held = self.residency
         return {"reader": self.readers, "names": [c.name for c in self.columns], "padding_value": self.padding_value,
-                "rows_pass": self.rows_pass, "processes": self.processes}
+                "rows_pass": held.rows_pass if held else False, "processes": held.processes if held else 1}
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["reader"], state["names"], state.get("padding_value", 0))
-        self.rows_pass, self.processes = state.get("rows_pass", False), state.get("processes", 1)
+        if self.residency is not None:
+            self.residency.rows_pass, self.residency.processes = state.get("rows_pass", False), state.get("processes", 1)
 
     @property
     def column_gather(self) -> ColumnGather:
@@ -137,189 +126,44 @@ class ColumnGather(BatchSource):
         remote dataset's: those of the shards mapped now, None for the others)."""
         arrays = self._by_column.get(name)
         if arrays is None:
-            arrays = self._by_column[name] = [self._mapped(g, name) if not self.remote or g in self._live or
-                                              g in self._rowed else None for g in range(len(self._shards))]
+            held = self.residency
+            arrays = self._by_column[name] = [self._mapped(g, name) if held is None or held.holds(g) else None
+                                              for g in range(len(self._shards))]
         return arrays
 
     def _mapped(self, g: int, name: str) -> ColumnArrays:
         r, k = self._shards[g]
-        if g not in self._rowed:
+        rowed = self.residency.scratch(g) if self.residency is not None else None
+        if rowed is None:
             return r.column(k, name)
-        scratch, paths = self._rowed[g]
+        scratch, paths = rowed
         return r.column_in(k, name, scratch if r.values_path(k, name) in paths else None)
 
     def _index(self, name: str) -> list[ColumnArrays]:
         """Every shard's offsets and shapes of a ragged column (a remote dataset's without its values)."""
-        if not self.remote:
+        if self.residency is None:
             return self._arrays(name)
         if name not in self._index_of:
             self._index_of[name] = [r.index(k, name) for r, k in self._shards]
         return self._index_of[name]
 
-    def shards_of(self, ids: np.ndarray) -> np.ndarray:
-        """The shards (positions over every reader's) that a batch of ids reads, sorted."""
-        return np.unique(np.searchsorted(self._ends, ids, side="right"))
-
-    def shard_bytes(self, g: int) -> int:
-        r, k = self._shards[g]
-        return r.cache.sizes[k] if r.cache is not None else 0
-
-    def cache_of(self, g: int):
-        return self._shards[g][0].cache
-
-    def _resident(self, needed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
-        """A remote dataset's shards of a batch mapped (fetched and pinned first), or their rows
-        (`_by_rows`). Under a cache limit, those of the last batch go first (`_let_go`), and the
-        batch's whole shards are pinned before its rows take room: its rows had evicted present
-        shards it then fetched again whole, into a cache its own rows and pins held."""
-        if self._pid != os.getpid():
-            self._pid, self._rowed, self._rows = os.getpid(), {}, {}
-            for g in list(self._live):
-                self._drop(g, pinned=False)
-        self._drop_rows()
-        if any(r.cache is not None and r.cache.limit is not None for r in self.readers):
-            self._let_go(needed)
-        rowed = self._rows_wanted(needed, shard) if self.rows_pass or self.cold else []
-        if not rowed:  # whole shards: the lookahead fetches them beside this gather
-            self.cold = False
-        for g in needed:
-            if g in self._live or g in rowed:
-                continue
-            r, k = self._shards[g]
-            r.cache.acquire(k)
-            self._live.add(g)
-            self._remap(g)
-        if rowed:  # (the lookahead waits until they are copied: whole shards would share the link and CPU)
-            self._by_rows(rowed, shard, rows)
-
-    def _let_go(self, needed: list[int]) -> None:
-        """Under a limit only the batch's shards stay mapped (a mapped shard cannot be evicted):
-        the last batch's others go, softly pinned where the lookahead still wants them, and so do
-        the pins the lookahead took for shards that left its window."""
-        window = self.lookahead.window() if self.lookahead is not None else frozenset()
-        for g in self._live - set(needed):
-            self._drop(g, soften=g in window)
-        first = 0
-        for r in self.readers:
-            if r.cache is not None:
-                for k in r.cache.pinned():
-                    if first + k not in window and first + k not in self._live:
-                        r.cache.release(k)
-            first += len(r.shard_ends)
-
-    def rows_of(self, r):
-        """This process's reads by rows (`packer.remote.rows.Rows`) of reader `r`'s cache."""
-        from packer.remote.rows import Rows
-
-        if id(r) not in self._rows:
-            self._rows[id(r)] = Rows(r.cache._here())
-        return self._rows[id(r)]
-
-    def _rows_wanted(self, needed: list[int], shard: np.ndarray) -> list[int]:
-        """Of a batch's shards, those read by rows: not mapped here nor in the cache, of a reader
-        whose files have block lists; in a cold batch only where they hold over COLD_ROWS_BYTES (a
-        cold batch whose shards come about as soon as its rows would reads them whole). Under a
-        limit, also those mapped or in the cache that it cannot hold whole beside the rows
-        (`_unheld`)."""
-        missing = [g for g in needed if g not in self._live and self._shards[g][0].cache is not None and
-                   not self._shards[g][0].cache.present(self._shards[g][1])]
-        if not self.rows_pass and sum(self.shard_bytes(g) for g in missing) <= COLD_ROWS_BYTES:
-            return []  # (decided before asking the store for a block list)
-        rowed = [g for g in missing if self.rows_of(self._shards[g][0]).usable()]
-        if not self.rows_pass and sum(self.shard_bytes(g) for g in rowed) <= COLD_ROWS_BYTES:
-            return []
-        return rowed + self._unheld([g for g in needed if g not in missing], rowed, shard)
-
-    def _unheld(self, held: list[int], rowed: list[int], shard: np.ndarray) -> list[int]:
-        """Of a batch's shards mapped here or present in a limited cache (`held`), those read by
-        rows all the same, unmapped and their files removed (`ShardCache.drop`) to make room for
-        the rows: all but those that the room the limit leaves this process (`limits.budgets`)
-        holds beside the batch's other rows (and shards that cannot be read so), the ones with
-        most of its rows first (`limits.held_whole`). One that another process maps stays whole: its bytes are held
-        either way."""
-        room, out = budgets(self), []
-        counts = np.bincount(shard, minlength=len(self._shards))
-        for key, nbytes in room.items():
-            def of(gs, key=key):
-                return [g for g in gs if id(self.cache_of(g)) == key]
-            wanted = sorted((g for g in of(held) if self.rows_of(self._shards[g][0]).usable()), key=lambda g: -counts[g])
-            besides = sum(self._row_bytes(g, counts[g]) for g in of(rowed)) + \
-                sum(self.shard_bytes(g) for g in of(held) if g not in wanted)
-            whole = held_whole(nbytes, besides, [(self.shard_bytes(g), self._row_bytes(g, counts[g])) for g in wanted])
-            for g in [g for g, keep in zip(wanted, whole) if not keep]:
-                if g in self._live:
-                    self._drop(g)
-                if self.cache_of(g).drop(self._shards[g][1]):
-                    out.append(g)
-        return out
-
-    def _row_bytes(self, g: int, n: int) -> int:
-        """About the bytes `n` rows of shard g take read by rows: its files read so in proportion,
-        its other files whole."""
-        r, k = self._shards[g]
-        ranged = set(self.rows_of(r).block) & {r.values_path(k, c.name) for c in self.columns}
-        num = max(1, int(self._ends[g] - self._starts[g]))
-        return sum(e.size_bytes * int(n) // num if e.path in ranged else e.size_bytes for e in r.cache.bulk[k])
-
-    def _by_rows(self, rowed: list[int], shard: np.ndarray, rows: np.ndarray) -> None:
-        """The batch's rows of shards `rowed` fetched by range and mapped (see `rows_pass`)."""
-        by_reader: dict = {}
-        for g in rowed:
-            r, k = self._shards[g]
-            sel = rows[shard == g]
-            by_reader.setdefault(id(r), (r, {}))[1][k] = dict(r.spans(k, c.name, sel) for c in self.columns)
-        first = {id(r): g - k for g, (r, k) in enumerate(self._shards) if k == 0}
-        for r, spans in by_reader.values():
-            scratch, paths = r.cache.acquire_rows(self.rows_of(r), spans)
-            for k in spans:
-                self._rowed[first[id(r)] + k] = (scratch, paths)
-        for g in self._rowed:
-            self._remap(g)
-
     def _remap(self, g: int) -> None:
+        """Shard g's maps made again, or dropped where the residency no longer holds it."""
+        held = self.residency.holds(g)
         for name, arrays in self._by_column.items():
-            arrays[g] = self._mapped(g, name)
+            arrays[g] = self._mapped(g, name) if held else None
             regions = self._regions_of.get(name)
             if regions is not None:
-                regions[g] = native.region_of(arrays[g].values)
-
-    def _drop_rows(self) -> None:
-        """The last batch's rows unmapped and gone (`packer.remote.rows`)."""
-        if not self._rowed:
-            return
-        for g in self._rowed:
-            for name, arrays in self._by_column.items():
-                arrays[g] = None
-                regions = self._regions_of.get(name)
-                if regions is not None:
-                    regions[g] = native.region_of(None)
-        self._rowed = {}
-        for rows in self._rows.values():
-            rows.drop()
+                regions[g] = native.region_of(arrays[g].values if held else None)
 
     def all_mapped(self) -> bool:
         """Every shard of a remote dataset is mapped here (in its cache, nothing to fetch)."""
-        return len(self._live) == len(self._shards) and self._pid == os.getpid()
-
-    def _drop(self, g: int, soften: bool = False, pinned: bool = True) -> None:
-        r, k = self._shards[g]
-        self._live.discard(g)
-        for name, arrays in self._by_column.items():
-            arrays[g] = None
-            regions = self._regions_of.get(name)
-            if regions is not None:
-                regions[g] = native.region_of(None)
-        if pinned:
-            r.release(k, soften)
+        return self.residency is None or self.residency.all_mapped()
 
     def release(self) -> None:
         """Unmaps and unpins every shard of a remote dataset this gather holds."""
-        self._drop_rows()
-        for g in list(self._live):
-            self._drop(g)
-        for r in self.readers:
-            if r.cache is not None:
-                r.cache.release_all()
+        if self.residency is not None:
+            self.residency.release()
 
     def alloc(self, batch_size: int, memory: Memory) -> dict[str, torch.Tensor]:
         """Buffers for the fixed-shape columns; in a Loader's ring (long-lived), also for each
@@ -381,14 +225,15 @@ class ColumnGather(BatchSource):
         try:
             return self._gather(ids, buffers, pool, num_threads)
         finally:
-            self.cold = False  # a pass's first batch is gathered: the lookahead goes on
+            if self.residency is not None:
+                self.residency.cold = False  # a pass's first batch is gathered: the lookahead goes on
 
     def _gather(self, ids: np.ndarray, buffers: dict[str, torch.Tensor], pool, num_threads: int) -> dict:
         n = len(ids)
         shard = np.searchsorted(self._ends, ids, side="right")
         rows = ids - self._starts[shard]
-        if self.remote:
-            self._resident(np.unique(shard).tolist(), shard, rows)
+        if self.residency is not None:
+            self.residency.ensure(shard, rows)
         order = np.lexsort((rows, shard))  # the copies run in (shard, row) order: locality
         out: dict = {}
         copies, decodes, rest = [], [], []
@@ -424,7 +269,8 @@ class ColumnGather(BatchSource):
                 pass
         for f in pending:
             f.result()
-        self._drop_rows()  # copied: a batch's rows hold room in the cache only while it is gathered
+        if self.residency is not None:
+            self.residency.done()  # copied: a batch's rows hold room in the cache only while it is gathered
         out = {c.name: out.pop(c.name) for c in self.columns} | out  # columns in schema order
         for c in self.columns:
             if c.bfloat16:  # its bits were gathered as int16

@@ -22,9 +22,10 @@ class BatchSource(Batchable):
     defaults, what only some sources offer."""
 
     source_id: str
-    remote = False  # reads a URL through a node's cache: shards fetched ahead of the order, released at close
+    # a source that reads a URL through a node's cache: what this process holds of it
+    # (`packer.remote.residency.Residency`), its shards fetched ahead of the order, released at close
+    residency = None
     per_epoch = False  # a batch depends on the epoch: gather takes `epoch=` (AudioClips' crops)
-    processes = 1  # the loader's worker processes, each mapping its own batch's shards (`packer.remote.limits`)
     encoded = False  # holds the JPEG lane, which a device may decode (`batch_source(device_decode=True)`)
 
     def __len__(self) -> int:
@@ -43,6 +44,10 @@ class BatchSource(Batchable):
         if columns is not None:
             raise ConfigError("columns= applies to an MMapDataset only")
         return self
+
+    @property
+    def remote(self) -> bool:
+        return self.residency is not None
 
     @property
     def column_gather(self):

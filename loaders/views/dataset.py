@@ -108,7 +108,7 @@ class MMapDataset(torch.utils.data.Dataset, Batchable):
     def bytes_downloaded(self) -> int:
         """Bytes this process has fetched from object storage for this dataset's shards (0 for a
         local dataset)."""
-        return self._cache._here().downloaded if self._cache is not None else 0
+        return self._cache.here().downloaded if self._cache is not None else 0
 
     @property
     def traffic(self) -> dict:
@@ -116,13 +116,13 @@ class MMapDataset(torch.utils.data.Dataset, Batchable):
         the GET requests (a range is one; the client's own retries are not counted), the shards
         it downloaded, and the times a shard it needed was in the node's cache already (fetched
         by another process, an earlier run, or itself before). Zeros for a local dataset."""
-        return dict(self._cache._here().traffic.mine) if self._cache is not None else dict.fromkeys(FIELDS, 0)
+        return dict(self._cache.here().traffic.mine) if self._cache is not None else dict.fromkeys(FIELDS, 0)
 
     @property
     def node_traffic(self) -> dict:
         """`traffic` added up over every process on this node that read this dataset's cache
         entry (DataLoader workers, ranks, earlier runs): what `bench doctor` reports."""
-        return self._cache._here().traffic.node() if self._cache is not None else dict.fromkeys(FIELDS, 0)
+        return self._cache.here().traffic.node() if self._cache is not None else dict.fromkeys(FIELDS, 0)
 
     @property
     def manifest(self) -> Manifest:

@@ -1,5 +1,5 @@
 """The node-local cache of a dataset in object storage: its files fetched shard by shard when a
-reader first needs them (or a `packer.remote.lookahead.Lookahead` ahead of that), kept under an
+reader first needs them (or a `loaders.lookahead.Lookahead` ahead of that), kept under an
 optional byte limit, and shared by every process and rank on the node.
 
 A cache entry is a dataset dir (FORMAT.md) whose manifest and index files (the offsets and
@@ -117,7 +117,7 @@ class ShardCache:
         packed = {f["of"]: fmt.ArchiveFile(**f) for f in state["packed"]} if state.get("packed") else None
         self.__init__(state["url"], Path(state["root"]), manifest, state["limit"], packed)
 
-    def _here(self) -> ShardCache:
+    def here(self) -> ShardCache:
         """This process's state: a forked child drops its parent's (its pins stay the parent's:
         an flock belongs to the open file, which the parent keeps)."""
         if self._pid != os.getpid():
@@ -134,10 +134,10 @@ class ShardCache:
 
     @property
     def downloaded(self) -> int:
-        return self._here().traffic.mine["bytes"]
+        return self.here().traffic.mine["bytes"]
 
     def store(self):
-        self._here()
+        self.here()
         if self._store is None:
             self._store = client.store(Remote(self.url))
         return self._store
@@ -146,8 +146,14 @@ class ShardCache:
         return self.root / self.manifest.shards[k].dir
 
     def pinned(self) -> list[int]:
-        with self._here()._guard:
+        with self.here()._guard:
             return list(self._pins)
+
+    def holdings(self) -> tuple[set[int], set[int], set[int]]:
+        """This process's pins, at one instant: (the shards it pins, those pinned softly, those
+        it ever pinned), what eviction tells its own shards from other processes' by."""
+        with self.here()._guard:
+            return set(self._pins), set(self._soft), set(self._used)
 
     def present(self, k: int, files: list | None = None) -> bool:
         return all(whole(self.root / e.path, e.size_bytes) for e in (self.bulk[k] if files is None else files))
@@ -163,7 +169,7 @@ class ShardCache:
         return self._pin(k, rank)
 
     def _pin(self, k: int, rank: float | None) -> bool:
-        self._here()
+        self.here()
         with self._guard:
             if k in self._pins:
                 if rank is None:
@@ -206,12 +212,12 @@ class ShardCache:
         return True
 
     def soften(self, k: int) -> None:
-        with self._here()._guard:
+        with self.here()._guard:
             if k in self._pins:
                 self._soft.add(k)
 
     def release(self, k: int) -> None:
-        with self._here()._guard:
+        with self.here()._guard:
             pin = self._pins.pop(k, None)
             self._soft.discard(k)
         if pin is not None:
@@ -224,19 +230,19 @@ class ShardCache:
     def drop(self, k: int) -> bool:
         """Shard k's files removed now, unless a process maps it (this one too): a shard the cache
         holds that a batch reads by rows instead, its files making room for its rows."""
-        return drop_shard(self._here(), k)
+        return drop_shard(self.here(), k)
 
     # -- reads by rows (`packer.remote.rows`): a batch's rows of shards not held whole
     def rows_held(self) -> tuple[set[int], int]:
         """The shards this process's reads by rows pin, and the bytes of the rows they reserved."""
-        readers = list(self._here()._rows)
+        readers = list(self.here()._rows)
         return set().union(*(r.pinned() for r in readers)), sum(r.reserved for r in readers)
 
     def acquire_rows(self, rows: Rows, spans: dict[int, dict[str, np.ndarray]]) -> tuple[Path | None, set[str]]:
         """For each shard k of `spans` (the byte spans a batch reads of its files, by path), its
         files read by rows present in the scratch of `rows` (a gather's), its other files in the
         entry, and the shard pinned until `drop_rows`: the scratch dir, and the paths read so."""
-        self._here()._rows.add(rows)  # its pins and rows are this process's own (`rows_held`)
+        self.here()._rows.add(rows)  # its pins and rows are this process's own (`rows_held`)
         rows.lists([p for by_file in spans.values() for p in by_file])
         rowed, whole_files = {}, {}
         for k, by_file in spans.items():
@@ -263,7 +269,7 @@ class ShardCache:
         (waiting for other processes' pins as `_fetch` does)."""
         deadline = time.monotonic() + WAIT_FOR_ROOM_S
         while True:
-            with self._accounting() as ledger:
+            with self.accounting() as ledger:
                 if self._room(ledger, need, None):
                     ledger.add(need)
                     return
@@ -320,7 +326,7 @@ class ShardCache:
         """Shard k's missing files (of `files`, else all) fetched (True); False for a fetch ahead
         that found no room, None when a fetch for now found none (yet)."""
         missing = [e for e in (self.bulk[k] if files is None else files) if not whole(self.root / e.path, e.size_bytes)]
-        drop_abandoned_parts(self.shard_dir(k), self._accounting)  # a killed fetch's (under the fetch lock: all)
+        drop_abandoned_parts(self.shard_dir(k), self.accounting)  # a killed fetch's (under the fetch lock: all)
         parts = self._reserve(missing, rank)
         if parts is None:
             return False if rank is not None else None
@@ -330,7 +336,7 @@ class ShardCache:
                 packed = self.packed.get(entry.path) if self.packed else None
                 gets = fetch_file(self.store, self.url, entry, self.root / entry.path, temp=part, packed=packed)
                 self.traffic.add(bytes=(packed or entry).size_bytes, gets=gets)  # what came over the link
-            with self._accounting() as ledger:  # not while another process counts: it would see neither name, or both
+            with self.accounting() as ledger:  # not while another process counts: it would see neither name, or both
                 for entry, part in zip(missing, parts):
                     os.replace(part.name, self.root / entry.path)
                 renamed = True
@@ -341,7 +347,7 @@ class ShardCache:
             for part in parts:
                 part.close()
             if not renamed:  # what was reserved and not renamed into place leaves the ledger
-                with self._accounting() as ledger:
+                with self.accounting() as ledger:
                     for entry, part in zip(missing, parts):
                         try:
                             os.unlink(part.name)
@@ -359,7 +365,7 @@ class ShardCache:
     def check(self, k: int) -> tuple[list, list]:
         """Shard k's present files every one hashed again (`packer verify URL --cache`), under its
         fetch lock: (those that match, those that did not, now removed to be fetched again)."""
-        self._here()
+        self.here()
         with open(self.shard_dir(k) / FETCH, "ab") as fetching:
             flock(fetching)
             return self._recheck(k, every=True)
@@ -370,7 +376,7 @@ class ShardCache:
         again)."""
         good, bad = recheck(self.root, self.bulk[k], every)
         if bad:
-            with self._accounting() as ledger:
+            with self.accounting() as ledger:
                 for entry in bad:
                     os.unlink(self.root / entry.path)
                     ledger.add(-entry.size_bytes)
@@ -394,7 +400,7 @@ class ShardCache:
         stamps.update({name_of(e): stat_key(self.root / e.path) for e in entries})
         write_stamps(self.shard_dir(k), stamps)
 
-    def _accounting(self) -> Ledger:
+    def accounting(self) -> Ledger:
         """The entry's ledger, held (an exclusive flock) by one thread of one process at a time."""
         return Ledger(self.root / ACCOUNTING, len(self.bulk), self._count)
 
@@ -403,7 +409,7 @@ class ShardCache:
         counts them) and flocked while they are written, if the limit has room for them now
         (None: not now; for a fetch ahead at `rank`, evicting only what is used after it)."""
         need = sum(e.size_bytes for e in entries)
-        with self._accounting() as ledger:
+        with self.accounting() as ledger:
             if self._room(ledger, need, rank):
                 ledger.add(need)
                 return [part_file(self.root / e.path, e.size_bytes) for e in entries]

@@ -53,13 +53,13 @@ def open_cached(url: str, cache_dir: str | Path | None = None, limit: int | None
         root.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a read-only (or foreign) cache dir without this dataset
         raise _unwritable(url, root, exc) from None
-    cache._here()  # held by this process from now on: never removed whole while it is open
+    cache.here()  # held by this process from now on: never removed whole while it is open
     need = cache.index_bytes + max(cache.sizes, default=0)
     if limit is not None and limit < cache.index_bytes:
         check_limit(url, limit, need, "the dataset's index files and its largest shard", limit=limit)
     _open_entry(url, root, cache, manifest, packed)
     if os.access(root, os.W_OK) and drop_dead(root)[1]:  # a killed reader's rows: its reservation leaves the ledger
-        with cache._accounting() as ledger:
+        with cache.accounting() as ledger:
             ledger.recount()
     if limit is not None and limit < need and not Rows(cache).usable():
         # below a shard, only reads by rows serve (a Loader's or ds.batched's batches)

@@ -15,8 +15,7 @@ def evict(cache, over: int, rank: float | None, ledger: Ledger) -> bool:
     """Remove unpinned shards, then this process's soft pins, farthest next use first
     (for a fetch ahead at `rank`, only those used after it), until `over` bytes are freed."""
     next_use = cache.next_use or (lambda j: float("inf"))
-    with cache._guard:
-        mine, soft, used = set(cache._pins), set(cache._soft), set(cache._used)
+    mine, soft, used = cache.holdings()
     mine |= cache.rows_held()[0]  # shards its reads by rows pin: its own, not another process's
     present = [j for j in ledger.present() if j not in mine]
 
@@ -54,15 +53,14 @@ def evict(cache, over: int, rank: float | None, ledger: Ledger) -> bool:
 def drop_shard(cache, k: int) -> bool:
     """Shard k's files removed now (`ShardCache.drop`), unless a process maps it: this one (k
     pinned, or softly pinned and then released), or another (its pin taken); whether they went."""
-    with cache._guard:
-        if k in cache._pins and k not in cache._soft:
-            return False
-        soft = k in cache._pins
-    if soft:
+    pins, softly, _ = cache.holdings()
+    if k in pins and k not in softly:
+        return False
+    if k in pins:
         cache.release(k)
     if k in cache.rows_held()[0]:
         return False
-    with cache._accounting() as ledger:
+    with cache.accounting() as ledger:
         return _remove(cache, k, ledger) is not None
 
 

@@ -51,61 +51,64 @@ FIRST_BATCHES = 8  # batches whose shards a cache limit must hold one at a time,
 MOST_FETCHED = 1.5  # times its shards an epoch in random order may fetch, a shard at a time, before it is refused
 
 
-def processes(gather) -> int:
+def processes(held) -> int:
     """The processes of this node that map shards of a limited cache at once, each its own
     batch's: the node's ranks (LOCAL_WORLD_SIZE) times a loader's worker processes
-    (`gather.processes`, which StatefulDataLoader sets: two workers whose batches each held half
-    the limit waited 120 s on each other's pins, then failed)."""
-    return local_ranks() * max(1, gather.processes)
+    (`held.processes`, of a source's `packer.remote.residency.Residency`, which StatefulDataLoader
+    sets: two workers whose batches each held half the limit waited 120 s on each other's pins,
+    then failed)."""
+    return local_ranks() * max(1, held.processes)
 
 
-def sharers(gather) -> str:
-    workers = max(1, gather.processes)
+def sharers(held) -> str:
+    workers = max(1, held.processes)
     return "the node's other ranks" + (f" and this loader's {workers} worker processes" if workers > 1 else "")
 
 
-def budgets(gather) -> dict:
+def budgets(held) -> dict:
     """Bytes of shards each limited cache may hold for this process: its limit less its index
     files, over the node's ranks and the loader's worker processes (`processes`)."""
     out = {}
-    for r in gather.readers:
+    for r in held.readers:
         cache = r.cache
         if cache is not None and cache.limit is not None:
-            out[id(cache)] = (cache.limit - cache.index_bytes) // processes(gather)
+            out[id(cache)] = (cache.limit - cache.index_bytes) // processes(held)
     return out
 
 
 def check_workers(source, epochs, workers: int) -> None:
-    """`check_first_batches` again for a remote dataset's gather read by `workers` loader
+    """`check_first_batches` again for a remote dataset's source read by `workers` loader
     processes, each mapping its own batch's shards: the cache limit must hold them all, refused
     when the loader is made (StatefulDataLoader) or by a plain DataLoader's first worker to find
     them (it never told the dataset), not 120 s into a wait for room."""
-    if source is not None and source.remote and workers > source.processes:
-        source.processes = workers
+    held = source.residency if source is not None else None
+    if held is not None and workers > held.processes:
+        held.processes = workers
         check_first_batches(source, epochs)
 
 
 def check_first_batches(source, epochs) -> None:
-    """`check_room` for the next pass of `epochs` over a remote dataset's gather (else nothing):
+    """`check_room` for the next pass of `epochs` over a remote dataset's source (else nothing):
     what Loader and BatchedDataset check when they are made."""
-    if source.remote:
+    held = source.residency
+    if held is not None:
         twin = epochs.twin()
         p = twin.upcoming()
         order = epochs.order
-        check_room(source, lambda b: twin.batch_ids(p, b), twin.clip(p, FIRST_BATCHES), order, epochs.block_window)
-        if order == "random" and not source.rows_pass:
-            check_random(source, min(1.0, local_ranks() / max(1, epochs.world_size)))
-        if order == "block" and not source.rows_pass:
-            check_window(source, epochs)
+        check_room(held, lambda b: twin.batch_ids(p, b), twin.clip(p, FIRST_BATCHES), order, epochs.block_window)
+        if order == "random" and not held.rows_pass:
+            check_random(held, min(1.0, local_ranks() / max(1, epochs.world_size)))
+        if order == "block" and not held.rows_pass:
+            check_window(held, epochs)
 
 
-def check_window(gather, epochs) -> None:
+def check_window(held, epochs) -> None:
     """A warning where the shards of block order's first window (the samples a rank reads
     shuffled among themselves) hold more bytes than the cache limit leaves this process: every
     batch draws from all of them, so evicting any is fetching it again within the window, many
     times an epoch. Said with the limit that would hold them and the largest window (halving it)
     whose shards fit."""
-    room = budgets(gather)
+    room = budgets(held)
     if not room:  # no limited cache: nothing to say, and no window's ids to compute at start-up
         return
 
@@ -115,8 +118,8 @@ def check_window(gather, epochs) -> None:
         p = twin.upcoming()
         shards = set()
         for b in range(twin.clip(p, -(-window // twin.batch_size))):
-            shards.update(gather.shards_of(twin.batch_ids(p, b)).tolist())
-        return _bytes_by_cache(gather, shards, room)
+            shards.update(held.shards_of(twin.batch_ids(p, b)).tolist())
+        return _bytes_by_cache(held, shards, room)
 
     def over(needs: dict) -> list:
         return [key for key, nbytes in needs.items() if nbytes > room[key]]
@@ -129,7 +132,7 @@ def check_window(gather, epochs) -> None:
     import warnings
 
     key = over(needs)[0]
-    cache = _cache(gather, key)
+    cache = _cache(held, key)
     warnings.warn(f"{cache.url}: block order's window of {epochs.block_window:,} samples reads shards of "
                   f"{needs[key] / 1e6:,.1f} MB over and over, more than the {max(room[key], 0) / 1e6:,.1f} MB of "
                   f"cache_limit this process has: each epoch would fetch them many times; raise cache_limit by "
@@ -137,24 +140,24 @@ def check_window(gather, epochs) -> None:
                   f"or pass block_window={max(fits, 1)}", stacklevel=4)
 
 
-def check_room(gather, batch_ids, num_batches: int, order: str | None = None, window: int | None = None) -> None:
+def check_room(held, batch_ids, num_batches: int, order: str | None = None, window: int | None = None) -> None:
     """Where one of the first batches reads more shard bytes than the cache limit leaves this
-    process, the pass reads by rows (`gather.rows_pass`, `packer.remote.rows`) where every
+    process, the pass reads by rows (`held.rows_pass`, `packer.remote.rows`) where every
     limited cache can; else a ConfigError: its batches could never be gathered."""
-    gather.rows_pass = False
-    room = budgets(gather)
+    held.rows_pass = False
+    room = budgets(held)
     for b in range(min(num_batches, FIRST_BATCHES)):
-        shards = gather.shards_of(batch_ids(b))
-        need = _bytes_by_cache(gather, shards.tolist(), room)
+        shards = held.shards_of(batch_ids(b))
+        need = _bytes_by_cache(held, shards.tolist(), room)
         over = [key for key, nbytes in need.items() if nbytes > room[key]]
-        if over and all(gather.rows_of(r).usable() for r in gather.readers if r.cache is not None and id(r.cache) in room):
-            gather.rows_pass = True
+        if over and all(held.rows_of(r).usable() for r in held.readers if r.cache is not None and id(r.cache) in room):
+            held.rows_pass = True
             return
         for key, nbytes in need.items():
-            cache = _cache(gather, key)
+            cache = _cache(held, key)
             check_limit(cache.url, room[key], nbytes, f"one batch of this order ({len(shards)} shards)",
-                        limit=cache.limit, sharers=sharers(gather),
-                        advice=", or use a smaller batch" + (" or fewer workers" if processes(gather) > local_ranks()
+                        limit=cache.limit, sharers=sharers(held),
+                        advice=", or use a smaller batch" + (" or fewer workers" if processes(held) > local_ranks()
                                                              else "") + (
                             ", or order='block' (its batches read a few shards once the dataset is many times its "
                             "window of 8,192 samples)" if order != "block" else
@@ -201,14 +204,14 @@ def room_for_random(shard_bytes: int, samples: int, shards: int, share: float = 
     return int(shard_bytes * max(0.0, 1.0 - (MOST_FETCHED - 1.0) / (reads - 1.0))) + 1
 
 
-def check_random(gather, share: float = 1.0) -> None:
+def check_random(held, share: float = 1.0) -> None:
     """A random order reads every shard all epoch long: where a limited cache cannot hold enough
     of them (`random_fetches` over MOST_FETCHED: 64 px images at a batch of 4 through a limit of
     30% fetched 13.6x the dataset an epoch, in silence), the pass reads by rows (about the
     dataset once) where every limited cache can; else a ConfigError before the first batch,
     naming the limit that would hold. The room is the node's, not a process's: its processes all
     read the same shards. `share`: the part of each epoch the node's ranks read."""
-    limited = [r for r in gather.readers if r.cache is not None and r.cache.limit is not None]
+    limited = [r for r in held.readers if r.cache is not None and r.cache.limit is not None]
     over = []
     for r in limited:
         cache = r.cache
@@ -219,11 +222,11 @@ def check_random(gather, share: float = 1.0) -> None:
                                                                                      len(cache.sizes), share)))
     if not over:
         return
-    if all(gather.rows_of(r).usable() for r in limited):
-        gather.rows_pass = True
+    if all(held.rows_of(r).usable() for r in limited):
+        held.rows_pass = True
         return
     r, times, shard_bytes, need = over[0]
-    why = gather.rows_of(r).why_not() or "its files cannot be read by rows"
+    why = held.rows_of(r).why_not() or "its files cannot be read by rows"
     raise ConfigError(f"{r.cache.url}: a random order reads every shard all epoch long, and cache_limit "
                       f"{r.cache.limit:,} bytes holds {min(1.0, (r.cache.limit - r.cache.index_bytes) / shard_bytes):.0%} "
                       f"of its {shard_bytes:,} bytes of shards: each epoch would fetch about {times:.1f}x them, a shard "
@@ -231,16 +234,16 @@ def check_random(gather, share: float = 1.0) -> None:
                       "nearby samples, shuffled within a window), or shuffle=False")
 
 
-def _bytes_by_cache(gather, shards, room: dict) -> dict:
+def _bytes_by_cache(held, shards, room: dict) -> dict:
     """The bytes of `shards` (each once) per limited cache of `room`, keyed as `budgets` keys it."""
     out: dict = {}
     for g in shards:
-        cache = gather.cache_of(g)
+        cache = held.cache_of(g)
         if cache is not None and id(cache) in room:
-            out[id(cache)] = out.get(id(cache), 0) + gather.shard_bytes(g)
+            out[id(cache)] = out.get(id(cache), 0) + held.shard_bytes(g)
     return out
 
 
-def _cache(gather, key: int):
+def _cache(held, key: int):
     """The cache `budgets` keyed as `key`."""
-    return next(r.cache for r in gather.readers if id(r.cache) == key)
+    return next(r.cache for r in held.readers if id(r.cache) == key)

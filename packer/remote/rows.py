@@ -320,7 +320,7 @@ class _Scratch:
             except FileNotFoundError:
                 pass
         if freed:
-            with self.cache._accounting() as ledger:
+            with self.cache.accounting() as ledger:
                 ledger.add(-freed)
         for pin in pins:
             pin.close()

@@ -105,16 +105,16 @@ def test_the_cache_ledger_torn_or_counting_a_dead_process_is_counted_again_from_
         assert got == keys and _bytes_on_disk(cache) <= limit
     epoch()
     shards = ds.reader.cache
-    with shards._accounting() as ledger:
+    with shards.accounting() as ledger:
         assert ledger.used == shards.usage() > 0 and ledger.present()
         ledger.add(limit)  # a killed process's reservation, never renamed nor removed
     epoch()
-    with shards._accounting() as ledger:
+    with shards.accounting() as ledger:
         assert ledger.used == shards.usage()
     accounting = next(cache.rglob(ACCOUNTING))
     accounting.write_bytes(accounting.read_bytes()[:30] + b"torn")
     epoch()
-    with shards._accounting() as ledger:
+    with shards.accounting() as ledger:
         assert ledger.used == shards.usage()
 
 

@@ -141,7 +141,7 @@ def test_a_reader_killed_while_reading_by_rows_leaves_no_scratch_past_the_next_o
     assert left  # its dir and lock file
     ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
     assert not [p for p in left if p.exists()]
-    with ds._cache._accounting() as ledger:
+    with ds._cache.accounting() as ledger:
         assert ledger.used == ds._cache.usage()  # (a recount would find the same)
 
 

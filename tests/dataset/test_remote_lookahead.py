@@ -1,4 +1,4 @@
-"""Fetching ahead (packer.remote.lookahead): the shards of a pass's coming batches come before the
+"""Fetching ahead (loaders.lookahead): the shards of a pass's coming batches come before the
 gather asks, and a cold first batch is waited out without spinning."""
 
 from __future__ import annotations
@@ -20,15 +20,10 @@ def test_the_fetch_ahead_waits_out_a_cold_first_batch_without_spinning():
     """While a pass's first batch reads its rows the fetch ahead waits, and the gather moving on
     (`at`, each batch) must not turn that wait into a busy loop: it would hold the GIL from the
     very gather it waits for (it made a first batch of 54 shards take 9 s instead of about 1)."""
-    from packer.remote.lookahead import Lookahead
+    from loaders.lookahead import Lookahead
+    from packer.remote.residency import Residency
 
-    class Gather:
-        readers, rows_pass, cold, lookahead = [], False, True, None
-
-        def shards_of(self, ids):
-            return np.zeros(0, np.int64)
-
-    gather = Gather()
+    gather = Residency([], np.zeros(0, np.int64), [], lambda g: None)  # of no shards: its first batch never ends
     ahead = Lookahead(gather, lambda b: np.zeros(0, np.int64), lambda b: b < 4)
     waits, wait = [], ahead._wake.wait
     ahead._wake.wait = lambda timeout=None: waits.append(1) or wait(timeout)

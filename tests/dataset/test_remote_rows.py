@@ -126,7 +126,7 @@ def test_a_reader_by_rows_killed_at_any_instant_leaves_nothing_a_later_reader_wo
         for a, b in zip(Loader(ds, 16, seed=7), Loader(local, 16, seed=7), strict=True):
             assert a["key"] == b["key"] and torch.equal(a["image"], b["image"])
             assert _bytes_on_disk(cache) <= limit
-        with ds.reader.cache._accounting() as ledger:
+        with ds.reader.cache.accounting() as ledger:
             ledger.recount()  # what a reader that finds no room does: the dead scratch goes
             assert ledger.used == ds.reader.cache.usage()
         assert not [p for p in cache.rglob(f"{SCRATCH}/*") if str(pid) in p.name]
@@ -136,9 +136,9 @@ def test_a_cold_first_batch_waits_for_its_rows_not_every_shard_it_touches(s3, la
     """The first batch of a pass (here a gather's first, without the fetch ahead that a Loader or
     `ds.batched` runs beside it) touches most shards: it comes by ranged reads of its rows (and its
     shards' small files), far less than the dataset; the next batches come in whole shards."""
-    from loaders.batch import gather as gather_module
+    from packer.remote import residency
 
-    monkeypatch.setattr(gather_module, "COLD_ROWS_BYTES", 0)  # a dataset of 3.5 MB stands for a large one
+    monkeypatch.setattr(residency, "COLD_ROWS_BYTES", 0)  # a dataset of 3.5 MB stands for a large one
     url = _url(tmp_path, "rows")
     assert main(["push", str(large_rows), url]) == 0
     local, total = MMapDataset(large_rows), _shard_bytes(large_rows)
@@ -167,10 +167,9 @@ def test_a_damaged_range_is_fetched_again_then_refused_naming_the_object_and_a_d
     """A block whose bytes do not match its list is fetched once more, then an IntegrityError
     names the object; a block list that does not match the manifest is not used (the file comes
     whole, verified as before)."""
-    from loaders.batch import gather
-    from packer.remote import client
+    from packer.remote import client, residency
 
-    monkeypatch.setattr(gather, "COLD_ROWS_BYTES", 0)  # a first batch by rows, as of a large dataset
+    monkeypatch.setattr(residency, "COLD_ROWS_BYTES", 0)  # a first batch by rows, as of a large dataset
     from packer.remote.url import Remote
 
     url = _url(tmp_path, "rows")

@@ -1,5 +1,7 @@
 """Fetching ahead: the shards of a remote dataset that a pass's coming batches read, downloaded
-into the node's cache (`packer.remote.cache`) before the gather needs them.
+into the node's cache (`packer.remote.cache`) before the gather needs them. It follows the
+order, which the loader owns, and talks to the source's `packer.remote.residency.Residency`
+alone: what the coming batches read, what to fetch and keep, and each shard's next use.
 
 A pass's batches are a pure function of integers (`loaders.order.sampler`), so the lookahead
 knows them: it walks the next AHEAD_BATCHES batches' ids (past the pass's end, the next epoch's
@@ -8,7 +10,7 @@ use, and keeps that list's head fetched and pinned, DOWNLOADS shards at a time: 
 without a cache limit; under one, the next batch's shards and those of the few after it (at
 most PREFETCH_SHARDS, within PREFETCH_BATCHES batches), in at most half of what the limit leaves
 this process (the limit less the index files, shared by the node's ranks, LOCAL_WORLD_SIZE, and
-a loader's worker processes: `limits.budgets`).
+a loader's worker processes: `packer.remote.limits.budgets`).
 The rest of the room keeps shards read already, which an order that goes round reads again: a
 sequential scan at half the dataset's size fetches about half of it an epoch, where a window of
 the whole room fetched all of it. The same list orders eviction: a shard the list does not hold
@@ -34,20 +36,16 @@ PREFETCH_SHARDS = 4
 
 
 class Lookahead:
-    """Keeps the shards of a pass's coming batches fetched (see the module); `at(b)`: the gather
-    is at batch b; `window()`: the shards to keep; `close()` at the pass's end."""
+    """Keeps the shards of a pass's coming batches fetched (see the module) through `held`, a
+    source's residency; `at(b)`: the gather is at batch b; `close()` at the pass's end."""
 
-    def __init__(self, gather, batch_ids, more):
-        self.gather, self.batch_ids, self.more = gather, batch_ids, more  # more(b): whether there is a batch b
-        self._now, self._window, self._rank = 0, frozenset(), {}
+    def __init__(self, held, batch_ids, more):
+        self.held, self.batch_ids, self.more = held, batch_ids, more  # more(b): whether there is a batch b
+        self._now = 0
         self._stop, self._wake = threading.Event(), threading.Event()
-        self._room = budgets(gather)
-        first = 0
-        for r in gather.readers:
-            if r.cache is not None:
-                r.cache.next_use = _NextUse(self, first)
-            first += len(r.shard_ends)
-        gather.lookahead, gather.cold = self, True  # a pass's first batch: shards not held come by rows
+        self._room = budgets(held)
+        held.follow(True)
+        held.cold = True  # a pass's first batch: shards not held come by rows
         self._thread = threading.Thread(target=self._run, daemon=True, name="mmpack-fetch")
         self._thread.start()
 
@@ -55,18 +53,11 @@ class Lookahead:
         self._now = b
         self._wake.set()
 
-    def window(self) -> frozenset:
-        return self._window
-
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join()
-        if self.gather.lookahead is self:
-            self.gather.lookahead = None
-        for r in self.gather.readers:
-            if r.cache is not None:
-                r.cache.next_use = None
+        self.held.follow(False)
 
     def _plan(self, shards_of: dict) -> list[int]:
         """The shards of the coming batches, in order of first use."""
@@ -78,7 +69,7 @@ class Lookahead:
             if b not in shards_of:
                 if not self.more(b):
                     break
-                shards_of[b] = self.gather.shards_of(self.batch_ids(b)).tolist()
+                shards_of[b] = self.held.shards_of(self.batch_ids(b)).tolist()
             for g in shards_of[b]:
                 if g not in seen:
                     seen.add(g)
@@ -101,9 +92,9 @@ class Lookahead:
         failed: set = set()  # fetched again by the gather, which raises what went wrong
         no_room: dict = {}  # shard -> the batch at which the limit had no room for it: tried again at the next
         shards_of: dict = {}
-        if self.gather.rows_pass:  # its batches' rows come by range: whole shards fetched ahead would only churn
+        if self.held.rows_pass:  # its batches' rows come by range: whole shards fetched ahead would only churn
             return
-        while self.gather.cold and not self._stop.is_set():  # a first batch by rows has the link to itself
+        while self.held.cold and not self._stop.is_set():  # a first batch by rows has the link to itself
             self._wake.wait(0.01)
             self._wake.clear()  # (set by `at`, it would make this loop spin, holding the GIL from the gather)
         with ThreadPoolExecutor(DOWNLOADS, thread_name_prefix="mmpack-download") as pool:
@@ -117,7 +108,7 @@ class Lookahead:
                 window = []
                 near = self._near(shards_of)
                 for g in order:
-                    cache = self.gather.cache_of(g)
+                    cache = self.held.cache_of(g)
                     if cache is None:
                         continue
                     key = id(cache)
@@ -125,21 +116,19 @@ class Lookahead:
                         # fetched ahead: the next PREFETCH_BATCHES batches' shards, in half the room;
                         # the other half keeps shards read already, which an order that goes round
                         # reads again (the next epoch's first ones): fetched once, not once an epoch
-                        if g not in near or used.get(key, 0) + self.gather.shard_bytes(g) > self._room[key] // 2:
+                        if g not in near or used.get(key, 0) + self.held.shard_bytes(g) > self._room[key] // 2:
                             break
-                        used[key] = used.get(key, 0) + self.gather.shard_bytes(g)
+                        used[key] = used.get(key, 0) + self.held.shard_bytes(g)
                     window.append(g)
-                self._rank = {g: i for i, g in enumerate(order)}
-                self._window = frozenset(window)
-                pinned = {(id(r.cache), k) for r in self.gather.readers if r.cache is not None for k in r.cache.pinned()}
+                rank = {g: i for i, g in enumerate(order)}
+                self.held.ahead(frozenset(window), rank)
+                pinned = self.held.pinned()
                 for g in window:
                     if len(pending) >= DOWNLOADS:
                         break
-                    r, k = self.gather._shards[g]
-                    if g not in pending and g not in failed and no_room.get(g) != self._now and \
-                            (id(r.cache), k) not in pinned:
+                    if g not in pending and g not in failed and no_room.get(g) != self._now and g not in pinned:
                         try:
-                            pending[g] = pool.submit(r.cache.prefetch, k, self._rank[g])
+                            pending[g] = pool.submit(self.held.prefetch, g, rank[g])
                         except RuntimeError:  # the interpreter is exiting (a pass left unfinished)
                             return
                 done = wait(list(pending.values()), timeout=0.05, return_when=FIRST_COMPLETED)[0] if pending else ()
@@ -152,12 +141,3 @@ class Lookahead:
                 if not pending:
                     self._wake.wait(0.05)
 
-
-class _NextUse:
-    """A cache's next use of its shard k: its place in the lookahead's order, else never."""
-
-    def __init__(self, lookahead: Lookahead, first: int):
-        self.lookahead, self.first = lookahead, first
-
-    def __call__(self, k: int) -> float:
-        return self.lookahead._rank.get(self.first + k, float("inf"))
