@@ -89,7 +89,7 @@ def run_row(ds, options: dict, *, ns_per_element: float, min_batches: int) -> di
         out[mode] = {"batches": batches, "samples": samples, "real": real, "padded": padded, "seconds": seconds,
                      "useful_per_s": real / seconds}
     alone = out["alone"]
-    ranks = [Loader(ds, seed=0, rank=r, world_size=RANKS, **options)._epochs for r in range(RANKS)]
+    ranks = [Loader(ds, seed=0, rank=r, world_size=RANKS, **options).epochs for r in range(RANKS)]
     return {**options, "padding": 1 - alone["real"] / alone["padded"], "samples_per_batch": alone["samples"] / alone["batches"],
             "over_budget": loader.padding.epochs[0].get("over_budget"), "useful_per_s": alone["useful_per_s"],
             "useful_per_s_step": out["step"]["useful_per_s"], "timed": out,

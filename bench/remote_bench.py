@@ -373,7 +373,7 @@ def _rank(opened, local, rank: int, order: str, loader_kw: dict) -> dict:
     total = local.manifest.size_bytes
     ds = opened()
     loader = Loader(ds, **loader_kw, order=order, rank=rank, world_size=RANKS)
-    epochs = loader._epochs.twin()
+    epochs = loader.epochs.twin()
     p = epochs.upcoming()
     ends = np.cumsum([s.num_samples for s in shards])
     touched = np.unique(np.searchsorted(ends, epochs.ids(p, 0, epochs.per_rank()), side="right"))

@@ -47,9 +47,9 @@ class SkewedLengths:
     def __call__(self, ids):
         import numpy as np
 
-        from loaders.order.orders import _mix
+        from loaders.order.orders import mix
 
-        u = (_mix(np.asarray(ids, np.uint64) + np.uint64(0x5EED)) >> np.uint64(11)).astype(np.float64) / 2.0**53
+        u = (mix(np.asarray(ids, np.uint64) + np.uint64(0x5EED)) >> np.uint64(11)).astype(np.float64) / 2.0**53
         z = np.log(np.clip(u, 1e-12, 1 - 1e-12) / np.clip(1 - u, 1e-12, 1)) * 0.55  # a logistic ~ a normal of sd 1
         return np.clip(np.exp(np.log(128) + z), 1, 65536).astype(np.int64)
 

@@ -14,6 +14,12 @@ class Resumable:
     _epochs: Epochs
 
     @property
+    def epochs(self) -> Epochs:
+        """The plan of its passes (`loaders.order.sampler.Epochs`): which ids each batch of each
+        epoch holds, a pure function of integers."""
+        return self._epochs
+
+    @property
     def epoch(self) -> int:
         return self._epochs.epoch
 

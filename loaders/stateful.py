@@ -81,8 +81,8 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
         else:  # as torchdata's (and DataLoader's): in order unless shuffle=True
             dataset = BatchedDataset(dataset, batch_size, **{"shuffle": False, **order})
         self.batches = dataset
-        check_workers(dataset.source, dataset._epochs, num_workers)  # each worker maps its own batch's shards
-        self._keys = _PassKeys(dataset._epochs)
+        check_workers(dataset.source, dataset.epochs, num_workers)  # each worker maps its own batch's shards
+        self._keys = _PassKeys(dataset.epochs)
         super().__init__(_Keyed(dataset), batch_size=None, sampler=self._keys, num_workers=num_workers,
                          collate_fn=_as_is, pin_memory=pin_memory, timeout=timeout, worker_init_fn=worker_init_fn,
                          multiprocessing_context=multiprocessing_context, prefetch_factor=prefetch_factor,
@@ -90,7 +90,7 @@ class StatefulDataLoader(torch.utils.data.DataLoader, Resumable):
 
     @property
     def _epochs(self) -> Epochs:
-        return self.batches._epochs
+        return self.batches.epochs
 
     def __iter__(self):
         batches = super().__iter__()  # iterates the sampler: the keys of the epochs' next pass

@@ -182,3 +182,47 @@ def long_functions(bound: int = MAX_FUNCTION_LINES) -> list[str]:
 def test_no_function_is_over_80_lines():
     long = long_functions()
     assert long == [], f"split by concept (one function per mode, row kind, subcommand): {long}"
+
+
+# private names another library defines that one bridge of ours reads (not ours to make public)
+FOREIGN_PRIVATE = {("packer/internals.py", "_file")}  # soundfile's SoundFile: libsndfile's handle
+
+
+def private_reads() -> list[str]:
+    """Every read in packer/ or loaders/ of a private name (`_x`) that another of their modules
+    defines: `obj._x` where obj is not self or cls and `_x` is not defined in the reading module,
+    and `from ours import _x` of a name (a module such as `packer._one_blas_thread` is imported,
+    not read). A seam read this way is one a change on the other side breaks unseen (issue 65:
+    five modules read the cache's private fields)."""
+    trees = {p: ast.parse(p.read_text(encoding="utf-8")) for top in ("packer", "loaders")
+             for p in sorted((ROOT / top).rglob("*.py"))}
+
+    def defined(tree) -> set[str]:
+        out = set()
+        for n in ast.walk(tree):
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                out.add(n.name)
+            elif isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store):
+                out.add(n.attr)
+            elif isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                out.add(n.id)
+        return {d for d in out if d.startswith("_") and not d.startswith("__")}
+    own = {p: defined(t) for p, t in trees.items()}
+    ours = set().union(*own.values())
+    found = []
+    for path, tree in trees.items():
+        where = str(path.relative_to(ROOT))
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Attribute) and n.attr in ours and n.attr not in own[path] and \
+                    (where, n.attr) not in FOREIGN_PRIVATE and \
+                    not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls")):
+                found.append(f"{where}:{n.lineno} {ast.unparse(n)}")
+            if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] in PACKAGES:
+                found += [f"{where}:{n.lineno} from {n.module} import {a.name}" for a in n.names
+                          if a.name.startswith("_") and not a.name.startswith("__") and
+                          f"{n.module}.{a.name}" not in MODULES]
+    return found
+
+
+def test_no_module_of_packer_or_loaders_reads_another_ones_private_names():
+    assert private_reads() == [], "give the other side a public name for what is read (a method, a property)"

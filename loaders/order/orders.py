@@ -43,7 +43,7 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix(x: np.ndarray) -> np.ndarray:
     """splitmix64's finaliser, in place on a uint64 array (wrapping arithmetic): a bijective
     avalanche of every bit."""
     x ^= x >> np.uint64(30)
@@ -57,7 +57,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 def derive_key(*parts: int) -> int:
     """A 64-bit key from integers (seed, epoch, purpose, ...): splitmix64 chained over them."""
     key = 0
-    for part in parts:  # _mix in Python ints: a numpy array per part cost more than a batch's ids
+    for part in parts:  # mix in Python ints: a numpy array per part cost more than a batch's ids
         key = (key + _GOLDEN + (int(part) & _M64)) & _M64
         key ^= key >> 30
         key = key * 0xBF58476D1CE4E5B9 & _M64
@@ -70,7 +70,7 @@ def derive_key(*parts: int) -> int:
 def round_function(right: np.ndarray, side, key, r: int) -> np.ndarray:
     """Round r's F of the Feistel network: the mixed right half scaled into [0, side) (multiply
     and shift: no division), uint64; `key` 1-d (one, or one per element)."""
-    f = _mix(right ^ (key + np.uint64((r + 1) * _GOLDEN & _M64)))
+    f = mix(right ^ (key + np.uint64((r + 1) * _GOLDEN & _M64)))
     f >>= np.uint64(32)
     f *= np.asarray(side, dtype=np.uint64)
     f >>= np.uint64(32)
@@ -263,9 +263,9 @@ def _part_of(positions: np.ndarray, n: int, parts: int) -> np.ndarray:
 
 
 def _window_keys(key: int, windows: np.ndarray) -> np.ndarray:
-    keys = _mix(windows.astype(np.uint64) + np.uint64(1))
+    keys = mix(windows.astype(np.uint64) + np.uint64(1))
     keys ^= np.uint64(key)
-    return _mix(keys)
+    return mix(keys)
 
 
 def epoch_order(num_samples: int, *, order: Order, seed: int, epoch: int, block_size: int = 1024,

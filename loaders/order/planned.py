@@ -36,7 +36,7 @@ from packer.errors import ConfigError
 from packer.system import available_cores
 
 from loaders.order.lengths import EDGES, Budget, bounds, bucket_of, count, cut, fixed_count, layout
-from loaders.order.orders import Permutation, derive_key, _mix
+from loaders.order.orders import Permutation, derive_key, mix
 from loaders.order.sampler import REBUILD, Epochs, Pass
 
 WINDOW_SAMPLES = 1 << 16  # the samples sorted together: batches of 64 from 65,536 differ little in length
@@ -74,9 +74,9 @@ class LengthPlan:
         windows = np.asarray(windows, dtype=np.uint64)
         if self.order == "sequential":
             return np.zeros(len(windows), np.uint64)
-        x = _mix(windows + np.uint64(1))
+        x = mix(windows + np.uint64(1))
         x ^= np.uint64(derive_key(self.seed, self.epoch, PHASE))
-        return _mix(x)
+        return mix(x)
 
     @property
     def starts(self) -> np.ndarray:

@@ -47,7 +47,7 @@ class Transfer:
         return self.raw_bytes / 1e6 / max(self.seconds, 1e-9)
 
 
-class _Hashing:
+class Hashing:
     """A file wrapper that hashes every byte read or written through it: a column file with the
     format's checksum (fmt.FileChecksum), a compressed one with fmt.new_checksum. With `limit`,
     going past that many bytes is an IntegrityError naming `where`: a compressed file that
@@ -122,7 +122,7 @@ def pack(root: str | Path, archive: str | Path, *, level: int = 3, threads: int 
             dst.parent.mkdir(parents=True, exist_ok=True)
             digest = fmt.hasher(entry.algo)
             with open(src, "rb") as fin, writer.naming(dst), open(dst, "wb") as fout:
-                reader, out = _Hashing(fin, lambda: digest or fmt.new_checksum()), _Hashing(fout, fmt.new_checksum)
+                reader, out = Hashing(fin, lambda: digest or fmt.new_checksum()), Hashing(fout, fmt.new_checksum)
                 zstandard.ZstdCompressor(level=level, write_checksum=True).copy_stream(reader, out, read_size=_CHUNK)
                 fout.flush()
                 os.fsync(fout.fileno())
@@ -201,8 +201,8 @@ def _restore(archive: Path, entry: fmt.ArchiveFile, want: fmt.FileEntry, sink) -
     src = archive / entry.path
     digest = fmt.hasher(want.algo)
     with open_regular(src) as fin:
-        reader = _Hashing(fin, fmt.new_checksum, limit=entry.size_bytes, where=str(src))
-        result = _Hashing(sink, lambda: digest or fmt.new_checksum(), limit=want.size_bytes, where=str(src))
+        reader = Hashing(fin, fmt.new_checksum, limit=entry.size_bytes, where=str(src))
+        result = Hashing(sink, lambda: digest or fmt.new_checksum(), limit=want.size_bytes, where=str(src))
         try:
             zstandard.ZstdDecompressor().copy_stream(reader, result, read_size=_CHUNK)
         except zstandard.ZstdError as exc:
@@ -253,10 +253,10 @@ ARCHIVE_JSON_BYTES = 1 << 30  # archive.json past this is not one of ours: not r
 
 
 def read_archive(archive: Path) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
-    return _parse(archive, _description(archive))
+    return parse(archive, description(archive))
 
 
-def _description(archive: Path) -> bytes:
+def description(archive: Path) -> bytes:
     """The bytes of archive.json: a regular file of at most ARCHIVE_JSON_BYTES."""
     path = archive / fmt.ARCHIVE_NAME
     if not path.is_file():
@@ -268,7 +268,7 @@ def _description(archive: Path) -> bytes:
     return raw
 
 
-def _parse(archive: Path, raw: bytes) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
+def parse(archive: Path, raw: bytes) -> tuple[fmt.Manifest, list[fmt.ArchiveFile]]:
     path = archive / fmt.ARCHIVE_NAME
     try:
         text = raw.decode("utf-8")
@@ -289,8 +289,8 @@ def materialize(archive: str | Path, cache_dir: str | Path | None = None) -> tup
     so a changed archive never reuses an old entry."""
     archive = Path(archive)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    raw = _description(archive)
-    _parse(archive, raw)  # valid before anything is made in the cache
+    raw = description(archive)
+    parse(archive, raw)  # valid before anything is made in the cache
     ident = hashlib.sha256(raw).hexdigest()[:20]
     target = cache / ident
     if (target / fmt.MANIFEST_NAME).is_file():

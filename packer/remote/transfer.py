@@ -122,8 +122,8 @@ def block_lists(manifest: fmt.Manifest, root: Path) -> list[tuple]:
 
 
 def _push_archive(root: Path, url: str) -> fmt.Manifest:
-    raw = archive._description(root)  # read once: parsed here, pushed as it is
-    manifest, files = archive._parse(root, raw)
+    raw = archive.description(root)  # read once: parsed here, pushed as it is
+    manifest, files = archive.parse(root, raw)
     _publish(Remote(url), root, [(f.path, f.size_bytes, f"xxh3_128:{f.xxh3_128}") for f in files], fmt.ARCHIVE_NAME,
              raw.decode("utf-8"))
     return manifest
@@ -304,7 +304,7 @@ def read_zstd(chunks, remote: Remote, packed: fmt.ArchiveFile, f, digest, size: 
     import zstandard
 
     wire, got = fmt.new_checksum(), 0
-    restored = archive._Hashing(f, lambda: digest, limit=size, where=remote.where(packed.path))
+    restored = archive.Hashing(f, lambda: digest, limit=size, where=remote.where(packed.path))
     try:
         with zstandard.ZstdDecompressor().stream_writer(restored, closefd=False) as sink:
             for chunk in chunks:

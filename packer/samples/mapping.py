@@ -27,7 +27,7 @@ from packer.dataset import outdir, writer
 from packer.dataset.outdir import write_atomic
 from packer.errors import ConfigError, MmpackError
 from packer.samples import schema
-from packer.samples.writer import Writer, _declared, writer_key
+from packer.samples.writer import Writer, declared, writer_key
 
 PARTS = 1000  # shard indexes a task may use
 CHUNK = 64  # items a task by default
@@ -48,7 +48,7 @@ def run(fn: Callable, inputs: Sequence, out: str | Path, *, workers: int | None 
     done = _published(out, fingerprint)
     if done is not None:  # this very map, finished: nothing to do
         return done
-    specs = _declared(columns) if columns is not None else _first_specs(fn, items)
+    specs = declared(columns) if columns is not None else _first_specs(fn, items)
     tasks = [(k, k * chunk, items[k * chunk:(k + 1) * chunk]) for k in range(-(-len(items) // chunk))]
     with Writer(out, overwrite=overwrite, generation=generation,
                 build={"map": _name(fn), "inputs": len(items), "chunk": chunk, "fingerprint": fingerprint}) as w:

@@ -35,7 +35,7 @@ class Writer:
                  overwrite: bool = False, generation: str | None = None, build: dict | None = None):
         self.out = Path(out).expanduser()
         self.rows_limit, self.bytes_limit = parse_shard_size(str(shard_size))
-        self.specs = None if columns is None else _declared(columns)
+        self.specs = None if columns is None else declared(columns)
         self.generation = generation or outdir.new_generation()
         self.build = dict(build or {})
         self.skipped: list[fmt.Skip] = []
@@ -180,7 +180,7 @@ def writer_key(key: str):
     return key_bytes(key)
 
 
-def _declared(columns: dict) -> dict[str, schema.Spec]:
+def declared(columns: dict) -> dict[str, schema.Spec]:
     if not isinstance(columns, dict):
         raise ConfigError("columns= maps each column's name to its spec, e.g. {'feat': 'float16[*, 768]'}")
     return {name: schema.parse(name, text) for name, text in columns.items() if name != "key"}

@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict, dataclass
 
 from packer.dataset.format.layout import check_version, written_version
-from packer.dataset.format.manifest import Manifest, _fields, _list
+from packer.dataset.format.manifest import Manifest, fields, as_list
 from packer.errors import ManifestError
 
 # -- 9. Archive form --------------------------------------------------------------------------
@@ -42,7 +42,7 @@ def archive_from_json(text: str, *, where: str) -> tuple[Manifest, list[ArchiveF
                             "unpack it with the release that packed it")
     manifest = Manifest.from_doc(doc.get("manifest"), where=where)
     try:
-        files = [ArchiveFile(**_fields(f, ("path", "of", "size_bytes", "xxh3_128"), ())) for f in _list(doc["files"])]
+        files = [ArchiveFile(**fields(f, ("path", "of", "size_bytes", "xxh3_128"), ())) for f in as_list(doc["files"])]
     except (KeyError, TypeError, ManifestError) as exc:
         raise ManifestError(f"{where}: malformed file list ({exc})") from None
     listed = {f.path for s in manifest.shards for f in s.files}

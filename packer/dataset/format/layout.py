@@ -40,12 +40,12 @@ LOCK_NAME = ".mmpack.lock"  # in OUT: held (flock) by the one process writing OU
 READERS_LOCK = ".readers.lock"  # in a generation dir: shared-locked by every reader of it
 KINDS = ("images", "pairs", "text", "audio", "chat", "columns")
 _GENERATION = re.compile(r"g-[0-9a-f]{8,64}")
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+NAME_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 
 
 def is_column_name(name: str) -> bool:
     """A column's name: [A-Za-z_][A-Za-z0-9_]*, at most 64 characters (its files are named by it)."""
-    return isinstance(name, str) and _NAME.fullmatch(name) is not None
+    return isinstance(name, str) and NAME_PATTERN.fullmatch(name) is not None
 
 
 def generation_name(fingerprint: str) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from packer.dataset.format.layout import (CHECKSUM, FORMAT_NAME, INPUTS_NAME, KINDS, _NAME, check_version,
+from packer.dataset.format.layout import (CHECKSUM, FORMAT_NAME, INPUTS_NAME, KINDS, NAME_PATTERN, check_version,
                                           column_file_names, is_generation, shard_dir_name, shard_path, written_version)
 from packer.dataset.format.npy import NPY_HEADER_BYTES
 from packer.errors import ColumnError, ManifestError
@@ -43,7 +43,7 @@ class Column:
     encoding: str | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+        if not isinstance(self.name, str) or not NAME_PATTERN.fullmatch(self.name):
             raise ManifestError(f"column name {self.name!r} is not a plain name ([A-Za-z_][A-Za-z0-9_]*)")
         if self.dtype not in DTYPES:
             raise ManifestError(f"column {self.name}: dtype {self.dtype!r} is not one of {', '.join(sorted(DTYPES))}")
@@ -269,11 +269,11 @@ class Manifest:
         try:
             return cls(
                 kind=doc["kind"],
-                columns=tuple(Column(**_fields(c, ("name", "dtype", "shape"), ("encoding",))) for c in _list(doc["columns"])),
-                shards=tuple(Shard(s["index"], s["num_samples"], tuple(_file_entry(f, major) for f in _list(s["files"])))
-                             for s in map(_dict, _list(doc["shards"]))),
+                columns=tuple(Column(**fields(c, ("name", "dtype", "shape"), ("encoding",))) for c in as_list(doc["columns"])),
+                shards=tuple(Shard(s["index"], s["num_samples"], tuple(_file_entry(f, major) for f in as_list(s["files"])))
+                             for s in map(_dict, as_list(doc["shards"]))),
                 counts=_dict(doc["counts"]),
-                skipped=tuple(Skip(**_fields(k, ("key", "stage", "reason"), (), str)) for k in _list(doc.get("skipped", []))),
+                skipped=tuple(Skip(**fields(k, ("key", "stage", "reason"), (), str)) for k in as_list(doc.get("skipped", []))),
                 classes=_strings(doc.get("classes"), "classes"),
                 tokenizer=_dict(doc["tokenizer"]) if doc.get("tokenizer") is not None else None,
                 build=_dict(doc.get("build", {})),
@@ -339,7 +339,7 @@ LEGACY_CHECKSUMS = {1: "sha256", 2: "xxh3_128", 3: "xxh3_128_rows"}  # the key e
 HEX_DIGITS = {"sha256": 64, "xxh3_128": 32, "xxh3_128_rows": 32}
 
 
-def _list(value) -> list:
+def as_list(value) -> list:
     if not isinstance(value, list):
         raise ManifestError(f"expected a list, got {type(value).__name__}")
     return value
@@ -351,7 +351,7 @@ def _dict(value) -> dict:
     return value
 
 
-def _fields(doc, required: tuple[str, ...], optional: tuple[str, ...], kind: type | None = None) -> dict:
+def fields(doc, required: tuple[str, ...], optional: tuple[str, ...], kind: type | None = None) -> dict:
     doc = _dict(doc)
     missing = [k for k in required if k not in doc]
     if missing:
