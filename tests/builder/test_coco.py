@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from bench.coco import CATEGORIES, make_coco
+from .coco import CATEGORIES, make_coco
 from loaders import MMapDataset
 from packer.cli import main
 

@@ -13,7 +13,7 @@ from packer.cli import main
 from packer.dataset import format as fmt
 from packer.errors import ConfigError
 
-from bench.stores import AZURE_ACCOUNT, AZURE_KEY, azure_server
+from .azure import AZURE_ACCOUNT, AZURE_KEY, azure_server
 from ..trees import tree
 from .remote import NEEDS_SERVER, _objects
 
