@@ -280,9 +280,9 @@ def _rows_first(opened, local, loader_kw: dict, passes: int) -> dict:
     rule for a batch whose shards hold over COLD_ROWS_BYTES): seconds to it (median and each) and
     bytes over the link by then, next to the batch's own bytes."""
     from loaders import Loader
-    from loaders.batch import gather
+    from packer.remote import residency
 
-    saved, gather.COLD_ROWS_BYTES = gather.COLD_ROWS_BYTES, 0
+    saved, residency.COLD_ROWS_BYTES = residency.COLD_ROWS_BYTES, 0
     seconds, link = [], []
     try:
         for _ in range(passes):
@@ -297,7 +297,7 @@ def _rows_first(opened, local, loader_kw: dict, passes: int) -> dict:
             loader.close()
             shutil.rmtree(ds.root)
     finally:
-        gather.COLD_ROWS_BYTES = saved
+        residency.COLD_ROWS_BYTES = saved
     return {"first_batch_s": statistics.median(seconds), "first_batch_s_each": seconds,
             "link_bytes": statistics.median(link), "batch_bytes": local.manifest.size_bytes * loader_kw["batch_size"] / len(local)}
 
