@@ -208,6 +208,10 @@ def _remote_parser(sub) -> None:
     re_.add_argument("--peers", action="store_true", help="also WebDataset, LitData and MosaicML Streaming with "
                      "their own S3 readers on the loopback server, where installed (bench/peers-requirements.txt)")
     re_.add_argument("--workers", type=int, default=2, help="the peers' DataLoader workers (default 2)")
+    re_.add_argument("--peer-cache", type=float, default=None, metavar="SHARE",
+                     help="with --peers, instead of the other rows: every system through a cache limit of SHARE of "
+                     "its dataset's bytes (mmpack in random order, by rows, and in block order with the window "
+                     "that fits; LitData's max_cache_size; Streaming's cache_limit)")
     re_.add_argument("--nodes", type=int, default=0, help="instead: a job of N nodes, each its own cache, ranks and "
                      "link of --link-mb MB/s, in block order at caches of 100%%, 50%% and 25%% of a node's share")
     re_.add_argument("--block-window", type=int, default=None, help="with --nodes: block order's window (Loader's "

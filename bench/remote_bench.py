@@ -101,6 +101,11 @@ def bench_remote(args) -> dict:
             return _throttled(server, local)
         if getattr(args, "nodes", 0) and args.url is None:  # the multi-node job alone, on the small images
             return _nodes(args, work, server, local, caches)
+        if getattr(args, "peer_cache", None) is not None and args.url is None:  # the peers under a limit, alone
+            return {"command": "bench remote --peers --peer-cache", "machine": machine(), "url": server.shown,
+                    "s3_server": server.name, "images": len(local), "shards": len(local.manifest.shards),
+                    "dataset_bytes": total, "batch_size": args.batch_size, "peer_cache": args.peer_cache,
+                    "peers": _peer_rows(args, server, local, work, args.peer_cache)}
         loader_kw = dict(batch_size=args.batch_size, seed=0)
         raw_rate, to_disk, local_rate = _raw_and_local(url, local, caches, loader_kw, args.passes)
         cold, warm, warm_shares = _cold_and_warm(opened, local, loader_kw, args.passes)
@@ -212,13 +217,14 @@ def _jpeg_pushed(args, work: Path, raw: Path, url: str) -> str | None:
     return jpeg
 
 
-def _peer_rows(args, server: _Server, local, work: Path) -> list[dict] | None:
-    """--peers on a loopback server: WebDataset, LitData and Streaming with their own S3 readers."""
+def _peer_rows(args, server: _Server, local, work: Path, share: float | None = None) -> list[dict] | None:
+    """--peers on a loopback server: WebDataset, LitData and Streaming with their own S3 readers
+    (each through a cache of `share` of its dataset, where given)."""
     if not (getattr(args, "peers", False) and args.url is None):
         return None
     from .remote_peers import peer_rows
 
-    peers = peer_rows(local, server.url, work, server.endpoint, args.batch_size, args.workers)
+    peers = peer_rows(local, server.url, work, server.endpoint, args.batch_size, args.workers, share)
     for row in peers:
         _say(f"{row['system']}: {row.get('skipped') or row.get('error') or row['epochs']}")
     return peers

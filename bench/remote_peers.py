@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -117,15 +118,19 @@ class _LitItem:
         return {"image": s["image"].numpy().copy(), "label": int(s["label"])}
 
 
-def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int) -> dict:
+def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int,
+                share: float | None = None) -> dict:
     import litdata
     from litdata.streaming.resolver import Dir
 
     out = work / "litdata"
     shutil.rmtree(out, ignore_errors=True)
     with _stdout_to_stderr():  # its progress, and its workers', stay out of the bench's table
+        # its default chunks of 64 MB; under a limit, mmpack's shard size (as Streaming's row): a limit
+        # that held three 64 MB chunks left its two workers, each fetching ahead, waiting on each other
+        chunk = "64MB" if share is None else max(1 << 20, local.manifest.size_bytes // len(local.manifest.shards))
         litdata.optimize(fn=_LitItem(str(local.root)), inputs=list(range(len(local))), output_dir=str(out),
-                         chunk_bytes="64MB", num_workers=max(1, workers), mode="overwrite")
+                         chunk_bytes=chunk, num_workers=max(1, workers), mode="overwrite")
     _put_dir(endpoint, out, "peers/litdata")
     cache = work / "litdata-cache"
     shutil.rmtree(cache, ignore_errors=True)
@@ -137,17 +142,24 @@ def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batc
     downloader._OBSTORE_AVAILABLE = False
     os.environ["AWS_ENDPOINT_URL"] = proxy
 
+    limit = None if share is None else int(share * sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+
     def make():
-        ds = litdata.StreamingDataset(Dir(path=str(cache), url=f"s3://{BUCKET}/peers/litdata"), shuffle=True)
+        ds = litdata.StreamingDataset(Dir(path=str(cache), url=f"s3://{BUCKET}/peers/litdata"), shuffle=True,
+                                      max_cache_size=limit)
         return litdata.StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
                                            multiprocessing_context=MP_CONTEXT if workers else None)
     try:
-        return {"epochs": _epochs(make, counts, lambda b: len(b["label"])), "cache": str(cache)}
+        with warnings.catch_warnings():  # its advice to hold 25 GB or more, said of any smaller limit
+            warnings.simplefilter("ignore")
+            return {"epochs": _epochs(make, counts, lambda b: len(b["label"])), "cache": str(cache),
+                    "limit_bytes": limit}
     finally:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
-def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int) -> dict:
+def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batch_size: int, workers: int,
+                  share: float | None = None) -> dict:
     from streaming import MDSWriter, StreamingDataLoader, StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
@@ -168,8 +180,9 @@ def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, ba
 
     def make():  # one dataset for both epochs: its local dir is its cache (a second one there is refused)
         if not made:
+            limit = None if share is None else int(share * sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
             ds = StreamingDataset(remote=f"s3://{BUCKET}/peers/streaming", local=str(cache), shuffle=True,
-                                  batch_size=batch_size)
+                                  batch_size=batch_size, cache_limit=limit)
             made.append(StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
                                             multiprocessing_context=MP_CONTEXT if workers else None))
         return made[0]
@@ -180,31 +193,61 @@ def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, ba
         os.environ.pop("S3_ENDPOINT_URL", None)
 
 
-def mmpack_row(url: str, work: Path, proxy: str, endpoint: str, counts: dict, batch_size: int) -> dict:
+def mmpack_rows(url: str, work: Path, proxy: str, endpoint: str, counts: dict, batch_size: int,
+                share: float | None = None) -> list[dict]:
+    """mmpack's Loader over its URL, as it reads by default; under a cache limit of `share` of
+    the dataset's bytes (and its index files), in random order (a batch's rows by range: about
+    the dataset once, a request a few rows) and in block order with the window whose shards fit
+    the limit (`packer.remote.limits.fitting_window`: whole shards, each fetched once an epoch,
+    a request a file), the counterpart of LitData's and Streaming's shuffles, which deal whole
+    chunks to workers and shuffle inside them."""
     from loaders import Loader, MMapDataset
+    from packer.remote import ShardCache
+    from packer.remote.limits import fitting_window
 
-    cache = work / "mmpack-peers-cache"
-    shutil.rmtree(cache, ignore_errors=True)
     os.environ["AWS_ENDPOINT_URL"] = proxy
+    rows = []
     try:
-        ds = MMapDataset(url, cache_dir=cache)
-        return {"epochs": _epochs(lambda: Loader(ds, batch_size, seed=0), counts, lambda b: len(b["label"])),
-                "cache": str(cache)}
+        for order in ("random",) if share is None else ("random", "block"):
+            cache = work / f"mmpack-peers-cache-{order}"
+            shutil.rmtree(cache, ignore_errors=True)
+            limit = None
+            if share is not None:
+                manifest = MMapDataset(url, cache_dir=cache).manifest
+                limit = int(share * manifest.size_bytes) + ShardCache(url, cache, manifest).index_bytes
+            ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
+            kw = {"order": order}
+            if order == "block":
+                with warnings.catch_warnings():  # the default window's warning names the one found here
+                    warnings.simplefilter("ignore")
+                    probe = Loader(ds, batch_size, seed=0, order="block")
+                kw["block_window"] = fitting_window(probe.source.residency, probe.epochs)
+                probe.close()
+            how = "" if share is None else f", {order} order" + (
+                f", block_window={kw['block_window']}" if order == "block" else ", rows by range") + \
+                f", cache {share:.0%}"
+            rows.append({"system": f"mmpack Loader over {url}{how}", "cache": str(cache), "limit_bytes": limit, **kw,
+                         "epochs": _epochs(lambda ds=ds, kw=kw: Loader(ds, batch_size, seed=0, **kw), counts,
+                                           lambda b: len(b["label"]))})
     finally:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
+    return rows
 
 
 ROWS = {"webdataset": webdataset_row, "litdata": litdata_row, "streaming": streaming_row}
 
 
-def peer_rows(local, url: str, work: Path, endpoint: str, batch_size: int, workers: int) -> list[dict]:
-    """mmpack's row and each peer's (or why it has none), through one counting proxy."""
+def peer_rows(local, url: str, work: Path, endpoint: str, batch_size: int, workers: int,
+              share: float | None = None) -> list[dict]:
+    """mmpack's rows and each peer's (or why it has none), through one counting proxy; with
+    `share`, each through a cache limit of that share of its own dataset's bytes (WebDataset
+    keeps no cache: its row is as without one)."""
     from .stores import link
 
     counts: dict = {}
     rows = []
     with link(endpoint, None, counts) as proxy:
-        rows.append({"system": f"mmpack Loader over {url}", **mmpack_row(url, work, proxy, endpoint, counts, batch_size)})
+        rows += mmpack_rows(url, work, proxy, endpoint, counts, batch_size, share)
         for peer in PEERS:
             name = f"{NAMES[peer]} (its S3 reader, DataLoader {workers} workers)"
             why = availability(peer) or (None if peer in ROWS else "no S3 row for it here")
@@ -212,7 +255,9 @@ def peer_rows(local, url: str, work: Path, endpoint: str, batch_size: int, worke
                 rows.append({"system": NAMES[peer], "skipped": why})
                 continue
             try:
-                rows.append({"system": name, **ROWS[peer](local, work, endpoint, proxy, counts, batch_size, workers)})
+                kw = {"share": share} if share is not None and peer != "webdataset" else {}
+                rows.append({"system": name + (f", cache {share:.0%}" if kw else ""),
+                             **ROWS[peer](local, work, endpoint, proxy, counts, batch_size, workers, **kw)})
             except Exception as exc:  # noqa: BLE001 - a peer that fails is a row saying how
                 rows.append({"system": name, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"})
     return rows

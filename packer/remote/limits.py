@@ -107,37 +107,48 @@ def check_window(held, epochs) -> None:
     shuffled among themselves) hold more bytes than the cache limit leaves this process: every
     batch draws from all of them, so evicting any is fetching it again within the window, many
     times an epoch. Said with the limit that would hold them and the largest window (halving it)
-    whose shards fit."""
+    whose shards fit (`fitting_window`)."""
     room = budgets(held)
     if not room:  # no limited cache: nothing to say, and no window's ids to compute at start-up
         return
-
-    def need(window: int) -> dict:
-        twin = epochs.twin()
-        twin.block_window = window
-        p = twin.upcoming()
-        shards = set()
-        for b in range(twin.clip(p, -(-window // twin.batch_size))):
-            shards.update(held.shards_of(twin.batch_ids(p, b)).tolist())
-        return _bytes_by_cache(held, shards, room)
-
-    def over(needs: dict) -> list:
-        return [key for key, nbytes in needs.items() if nbytes > room[key]]
-    needs = need(epochs.block_window)
-    if not over(needs):
+    needs = _window_needs(held, epochs, room, epochs.block_window)
+    over = [key for key, nbytes in needs.items() if nbytes > room[key]]
+    if not over:
         return
-    fits = epochs.block_window // 2
-    while fits > 1 and over(need(fits)):
-        fits //= 2
     import warnings
 
-    key = over(needs)[0]
+    key = over[0]
     cache = _cache(held, key)
     warnings.warn(f"{cache.url}: block order's window of {epochs.block_window:,} samples reads shards of "
                   f"{needs[key] / 1e6:,.1f} MB over and over, more than the {max(room[key], 0) / 1e6:,.1f} MB of "
                   f"cache_limit this process has: each epoch would fetch them many times; raise cache_limit by "
                   f"{(needs[key] - room[key]) * local_ranks() / 1e6:,.1f} MB or more (the node's ranks share it), "
-                  f"or pass block_window={max(fits, 1)}", stacklevel=4)
+                  f"or pass block_window={fitting_window(held, epochs)}", stacklevel=4)
+
+
+def fitting_window(held, epochs) -> int:
+    """The largest of block order's window (`epochs.block_window`) and its halvings whose first
+    window's shards fit what the cache limit leaves this process (`budgets`), at least 1: the
+    window itself where no cache is limited. Under a limit, a window that fits fetches each
+    shard whole about once an epoch, in requests of a shard's size, where one that does not
+    reads by rows or fetches its shards again and again."""
+    room = budgets(held)
+    fits = epochs.block_window
+    while room and fits > 1 and any(nbytes > room[key] for key, nbytes in
+                                    _window_needs(held, epochs, room, fits).items()):
+        fits //= 2
+    return max(fits, 1)
+
+
+def _window_needs(held, epochs, room: dict, window: int) -> dict:
+    """The bytes of the shards of block order's first window of `window` samples, per limited cache."""
+    twin = epochs.twin()
+    twin.block_window = window
+    p = twin.upcoming()
+    shards = set()
+    for b in range(twin.clip(p, -(-window // twin.batch_size))):
+        shards.update(held.shards_of(twin.batch_ids(p, b)).tolist())
+    return _bytes_by_cache(held, shards, room)
 
 
 def check_room(held, batch_ids, num_batches: int, order: str | None = None, window: int | None = None) -> None:
