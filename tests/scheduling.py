@@ -14,6 +14,13 @@ class TimingLast(LoadScopeScheduling):
     """Files to whichever process is free; the timing tests, one unit, held until they are all that
     is left, then given to the last process running while the others stop."""
 
+    def __init__(self, config, log=None):
+        super().__init__(config, log)
+        # files in collection order, which conftest sorts slowest first (SLOW_FIRST), not by
+        # their count of tests as xdist 3.6 and later reorder them: a long file started last kept
+        # one process busy while the other waited to start the timing tests
+        config.option.loadscopereorder = False
+
     def _split_scope(self, nodeid: str) -> str:
         """A test's file; a timing test's group (xdist ends its id with "@timing" under loadgroup)."""
         return TIMING if nodeid.endswith("@" + TIMING) else nodeid.split("::", 1)[0]
