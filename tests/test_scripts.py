@@ -116,3 +116,14 @@ def test_the_voice_example_maps_features_once_and_trains_by_length_resuming_exac
     def npy(root: Path) -> dict:
         return {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*.npy")}
     assert npy(tmp_path / "a") == npy(tmp_path / "b")  # the map's bytes do not depend on its workers
+
+
+def test_the_results_page_names_every_step_of_the_lent_gpu_script():
+    """bench/results/README.md says what each step of scripts/lent_gpu.sh runs (its GPU rows cite
+    them): a step added to the script and not to the page is a figure nobody can trace."""
+    import re
+
+    steps = set(re.findall(r"\bwant ([a-z_]+)", (ROOT / "scripts" / "lent_gpu.sh").read_text()))
+    page = (ROOT / "bench" / "results" / "README.md").read_text()
+    listed = page[page.index("## The steps of scripts/lent_gpu.sh"):]
+    assert steps and not [s for s in sorted(steps) if f"`{s}`" not in listed]
