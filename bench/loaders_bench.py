@@ -20,7 +20,7 @@ import torch
 from . import data, peers
 from .peers import MP_CONTEXT
 from .doctor import stall
-from .measure import MachineLoad, MemcpyLimit, dir_bytes, files_under, first_pass_rate, measure
+from .measure import MachineLoad, MemcpyLimit, dir_bytes, files_under, first_pass_rate, measure, steady_batch_s
 from .prepare import prepare_dataset, prepare_image_thirds, prepare_images, prepare_text
 
 PIN = torch.cuda.is_available()  # pin_memory=True without CUDA only warns
@@ -157,6 +157,8 @@ class _Rows:
                 r["pct_memcpy"] = 100 * r["tokens_per_s"] * r.get("token_bytes", 8) / limit  # bytes of the tokens written
             else:
                 r["pct_memcpy"] = 100 * r["samples_per_s"] * self.sample_bytes / limit
+            if r.get("steady_batch_s"):
+                r["steady_pct_memcpy"] = 100 * self.args.batch_size * self.sample_bytes / r["steady_batch_s"] / limit
 
 
 def bench_loaders(args) -> dict:
@@ -232,6 +234,7 @@ def _loader_rows(rows: _Rows, images: _Images) -> dict:
     single.update(threads=loader.num_threads, best_memcpy=True, default=True,
                   system=f"mmpack Loader, default ({loader.num_threads} threads)")
     single["first_pass_samples_per_s"] = first_pass_rate(lambda: Loader(ds, bs), lambda b: len(b["label"]))
+    single["steady_batch_s"] = steady_batch_s(loader)  # a long epoch's rate, without each pass's start
     device = rows.model[0] if args.model else None
     if getattr(args, "jpeg", False):
         _jpeg_lane(images.work, images.raw, args.images, bs, single, rows.run, device)

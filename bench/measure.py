@@ -31,6 +31,24 @@ def timed_pass(loader) -> tuple[int, float, float]:
     return n, time.perf_counter() - start, first or 0.0
 
 
+def steady_batch_s(loader, passes: int = 5) -> float:
+    """The median time between a loader's batches after each pass's first, over `passes` passes,
+    its last batch left out where it is short: what a long epoch pays a batch, without a pass's
+    start (a producer thread started, the first batch not made ahead), which a pass of a few
+    batches repeats often (a bench's small dataset; a training epoch runs thousands)."""
+    gaps = []
+    for _ in range(passes):
+        last, sizes, times = time.perf_counter(), [], []
+        for batch in loader:
+            now = time.perf_counter()
+            sizes.append(len(batch["label"]))
+            times.append(now - last)
+            last = now
+        full = [t for k, (t, n) in enumerate(zip(times, sizes)) if k and n == max(sizes)]
+        gaps += full
+    return statistics.median(gaps) if gaps else float("nan")
+
+
 def memcpy_rate(nbytes: int, reps: int = 10, threads: int = 1) -> float:
     """Bytes/s of numpy copies between two pre-touched buffers of `nbytes`, split over `threads`
     threads (numpy's copy releases the GIL), the best of `reps`: a limit that noise can only

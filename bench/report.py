@@ -50,6 +50,11 @@ def loaders_table(report: dict) -> str:
                      f"first pass of a fresh Loader {d['default_first_pass_pct']:.0f}% of its first pass, steady "
                      f"{d['default_steady_pct']:.0f}% of its steady rate; a fresh Loader's first pass runs at "
                      f"{d['first_pass_of_steady_pct']:.0f}% of its steady rate (its ring is allocated in it)")
+    steady = next((r for r in report["results"] if r.get("steady_pct_memcpy")), None)
+    if steady:
+        lines.append(f"{steady['system']}: batches after each pass's first (a long epoch's rate) "
+                     f"{steady['steady_pct_memcpy']:.0f}% of the best memcpy, against {steady['pct_memcpy']:.0f}% over "
+                     "whole passes, each of which starts a producer thread and waits for its first batch")
     jpeg = next((r for r in report["results"] if "of_pixel_lane_pct" in r), None)
     if jpeg:
         lines.append(f"The JPEG lane (--store jpeg, quality 90, Pillow decoding in the Loader's threads) against the "

@@ -49,6 +49,7 @@ def test_bench_loaders_smallest(work, tmp_path, capsys):
     assert len(default) == 1 and 1 <= default[0]["threads"] <= report["machine"]["cores"]
     assert default[0]["system"] == f"mmpack Loader, default ({default[0]['threads']} threads)"
     assert 0 < default[0]["pct_memcpy"] and default[0]["samples_per_s"] > 0 and default[0]["first_pass_samples_per_s"] > 0
+    assert default[0]["steady_pct_memcpy"] > 0  # batches after each pass's first, against the same memcpy
     versus = report["default_vs_explicit"]  # the default's first pass and steady rate against the best explicit row
     assert versus["default_first_pass_pct"] > 0 and versus["default_steady_pct"] > 0 and versus["first_pass_of_steady_pct"] > 0
     load = report["load"]
