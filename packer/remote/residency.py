@@ -14,6 +14,8 @@ Shards are numbered over every reader's, in order (`g`): a Mixture's datasets re
 from __future__ import annotations
 
 import os
+import types
+import weakref
 
 import numpy as np
 
@@ -31,7 +33,10 @@ class Residency:
     shard g comes or goes (the gather maps it again, or drops its maps)."""
 
     def __init__(self, readers: list, ends: np.ndarray, names: list[str], changed):
-        self.readers, self.names, self.changed = readers, names, changed
+        self.readers, self.names = readers, names
+        # a gather's method held weakly: no cycle keeps a dropped gather, its maps and its reads
+        # by rows (whose scratch goes with their object) until the garbage collector runs
+        self._changed = weakref.WeakMethod(changed) if isinstance(changed, types.MethodType) else lambda: changed
         self._ends = ends
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._shards = [(r, k) for r in readers for k in range(len(r.shard_ends))]
@@ -47,6 +52,11 @@ class Residency:
         self.processes = 1  # the loader's worker processes, each mapping its own batch's shards
         self._window: frozenset = frozenset()  # the shards the lookahead keeps
         self._rank: dict[int, int] = {}  # the coming shards' places in the order ahead
+
+    def changed(self, g: int) -> None:
+        tell = self._changed()
+        if tell is not None:
+            tell(g)
 
     # -- what the gather asks
     def holds(self, g: int) -> bool:

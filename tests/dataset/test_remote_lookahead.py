@@ -67,3 +67,31 @@ def test_ds_batched_over_a_url_fetches_its_coming_batches_shards_ahead(s3, large
         time.sleep(0.05)
     assert ds.reader.cache.present(last)
     del got
+
+
+def test_a_gather_dropped_is_freed_at_once_its_residency_holding_it_weakly():
+    """The residency tells its gather of each shard that comes or goes through the gather's own
+    method, held weakly: a gather dropped mid-pass (its maps, and its reads by rows whose scratch
+    goes with their object) is freed then, not whenever the garbage collector next runs."""
+    import gc
+    import weakref
+
+    from packer.remote.residency import Residency
+
+    class Gather:
+        def __init__(self):
+            self.residency, self.told = Residency([], np.zeros(0, np.int64), [], self.remap), []
+
+        def remap(self, g):
+            self.told.append(g)
+
+    gc.disable()
+    try:
+        gather = Gather()
+        gather.residency.changed(3)
+        assert gather.told == [3]
+        alive = weakref.ref(gather)
+        del gather
+        assert alive() is None
+    finally:
+        gc.enable()
