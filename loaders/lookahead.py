@@ -44,7 +44,7 @@ class Lookahead:
         self._now = 0
         self._stop, self._wake = threading.Event(), threading.Event()
         self._room = budgets(held)
-        held.follow(True)
+        held.follow(self)
         held.cold = True  # a pass's first batch: shards not held come by rows
         self._thread = threading.Thread(target=self._run, daemon=True, name="mmpack-fetch")
         self._thread.start()
@@ -57,7 +57,7 @@ class Lookahead:
         self._stop.set()
         self._wake.set()
         self._thread.join()
-        self.held.follow(False)
+        self.held.unfollow(self)
 
     def _plan(self, shards_of: dict) -> list[int]:
         """The shards of the coming batches, in order of first use."""
@@ -121,7 +121,7 @@ class Lookahead:
                         used[key] = used.get(key, 0) + self.held.shard_bytes(g)
                     window.append(g)
                 rank = {g: i for i, g in enumerate(order)}
-                self.held.ahead(frozenset(window), rank)
+                self.held.ahead(self, frozenset(window), rank)
                 pinned = self.held.pinned()
                 for g in window:
                     if len(pending) >= DOWNLOADS:

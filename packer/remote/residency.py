@@ -41,6 +41,8 @@ class Residency:
         self._starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
         self._shards = [(r, k) for r in readers for k in range(len(r.shard_ends))]
         self._first = {id(r): g - k for g, (r, k) in enumerate(self._shards) if k == 0}
+        # each reader's first shard by its place (a Mixture may hold one dataset twice)
+        self._firsts = np.concatenate([[0], np.cumsum([len(r.shard_ends) for r in readers])])[:-1].tolist()
         self._live: set[int] = set()  # shards mapped whole (pinned)
         self._pid = os.getpid()  # a forked child holds none of its parent's pins: it maps afresh
         self._rowed: dict[int, tuple] = {}  # shard -> (scratch dir, paths read by rows), this batch
@@ -52,6 +54,7 @@ class Residency:
         self.processes = 1  # the loader's worker processes, each mapping its own batch's shards
         self._window: frozenset = frozenset()  # the shards the lookahead keeps
         self._rank: dict[int, int] = {}  # the coming shards' places in the order ahead
+        self._follower = None  # the lookahead whose order it follows: the newest pass's
 
     def changed(self, g: int) -> None:
         tell = self._changed()
@@ -118,18 +121,29 @@ class Residency:
                 r.cache.release_all()
 
     # -- what the order's lookahead tells and asks
-    def ahead(self, window: frozenset, rank: dict[int, int]) -> None:
-        """The coming batches' shards: those to keep (`window`) and each one's place in the order
-        ahead (`rank`), which the caches evict by (unknown: never used again)."""
-        self._window, self._rank = window, rank
-
-    def follow(self, on: bool) -> None:
-        """The caches' eviction follows this order's next uses (on) or none (off: the pass ended)."""
+    def follow(self, lookahead) -> None:
+        """The caches' eviction follows `lookahead`'s order from now on (a pass's start: the
+        newest pass's, where an earlier pass's iterator is still open), from an empty window."""
+        self._follower, self._window, self._rank = lookahead, frozenset(), {}
         for r in self.readers:
             if r.cache is not None:
-                r.cache.next_use = _NextUse(self, self._first[id(r)]) if on else None
-        if not on:
-            self._window, self._rank = frozenset(), {}
+                r.cache.next_use = _NextUse(self, self._first[id(r)])
+
+    def unfollow(self, lookahead) -> None:
+        """`lookahead`'s pass ended: eviction follows no order, unless a newer pass's."""
+        if self._follower is not lookahead:
+            return
+        self._follower, self._window, self._rank = None, frozenset(), {}
+        for r in self.readers:
+            if r.cache is not None:
+                r.cache.next_use = None
+
+    def ahead(self, lookahead, window: frozenset, rank: dict[int, int]) -> None:
+        """The coming batches' shards, as `lookahead` sees them: those to keep (`window`) and each
+        one's place in the order ahead (`rank`), which the caches evict by (unknown: never used
+        again). From a lookahead the residency no longer follows, nothing."""
+        if self._follower is lookahead:
+            self._rank, self._window = rank, window
 
     def next_use(self, g: int) -> float:
         return self._rank.get(g, float("inf"))
@@ -141,8 +155,9 @@ class Residency:
         return r.cache.prefetch(k, rank)
 
     def pinned(self) -> set[int]:
-        """The shards this process pins, softly or not."""
-        return {self._first[id(r)] + k for r in self.readers if r.cache is not None for k in r.cache.pinned()}
+        """The shards this process pins, softly or not (each place of a dataset a Mixture holds twice)."""
+        return {first + k for first, r in zip(self._firsts, self.readers) if r.cache is not None
+                for k in r.cache.pinned()}
 
     # -- what a shard is
     def shards_of(self, ids: np.ndarray) -> np.ndarray:

@@ -95,3 +95,23 @@ def test_a_gather_dropped_is_freed_at_once_its_residency_holding_it_weakly():
         assert alive() is None
     finally:
         gc.enable()
+
+
+def test_the_newest_pass_owns_the_order_eviction_follows_and_an_earlier_ones_end_leaves_it():
+    """A pass's lookahead starts from an empty window (a forked worker's residency holds its
+    parent's), and while an earlier pass's iterator is still open the newest pass's order is the
+    one kept: the earlier one's news and its end change nothing."""
+    from packer.remote.residency import Residency
+
+    held = Residency([], np.zeros(0, np.int64), [], lambda g: None)
+    old, new = object(), object()
+    held.follow(old)
+    held.ahead(old, frozenset({1}), {1: 0})
+    held.follow(new)
+    assert held.next_use(1) == float("inf")  # a new pass: nothing known ahead yet
+    held.ahead(old, frozenset({2}), {2: 0})  # the earlier pass's thread, still running
+    held.ahead(new, frozenset({3}), {3: 5})
+    held.unfollow(old)
+    assert held.next_use(3) == 5 and held.next_use(2) == float("inf")
+    held.unfollow(new)
+    assert held.next_use(3) == float("inf")
