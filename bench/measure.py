@@ -206,6 +206,14 @@ def dir_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in files_under(root))
 
 
+def share_limit(share: float, url: str, cache_dir: Path, manifest) -> int:
+    """The cache limit that holds `share` of a dataset's shard bytes beside its index files (which a
+    cache entry keeps whole)."""
+    from packer.remote import ShardCache
+
+    return int(share * manifest.size_bytes) + ShardCache(url, cache_dir, manifest).index_bytes
+
+
 # -- timed passes ----------------------------------------------------------------------------
 def measure(make_iter: Callable[[], Iterable], count_of: Callable, *, passes: int, limit: int | None = None,
             cold_files: list[Path] | None = None) -> dict:

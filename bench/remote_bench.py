@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from . import data
-from .measure import alternated, dir_bytes, raw_get_rate, timed_pass
+from .measure import alternated, dir_bytes, raw_get_rate, share_limit, timed_pass
 from .stores import link
 from .loaders_bench import machine
 from .prepare import prepare_dataset, prepare_images
@@ -339,10 +339,9 @@ def _limited(opened, url: str, caches: Path, local, share: float, order: str, lo
     bytes downloaded per epoch over the dataset's (`ds.traffic`'s, and the proxy's where `counts`
     counts), or why the limit was refused."""
     from loaders import Loader
-    from packer.remote import ShardCache
 
     total = local.manifest.size_bytes
-    limit = int(share * total) + ShardCache(url, caches, local.manifest).index_bytes
+    limit = share_limit(share, url, caches, local.manifest)
     row = {"order": order, "limit_share": share, "limit_bytes": limit, "images": len(local)}
     try:
         ds = opened(limit)

