@@ -50,32 +50,53 @@ def _padding_pct(loader) -> float:
     return 100 * (1 - image / canvas) if canvas else 0.0
 
 
+def device_ops(fn) -> list[str]:
+    """The ops one call of `fn` runs that would each be a kernel launch on a card: torch's
+    dispatched ops less views and bare allocations (no kernel runs for either). Not among them:
+    numpy's work on the host, and the copies between host and device a card adds (on CPU
+    tensors there are none to make)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    no_kernel = {"empty", "empty_strided", "empty_like", "_unsafe_view"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket.__name__ not in no_kernel:
+                self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    fn()  # warmed: lazy set-up (a cache, a plan) is not the call's
+    with Count() as count:
+        fn()
+    return count.ops
+
+
 def launches(fn, cuda: bool) -> dict:
-    """What one call of `fn` dispatches, from torch's profiler: "ops", the aten ops called from
-    Python (nested ones not counted: each is a kernel launch on a GPU, a few microseconds of
-    host time); on CUDA "kernels", the kernels it ran; on a CPU "gpu_path_ops", the ops of the
-    batched path a GPU runs (`loaders.augment`'s matrix products), forced here to count them."""
+    """What one call of `fn` dispatches. "ops": the aten ops called from Python, from torch's
+    profiler (nested ones not counted); on CUDA "kernels", the kernels it ran; on a CPU
+    "gpu_path_ops", the kernels the batched path a GPU runs (`loaders.augment`'s matrix
+    products, forced here) would launch (`device_ops`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from loaders import augment
 
-    def count() -> tuple[int, int | None]:
-        fn()  # warmed: lazy set-up (a cache, a plan) is not the call's
-        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            fn()
-            if cuda:
-                torch.cuda.synchronize()
-        events = prof.events()
-        ops = sum(1 for e in events if e.name.startswith("aten::") and (e.cpu_parent is None or
-                                                                       not e.cpu_parent.name.startswith("aten::")))
-        return ops, sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
-
-    ops, kernels = count()
+    fn()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    ops = sum(1 for e in events if e.name.startswith("aten::") and (e.cpu_parent is None or
+                                                                   not e.cpu_parent.name.startswith("aten::")))
     if cuda:
-        return {"ops": ops, "kernels": kernels}
+        return {"ops": ops, "kernels": sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)}
     dense, augment._dense_path = augment._dense_path, lambda x: True
     try:
-        return {"ops": ops, "gpu_path_ops": count()[0]}
+        return {"ops": ops, "gpu_path_ops": len(device_ops(fn))}
     finally:
         augment._dense_path = dense
 

@@ -99,8 +99,9 @@ def augment_table(report: dict) -> str:
     for r in report["transforms"]:
         lines.append(f"{r['transform']:58} {r['ms']:>9.2f} " + " ".join(f"{r['pct_of_step'][k]:>15.1f}%" for k in models)
                      + f" {_f(r.get('ops'), '>6')} {_f(r.get('kernels'), '>8')} {_f(r.get('gpu_path_ops'), '>8')}")
-    lines.append("ops: aten ops a call dispatches from Python (each a kernel launch on a GPU); kernels: the CUDA "
-                 "kernels it ran; GPU ops, on a CPU: the ops of the path a GPU runs, counted here (torch's profiler)")
+    lines.append("ops: aten ops a call dispatches from Python (torch's profiler); kernels: the CUDA kernels it ran; "
+                 "GPU ops, on a CPU: the kernels the path a GPU runs would launch, run here (views, allocations and "
+                 "copies between host and device not counted)")
     lines.append("model step: one forward + backward + SGD step on the transform's output: "
                  + ", ".join(f"{k} {v:,.1f} ms" for k, v in models.items())
                  + ("; targets on an H100: train_transform < 3% of ResNet-50, < 5% of ResNet-18" if "ResNet-50" in models
