@@ -208,20 +208,19 @@ def test_eval_transform_matches_resize_then_centre_crop(path):
 
 
 def test_the_batched_path_gives_the_bits_it_gave_when_its_taps_were_built_on_the_device(monkeypatch):
-    """Boxes, flips and taps now come from the host in a fixed number of steps: on the fidelity
-    fixtures the batched products give what they gave before, bit for bit (`augment_reference`
+    """Boxes, flips and taps now come from the host in a fixed number of steps: on a fidelity
+    fixture the batched products give what they gave before, bit for bit (`augment_reference`
     is that code), in either layout and dtype; so do the boxes for one generator's draws."""
     monkeypatch.setattr(augment, "_dense_path", lambda x: True)
-    for seed in (1, 3):
-        canvas, sizes = photo_canvas(12, seed=seed)
-        boxes = rrc_boxes(sizes, generator=torch.Generator().manual_seed(seed))
-        assert torch.equal(boxes, reference.rrc_boxes(sizes, generator=torch.Generator().manual_seed(seed)))
-        flips = torch.rand(12, generator=torch.Generator().manual_seed(seed)) < 0.5
-        expected = reference.train(canvas, boxes, flips, 224)
-        assert torch.equal(train_transform(canvas, sizes, boxes=boxes, flips=flips), expected)
-        laid = train_transform(canvas, sizes, boxes=boxes, flips=flips, channels_last=True, dtype=torch.bfloat16)
-        assert torch.equal(laid, expected.to(torch.bfloat16)) and laid.is_contiguous(memory_format=torch.channels_last)
-        assert torch.equal(eval_transform(canvas, sizes), reference.evaluate(canvas, sizes, 224, 256))
+    canvas, sizes = photo_canvas(12, seed=1)
+    boxes = rrc_boxes(sizes, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(boxes, reference.rrc_boxes(sizes, generator=torch.Generator().manual_seed(1)))
+    flips = torch.rand(12, generator=torch.Generator().manual_seed(1)) < 0.5
+    assert torch.equal(train_transform(canvas, sizes, boxes=boxes, flips=flips), reference.train(canvas, boxes, flips, 224))
+    laid = train_transform(canvas, sizes, 96, boxes=boxes, flips=flips, channels_last=True, dtype=torch.bfloat16)
+    assert torch.equal(laid, reference.train(canvas, boxes, flips, 96).to(torch.bfloat16))
+    assert laid.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(eval_transform(canvas, sizes), reference.evaluate(canvas, sizes, 224, 256))
     many = torch.tensor([[375, 500], [64, 1000], [1000, 64], [7, 9]]).repeat(2000, 1)
     assert torch.equal(rrc_boxes(many, generator=torch.Generator().manual_seed(5)),
                        reference.rrc_boxes(many, generator=torch.Generator().manual_seed(5)))
