@@ -9,8 +9,15 @@ import os
 import shutil
 from pathlib import Path
 
-import pytest
-from hypothesis import settings
+# The suite's three test processes share 2 cores (pyproject's -n 3) with the processes their tests
+# start, most of which run torch: OpenMP's threads, one a core in each process, spin at every
+# barrier while the thread they wait for waits for a core (a ResNet step ran 3x slower beside the
+# suite than alone, where 1.5x was its share). One thread a process, unless asked otherwise; no
+# test measures torch's own threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 from bench import data, dialogue, sounds
 
