@@ -62,6 +62,8 @@ def _draws(generator: torch.Generator | None, *wanted) -> list[np.ndarray]:
     """`torch.rand` of each (shape, dtype) in turn, from `generator`'s stream of numbers on its
     device, as numpy arrays on the host: a CUDA generator's come back in one copy (the boxes and
     taps are worked out on the host)."""
+    if any(dtype not in _NUMPY for _, dtype in wanted):
+        raise ValueError(f"random draws in {[str(d) for _, d in wanted]}: torch's default dtype must be float16, 32 or 64")
     dev = generator.device if generator is not None else torch.device("cpu")
     if dev.type == "cpu":
         return [torch.rand(shape, generator=generator, dtype=dtype).numpy() for shape, dtype in wanted]
@@ -76,7 +78,7 @@ def _draws(generator: torch.Generator | None, *wanted) -> list[np.ndarray]:
     return [host[start:].view(_NUMPY[dtype])[:count].reshape(shape) for (shape, dtype), (start, count) in zip(wanted, parts)]
 
 
-_NUMPY = {torch.float64: np.float64, torch.float32: np.float32}
+_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16}
 
 
 def _rrc(hw: np.ndarray, draw: np.ndarray, scale, ratio) -> np.ndarray:
@@ -117,12 +119,13 @@ def train_transform(images: torch.Tensor, sizes=None, size: int = 224, scale=(0.
     sizes = _sizes(images, sizes)
     if boxes is None and flips is None:  # both draws in the order rrc_boxes and then the flips take them
         _check_rrc(scale, ratio)
-        draw, u = _draws(generator, ((len(sizes), 10, 4), torch.float64), ((len(sizes),), torch.float32))
-        boxes, flips = _rrc(sizes, draw, scale, ratio), u < np.float32(flip)
+        draw, u = _draws(generator, ((len(sizes), 10, 4), torch.float64), ((len(sizes),), torch.get_default_dtype()))
+        boxes, flips = _rrc(sizes, draw, scale, ratio), u < u.dtype.type(flip)  # flip in the draws' dtype, as torch compares
     elif boxes is None:
         boxes = rrc_boxes(sizes, scale, ratio, generator)
     elif flips is None:
-        flips = _draws(generator, ((len(sizes),), torch.float32))[0] < np.float32(flip)
+        [u] = _draws(generator, ((len(sizes),), torch.get_default_dtype()))
+        flips = u < u.dtype.type(flip)
     boxes = _check_boxes(boxes, sizes)
     flips = _host(flips).astype(bool)
     rows, cols = _box_spans(boxes, size)
@@ -255,6 +258,8 @@ def _refuse_a_padded_canvas(images: torch.Tensor) -> None:
     # the largest value of the first and last rows and columns (strided views reduced into one
     # buffer, read back in one copy): an edge is all zero where its largest value is
     rows, cols = images[:, ::max(H - 1, 1)], images[:, :, ::max(W - 1, 1)]
+    if images.dtype.is_floating_point or images.dtype.is_signed:  # all zero: no value away from 0
+        rows, cols = rows.abs(), cols.abs()
     r = rows.shape[1]
     peaks = torch.empty(B * (r + cols.shape[2]), dtype=images.dtype, device=images.device)
     torch.amax(rows, (2, 3), out=peaks[:B * r].view(B, r))

@@ -328,6 +328,16 @@ def test_transform_options_dtype_layout_and_errors():
         eval_transform(canvas, sizes, size=224, resize=200)
 
 
+def test_an_edge_of_negatives_and_zeros_is_not_taken_for_padding():
+    """A normalised float batch: its last row holds zeros and negatives, not zeros alone."""
+    x = torch.full((2, 3, 4, 4), 0.5)
+    x[:, :, -1, :] = torch.tensor([-1.0, 0.0, -0.5, 0.0])
+    assert augment.random_resized_crop(x, 2, generator=torch.Generator().manual_seed(0)).shape == (2, 3, 2, 2)
+    x[:, :, -1, :] = 0
+    with pytest.raises(ValueError, match="all-zero"):
+        augment.random_resized_crop(x, 2, generator=torch.Generator().manual_seed(0))
+
+
 def test_the_old_names_are_thin_wrappers():
     x = torch.rand(3, 3, 40, 50) * 255
     same = augment.random_resized_crop(x, 40, scale=(0.8, 0.8), ratio=(1, 1), generator=torch.Generator().manual_seed(0))
