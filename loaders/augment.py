@@ -33,10 +33,11 @@ import torch.nn.functional as F
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params: draws before its centre-crop fallback
 
 
 def rrc_boxes(sizes, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3), generator: torch.Generator | None = None,
-              attempts: int = 10) -> torch.Tensor:
+              attempts: int = ATTEMPTS) -> torch.Tensor:
     """torchvision's `RandomResizedCrop.get_params` for a batch: int64 [B, 4] rows (top, left,
     height, width) in each sample's own pixels, `sizes` int [B, 2] rows (h, w).
 
@@ -119,7 +120,7 @@ def train_transform(images: torch.Tensor, sizes=None, size: int = 224, scale=(0.
     sizes = _sizes(images, sizes)
     if boxes is None and flips is None:  # both draws in the order rrc_boxes and then the flips take them
         _check_rrc(scale, ratio)
-        draw, u = _draws(generator, ((len(sizes), 10, 4), torch.float64), ((len(sizes),), torch.get_default_dtype()))
+        draw, u = _draws(generator, ((len(sizes), ATTEMPTS, 4), torch.float64), ((len(sizes),), torch.get_default_dtype()))
         boxes, flips = _rrc(sizes, draw, scale, ratio), u < u.dtype.type(flip)  # flip in the draws' dtype, as torch compares
     elif boxes is None:
         boxes = rrc_boxes(sizes, scale, ratio, generator)
